@@ -1,0 +1,159 @@
+#include "lowering.h"
+
+#include <fmt/format.h>
+
+#include "errors.h"
+#include "transfer_index.h"
+
+namespace mpmd {
+
+namespace {
+
+void requireComputeOnly(const Schedule& schedule, std::string_view pass) {
+  for (int r = 0; r < schedule.num_ranks; ++r) {
+    for (const auto& a : schedule.programs[r]) {
+      if (!isCompute(a.kind)) {
+        throw ScheduleError(fmt::format("{} needs a compute-only schedule, but rank {} holds '{}'",
+                                        pass, r, toString(a)));
+      }
+    }
+  }
+}
+
+Schedule withEmptyPrograms(const Schedule& schedule) {
+  Schedule out = schedule;
+  for (auto& program : out.programs) program.clear();
+  return out;
+}
+
+}  // namespace
+
+Schedule insertTransfers(const Schedule& compute_only) {
+  requireComputeOnly(compute_only, "insertTransfers");
+  const auto producers = compute_only.producersOf();
+  const auto consumers = compute_only.consumersOf();
+  const auto& owner = compute_only.stage_to_rank;
+  Schedule out = withEmptyPrograms(compute_only);
+
+  for (int r = 0; r < compute_only.num_ranks; ++r) {
+    auto& program = out.programs[r];
+    program.reserve(compute_only.programs[r].size() * 3);
+    for (const Action& a : compute_only.programs[r]) {
+      const int s = a.stage, mb = a.microbatch;
+      if (a.kind == ActionKind::Forward) {
+        for (int p : producers[s])
+          if (owner[p] != r) program.push_back(commAction(s, ActionKind::RecvF, mb, p));
+        program.push_back(a);
+        for (int c : consumers[s])
+          if (owner[c] != r) program.push_back(commAction(s, ActionKind::SendF, mb, c));
+      } else if (isBackward(a.kind)) {
+        for (int c : consumers[s])
+          if (owner[c] != r) program.push_back(commAction(s, ActionKind::RecvB, mb, c));
+        program.push_back(a);
+        for (int p : producers[s])
+          if (owner[p] != r) program.push_back(commAction(s, ActionKind::SendB, mb, p));
+      } else {
+        program.push_back(a);  // W needs and produces nothing across stages
+      }
+    }
+  }
+  return out;
+}
+
+Schedule orderChannels(const Schedule& with_transfers) {
+  const int p = with_transfers.num_ranks;
+  const TransferIndex index(with_transfers);
+  const auto& owner = with_transfers.stage_to_rank;
+
+  // Receive order of every directed channel sender->receiver, as slots.
+  std::vector<std::vector<int64_t>> recv_order(static_cast<size_t>(p) * p);
+  for (int r = 0; r < p; ++r) {
+    for (const Action& a : with_transfers.programs[r]) {
+      if (!isRecv(a.kind)) continue;
+      int64_t slot = index.slotOf(a);
+      if (slot >= 0) recv_order[static_cast<size_t>(owner[a.peer_stage]) * p + r].push_back(slot);
+    }
+  }
+
+  Schedule out = withEmptyPrograms(with_transfers);
+  std::vector<uint8_t> ready(index.numSlots(), 0);
+  std::vector<size_t> next(static_cast<size_t>(p) * p, 0);
+  for (int r = 0; r < p; ++r) {
+    auto& program = out.programs[r];
+    const auto& source = with_transfers.programs[r];
+    program.reserve(source.size());
+    std::vector<Action> unmatched;  // sends no receiver expects: kept for the validator to report
+    for (const Action& a : source) {
+      if (!isSend(a.kind)) {
+        program.push_back(a);
+        continue;
+      }
+      int64_t slot = index.slotOf(a);
+      if (slot < 0 || owner[a.peer_stage] == r) {
+        unmatched.push_back(a);
+        continue;
+      }
+      ready[slot] = 1;
+      // Emit, in receive order, every send of this channel that is ready:
+      // a send whose turn has not come waits for the ones before it.
+      const size_t ch = static_cast<size_t>(r) * p + owner[a.peer_stage];
+      const auto& order = recv_order[ch];
+      while (next[ch] < order.size() && ready[order[next[ch]]]) {
+        ready[order[next[ch]]] = 2;
+        program.push_back(index.sendOf(order[next[ch]++]));
+      }
+    }
+    // Ready sends that never got their turn (the receiver lacks a RECV they
+    // precede): append them so validation names the mismatch.
+    for (const Action& a : source) {
+      if (!isSend(a.kind)) continue;
+      int64_t slot = index.slotOf(a);
+      if (slot >= 0 && ready[slot] == 1) {
+        ready[slot] = 2;
+        program.push_back(a);
+      }
+    }
+    program.insert(program.end(), unmatched.begin(), unmatched.end());
+  }
+  return out;
+}
+
+Schedule insertGradReduce(const Schedule& with_transfers) {
+  Schedule out = withEmptyPrograms(with_transfers);
+  for (int r = 0; r < with_transfers.num_ranks; ++r) {
+    const auto& source = with_transfers.programs[r];
+    // Position of each stage's last backward (B or W; I is followed by W).
+    std::vector<int64_t> last(with_transfers.num_stages, -1);
+    for (size_t i = 0; i < source.size(); ++i) {
+      const auto kind = source[i].kind;
+      if (kind == ActionKind::FullBackward || kind == ActionKind::BackwardWeight ||
+          kind == ActionKind::BackwardInput) {
+        last[source[i].stage] = static_cast<int64_t>(i);
+      }
+    }
+    // Insert after the backward and the sends right behind it, so the
+    // reduction never delays a gradient a peer is waiting for.
+    std::vector<std::vector<int>> reduce_after(source.size());
+    for (int s = 0; s < with_transfers.num_stages; ++s) {
+      if (last[s] < 0) continue;
+      size_t at = static_cast<size_t>(last[s]);
+      while (at + 1 < source.size() && isSend(source[at + 1].kind)) ++at;
+      reduce_after[at].push_back(s);
+    }
+    auto& program = out.programs[r];
+    program.reserve(source.size() + with_transfers.num_stages);
+    for (size_t i = 0; i < source.size(); ++i) {
+      program.push_back(source[i]);
+      for (int s : reduce_after[i]) program.push_back(reduceGradAction(s));
+    }
+  }
+  return out;
+}
+
+Schedule lower(const Schedule& compute_only, const LowerOptions& options) {
+  Schedule out = orderChannels(insertTransfers(compute_only));
+  if (options.grad_reduce) out = insertGradReduce(out);
+  return out;
+}
+
+}  // namespace mpmd

@@ -1,0 +1,47 @@
+// Dense numbering of the transfers of a schedule (internal to the core).
+//
+// A transfer is one direction of one stage edge for one microbatch:
+// activations producer->consumer (forward) or gradients consumer->producer
+// (backward). Lowering, validation and simulation all need "which SEND
+// matches this RECV"; numbering transfers densely lets them use flat arrays
+// instead of hash maps, which keeps a million-action schedule in tens of ms.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "schedule.h"
+
+namespace mpmd {
+
+class TransferIndex {
+ public:
+  // Requires edges with stages in range (checked by the caller).
+  explicit TransferIndex(const Schedule& schedule);
+
+  // Index of the stage edge, or -1 when the schedule has no such edge.
+  int edgeId(int producer, int consumer) const;
+
+  // Slot of a SEND/RECV action in [0, numSlots()), or -1 when the action
+  // names a peer its stage has no edge with.
+  int64_t slotOf(const Action& comm) const;
+  // Slot of the transfer carrying edge `edge` in direction `backward` for mb.
+  int64_t slot(int edge, bool backward, int microbatch) const {
+    return (static_cast<int64_t>(edge) * 2 + (backward ? 1 : 0)) * num_microbatches_ + microbatch;
+  }
+  int64_t numSlots() const { return static_cast<int64_t>(edges_.size()) * 2 * num_microbatches_; }
+
+  // The SEND (or RECV) action that carries `slot`, for messages and passes.
+  Action sendOf(int64_t slot) const;
+  Action recvOf(int64_t slot) const;
+
+  const std::vector<StageEdge>& edges() const { return edges_; }
+
+ private:
+  std::vector<StageEdge> edges_;
+  std::vector<std::vector<std::pair<int, int>>> by_producer_;  // (consumer, edge id)
+  int num_microbatches_ = 0;
+};
+
+}  // namespace mpmd

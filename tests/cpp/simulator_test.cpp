@@ -1,0 +1,145 @@
+// Simulator: timing of hand-written programs, deadlock reports, validation.
+#include <gtest/gtest.h>
+
+#include "core/errors.h"
+#include "core/lowering.h"
+#include "core/simulator.h"
+#include "core/validate.h"
+#include "test_util.h"
+
+namespace mpmd {
+namespace {
+
+using testing::scheduleFromRows;
+
+std::string whatOf(const std::function<void()>& fn) {
+  try {
+    fn();
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "";
+}
+
+TEST(Simulator, TwoStageSingleMicrobatchIsTheCriticalPath) {
+  // F0 F1 B1 B0 in sequence: 1 + 1 + 2 + 2.
+  Schedule s = lower(scheduleFromRows({0, 1}, 1, {"0F0 0B0", "1F0 1B0"}));
+  SimulationResult r = simulate(s);
+  EXPECT_DOUBLE_EQ(r.makespan, 6.0);
+  EXPECT_EQ(r.busy, (std::vector<double>{3.0, 3.0}));
+  EXPECT_DOUBLE_EQ(r.bubble_fraction[0], 0.5);
+  EXPECT_EQ(r.messages, 2);
+}
+
+TEST(Simulator, CommunicationLatencyAndBandwidthDelayTheReceiver) {
+  Schedule s = lower(scheduleFromRows({0, 1}, 1, {"0F0 0B0", "1F0 1B0"}));
+  CostModel model;
+  model.comm_latency = 0.5;
+  model.comm_bandwidth = 100.0;
+  model.message_bytes = 50.0;  // 0.5 per message
+  SimulationResult r = simulate(s, model);
+  EXPECT_DOUBLE_EQ(r.makespan, 6.0 + 2 * 1.0);
+  EXPECT_DOUBLE_EQ(r.comm_bytes, 100.0);
+}
+
+TEST(Simulator, PerStageCostsApply) {
+  Schedule s = lower(scheduleFromRows({0, 1}, 1, {"0F0 0B0", "1F0 1B0"}));
+  CostModel model;
+  model.stage_costs = {KindCosts{}, KindCosts{3.0, 6.0, 3.0, 3.0, 0.0}};
+  EXPECT_DOUBLE_EQ(simulate(s, model).makespan, 1 + 3 + 6 + 2);
+}
+
+TEST(Simulator, TimelineRecordsEveryAction) {
+  Schedule s = lower(scheduleFromRows({0, 1}, 1, {"0F0 0B0", "1F0 1B0"}));
+  SimulationResult r = simulate(s, {}, /*record_timeline=*/true);
+  ASSERT_EQ(r.timeline.size(), 2u);
+  ASSERT_EQ(r.timeline[1].size(), s.programs[1].size());
+  // rank 1: RECV_F0 at t=1, F0 [1,2], B0 [2,4].
+  EXPECT_DOUBLE_EQ(r.timeline[1][1].start, 1.0);
+  EXPECT_DOUBLE_EQ(r.timeline[1][2].end, 4.0);
+}
+
+TEST(Simulator, HandWrittenDeadlockIsRejectedNamingBlockedActions) {
+  // Each rank waits for the other's gradient before sending its activation.
+  Schedule s = scheduleFromRows({0, 1}, 1,
+                                {"0RECV_B0 0F0 0SEND_F0 0B0", "1RECV_F0 1F0 1B0 1SEND_B0"});
+  const std::string message = whatOf([&] { simulate(s); });
+  EXPECT_NE(message.find("deadlock"), std::string::npos) << message;
+  EXPECT_NE(message.find("rank 0 is blocked at #0 '0RECV_B0'"), std::string::npos) << message;
+  EXPECT_NE(message.find("rank 1 is blocked at #0 '1RECV_F0'"), std::string::npos) << message;
+  EXPECT_THROW(simulate(s), DeadlockError);
+}
+
+TEST(Simulator, BackwardBeforeForwardIsRejectedBeforeSimulation) {
+  Schedule s = scheduleFromRows({0, 1, 0}, 1, {"0F0 2F0 2B0 0B0", "1B0 1F0"});
+  EXPECT_NE(whatOf([&] { validate(s); }).find("backward before its forward"), std::string::npos);
+}
+
+TEST(Simulator, ComputeOrderThatCannotCompleteIsADeadlock) {
+  // Rank 1 wants microbatch 1 first; rank 0 produces it only after
+  // microbatch 0's backward, which needs rank 1.
+  Schedule s = scheduleFromRows({0, 1}, 2, {"0F0 0B0 0F1 0B1", "1F1 1B1 1F0 1B0"});
+  const std::string message = whatOf([&] { validate(s); });
+  EXPECT_NE(message.find("deadlock"), std::string::npos) << message;
+  EXPECT_NE(message.find("rank 1 is blocked at #0 '1RECV_F1'"), std::string::npos) << message;
+}
+
+TEST(Simulator, ValidatedDeadlockThroughCommunicationOrder) {
+  // Two ranks, two microbatches, rank 1 insists on the second microbatch
+  // first while rank 0 sends it last: no rank can move.
+  Schedule s = scheduleFromRows({0, 1}, 2,
+                                {"0F0 0SEND_F0 0RECV_B0 0F1 0SEND_F1 0B0 0RECV_B1 0B1",
+                                 "1RECV_F1 1RECV_F0 1F1 1F0 1B0 1SEND_B0 1B1 1SEND_B1"});
+  const std::string message = whatOf([&] { validate(s); });
+  EXPECT_NE(message.find("not matched by order"), std::string::npos) << message;
+}
+
+TEST(Simulator, RecvWithoutSendIsAScheduleError) {
+  Schedule s = scheduleFromRows({0, 1}, 1, {"0F0 0B0", "1RECV_F0 1F0 1B0"});
+  EXPECT_THROW(simulate(s), ScheduleError);
+}
+
+TEST(Validate, NamesMissingAndDuplicateComputeActions) {
+  EXPECT_NE(whatOf([] { validate(scheduleFromRows({0}, 2, {"0F0 0B0 0F1"})); }).find("stage 0 microbatch 1 has no backward"),
+            std::string::npos);
+  EXPECT_NE(whatOf([] { validate(scheduleFromRows({0}, 1, {"0F0 0F0 0B0"})); }).find("runs twice"), std::string::npos);
+  EXPECT_NE(whatOf([] { validate(scheduleFromRows({0}, 1, {"0F0 0W0 0I0"})); }).find("0W0 before 0I0"),
+            std::string::npos);
+  EXPECT_NE(whatOf([] { validate(scheduleFromRows({0, 1}, 1, {"0F0 0B0 1F0 1B0", ""})); }).find("runs on rank 1"),
+            std::string::npos);
+}
+
+TEST(Validate, SameRankDependencyOrderIsChecked) {
+  const std::string message = whatOf([] { validate(scheduleFromRows({0, 0}, 1, {"1F0 0F0 1B0 0B0"})); });
+  EXPECT_NE(message.find("1F0 runs before 0F0"), std::string::npos) << message;
+}
+
+TEST(Validate, ActivationBoundIsEnforced) {
+  Schedule s = scheduleFromRows({0}, 3, {"0F0 0F1 0F2 0B0 0B1 0B2"});
+  s.activation_bound = {2};
+  const std::string message = whatOf([&] { validateStatic(s); });
+  EXPECT_NE(message.find("holds 3 forwards"), std::string::npos) << message;
+  s.activation_bound = {3};
+  EXPECT_NO_THROW(validate(s));
+  EXPECT_EQ(peakActivations(s), std::vector<int>{3});
+}
+
+TEST(Validate, LoweredProgramMissingATransferIsRejected) {
+  Schedule s = scheduleFromRows({0, 1}, 1, {"0F0 0SEND_F0 0B0", "1RECV_F0 1F0 1B0 1SEND_B0"});
+  const std::string message = whatOf([&] { validate(s); });
+  EXPECT_NE(message.find("never posts '0RECV_B0'"), std::string::npos) << message;
+}
+
+TEST(Validate, SendBeforeItsProducerIsRejected) {
+  Schedule s = scheduleFromRows({0, 1}, 1, {"0SEND_F0 0F0 0RECV_B0 0B0", "1RECV_F0 1F0 1B0 1SEND_B0"});
+  const std::string message = whatOf([&] { validate(s); });
+  EXPECT_NE(message.find("before the compute that produces it"), std::string::npos) << message;
+}
+
+TEST(Validate, BadEdgesAreNamed) {
+  Schedule s = scheduleFromRows({0, 1}, 1, {"0F0 0B0", "1F0 1B0"}, {{1, 0}});
+  EXPECT_NE(whatOf([&] { validate(s); }).find("stage edge 1->0"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace mpmd
