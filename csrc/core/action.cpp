@@ -116,6 +116,7 @@ Action parseAction(std::string_view text) {
   action.microbatch = readNumber(token, pos, "microbatch index");
 
   if (isCommunication(action.kind)) {
+    if (action.stage == std::numeric_limits<int32_t>::max()) fail(token, 0, "stage index is too large");
     action.peer_stage = defaultPeerStage(action.stage, action.kind);
     if (pos < token.size()) {
       std::string_view arrow = isSend(action.kind) ? "->" : "<-";
