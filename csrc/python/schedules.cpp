@@ -1,0 +1,133 @@
+// Schedule, generators, lowering passes, validation and text/CSV forms
+// (core/schedule.h, schedules/registry.h, lowering.h, validate.h,
+// schedule_io.h). Edges cross as (producer, consumer) tuples, programs as
+// lists of Action.
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <pybind11/stl.h>
+
+#include "bindings.h"
+#include "core/errors.h"
+#include "core/lowering.h"
+#include "core/schedule.h"
+#include "core/schedule_io.h"
+#include "core/schedules/registry.h"
+#include "core/validate.h"
+
+namespace py = pybind11;
+
+namespace mpmd::python {
+
+namespace {
+
+using EdgeTuple = std::pair<int, int>;
+using Released = py::call_guard<py::gil_scoped_release>;
+
+std::vector<EdgeTuple> edgesToTuples(const std::vector<StageEdge>& edges) {
+  std::vector<EdgeTuple> out;
+  out.reserve(edges.size());
+  for (const auto& e : edges) out.emplace_back(e.producer, e.consumer);
+  return out;
+}
+
+// Checks every edge against num_stages before it can index a per-stage table.
+std::vector<StageEdge> checkedEdges(const std::vector<EdgeTuple>& edges, int num_stages) {
+  std::vector<StageEdge> out;
+  out.reserve(edges.size());
+  for (const auto& [producer, consumer] : edges) {
+    if (producer < 0 || consumer >= num_stages || producer >= consumer) {
+      throw ScheduleError("edge (" + std::to_string(producer) + ", " + std::to_string(consumer) +
+                          ") must satisfy 0 <= producer < consumer < num_stages=" +
+                          std::to_string(num_stages));
+    }
+    out.push_back({producer, consumer});
+  }
+  return out;
+}
+
+// A copy of `schedule` with its edge list replaced (checked, not validated).
+Schedule withEdges(const Schedule& schedule, const std::vector<EdgeTuple>& edges) {
+  Schedule out = schedule;
+  out.edges = checkedEdges(edges, schedule.num_stages);
+  return out;
+}
+
+// Builds a schedule from per-rank programs and infers its shape (inferShape);
+// `edges` replaces the chain when given.
+Schedule scheduleFromPrograms(std::vector<std::vector<Action>> programs, std::string name,
+                              const std::vector<EdgeTuple>& edges) {
+  Schedule s;
+  s.name = std::move(name);
+  s.programs = std::move(programs);
+  inferShape(s);
+  if (!edges.empty()) s.edges = checkedEdges(edges, s.num_stages);
+  return s;
+}
+
+Schedule makeNamed(const std::string& name, int num_ranks, int stages_per_rank,
+                   int num_microbatches) {
+  return makeSchedule(name, ScheduleSpec{num_ranks, stages_per_rank, num_microbatches});
+}
+
+void bindScheduleClass(py::module_& m) {
+  py::class_<Schedule>(m, "Schedule", "Per-rank action programs of one pipeline step.")
+      .def(py::init<>())
+      .def_readwrite("name", &Schedule::name)
+      .def_readwrite("num_ranks", &Schedule::num_ranks)
+      .def_readwrite("num_stages", &Schedule::num_stages)
+      .def_readwrite("num_microbatches", &Schedule::num_microbatches)
+      .def_readwrite("stage_to_rank", &Schedule::stage_to_rank)
+      .def_readwrite("programs", &Schedule::programs)
+      .def_readwrite("activation_bound", &Schedule::activation_bound)
+      .def_property_readonly("edges", [](const Schedule& s) { return edgesToTuples(s.edges); })
+      .def_property_readonly("stages_per_rank", &Schedule::stagesPerRank)
+      .def_property_readonly("is_lowered", &Schedule::isLowered)
+      .def_property_readonly("splits_backward", &Schedule::splitsBackward)
+      .def_property_readonly("num_actions", &Schedule::numActions)
+      .def("producers_of", &Schedule::producersOf)
+      .def("consumers_of", &Schedule::consumersOf)
+      .def("__copy__", [](const Schedule& s) { return Schedule(s); });
+}
+
+void bindFunctions(py::module_& m) {
+  m.def("schedule_names", &scheduleNames);
+  m.def("make_schedule", &makeNamed, py::arg("name"), py::kw_only(), py::arg("num_ranks"),
+        py::arg("stages_per_rank"), py::arg("num_microbatches"), Released(),
+        "Generate a compute-only schedule; runs validate_static. ScheduleError on bad input.");
+  m.def("chain_edges", [](int n) { return edgesToTuples(chainEdges(n)); }, py::arg("num_stages"));
+  m.def("loop_placement", &loopPlacement, py::arg("num_ranks"), py::arg("stages_per_rank"));
+  m.def("v_placement", &vPlacement, py::arg("num_ranks"));
+  m.def("with_edges", &withEdges, py::arg("schedule"), py::arg("edges"),
+        "Copy with the edge list replaced; ScheduleError for an edge out of range.");
+  m.def("schedule_from_programs", &scheduleFromPrograms, py::arg("programs"),
+        py::arg("name") = "custom", py::arg("edges") = std::vector<EdgeTuple>{});
+
+  m.def("insert_transfers", &insertTransfers, py::arg("schedule"), Released());
+  m.def("order_channels", &orderChannels, py::arg("schedule"), Released());
+  m.def("insert_grad_reduce", &insertGradReduce, py::arg("schedule"), Released());
+  m.def(
+      "lower",
+      [](const Schedule& s, bool grad_reduce) { return lower(s, LowerOptions{grad_reduce}); },
+      py::arg("schedule"), py::kw_only(), py::arg("grad_reduce") = true, Released());
+
+  m.def("validate_static", &validateStatic, py::arg("schedule"), Released());
+  m.def("validate", &validate, py::arg("schedule"), Released(),
+        "Static checks, then lower if needed and simulate; DeadlockError if it cannot finish.");
+  m.def("peak_activations", &peakActivations, py::arg("schedule"), Released());
+
+  m.def("to_text", &toText, py::arg("schedule"));
+  m.def("to_csv", &toCsv, py::arg("schedule"));
+  m.def("schedule_from_text", &scheduleFromText, py::arg("text"), Released());
+  m.def("schedule_from_csv", &scheduleFromCsv, py::arg("csv"), Released());
+}
+
+}  // namespace
+
+void bindSchedules(py::module_& m) {
+  bindScheduleClass(m);
+  bindFunctions(m);
+}
+
+}  // namespace mpmd::python

@@ -1,0 +1,256 @@
+"""Python API of torch_mpmd.schedules over the C++ core (see schedules/__init__.py)."""
+
+import re
+import subprocess
+import sys
+
+import pytest
+
+from torch_mpmd import schedules
+from torch_mpmd.schedules import DeadlockError, Schedule
+
+DOCUMENTED_NAMES = {"gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "zero_bubble", "zbv",
+                    "dualpipev"}
+
+# Two ranks that each receive before they send: rank 0 waits for 1SEND_B0,
+# which comes after 1RECV_F0, which waits for 0SEND_F0, which comes after 0RECV_B0.
+DEADLOCK = [["0F0", "0RECV_B0", "0SEND_F0", "0B0"], ["1RECV_F0", "1F0", "1B0", "1SEND_B0"]]
+
+
+def make(name="1f1b", p=4, m=8, spr=1):
+    return schedules.get_schedule(name, num_ranks=p, num_microbatches=m, stages_per_rank=spr)
+
+
+def test_contract_snippet_returns_makespan_and_per_rank_metrics():
+    s = schedules.get_schedule("1f1b", num_ranks=4, num_microbatches=8, stages_per_rank=1)
+    low = s.lower()
+    r = low.simulate(costs={"F": 1, "B": 2, "I": 1, "W": 1})
+    assert isinstance(r.makespan, float)
+    assert len(r.bubble_fraction) == 4 and len(r.peak_activations) == 4
+    assert r.peak_activations == [4, 3, 2, 1]
+    assert low.is_lowered and not s.is_lowered
+    assert isinstance(s.to_csv(), str) and isinstance(s.to_text(), str)
+
+
+def test_names_are_the_documented_schedules():
+    assert set(schedules.names()) == DOCUMENTED_NAMES
+
+
+@pytest.mark.parametrize("name", sorted(DOCUMENTED_NAMES))
+def test_every_named_schedule_constructs_and_simulates_for_a_valid_spec(name):
+    errors = []
+    for spr in (1, 2):
+        try:
+            s = make(name, p=4, m=8, spr=spr)
+        except ValueError as e:
+            errors.append(str(e))
+            continue
+        assert (s.name, s.num_ranks, s.num_stages, s.stages_per_rank) == (name, 4, 4 * spr, spr)
+        assert len(s.actions) == 4 and all(s.actions)
+        result = s.simulate()
+        assert result.makespan > 0 and all(0 <= b < 1 for b in result.bubble_fraction)
+        return
+    pytest.fail(f"{name} accepts neither 1 nor 2 stages per rank: {errors}")
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("p,m", [(1, 1), (1, 5), (2, 2), (2, 7), (4, 8), (4, 16), (8, 8)])
+def test_gpipe_and_1f1b_match_closed_form_makespan_and_bubble(name, p, m):
+    result = make(name, p=p, m=m).simulate(costs={"F": 1, "B": 2})
+    assert result.makespan == 3 * (m + p - 1)
+    assert result.bubble_fraction == pytest.approx([(p - 1) / (m + p - 1)] * p)
+
+
+def test_zero_bubble_has_smaller_bubble_than_1f1b_at_same_memory():
+    costs = {"F": 1, "B": 2, "I": 1, "W": 1}
+    zb = make("zero_bubble").simulate(costs)
+    one = make("1f1b").simulate(costs)
+    assert max(zb.bubble_fraction) < min(one.bubble_fraction)
+    assert zb.peak_activations == one.peak_activations
+
+
+def test_bad_parameters_raise_value_error_naming_the_values():
+    with pytest.raises(ValueError, match="num_ranks=0"):
+        make("1f1b", p=0)
+    with pytest.raises(ValueError, match="num_microbatches=0"):
+        make("gpipe", m=0)
+    with pytest.raises(ValueError, match="stages_per_rank=1"):
+        make("zbv", spr=1)
+
+
+def test_counts_must_be_keyword_integers():
+    with pytest.raises(TypeError):
+        schedules.get_schedule("1f1b", 4, 8)  # type: ignore[misc]
+    with pytest.raises(TypeError, match="num_ranks"):
+        schedules.get_schedule("1f1b", num_ranks=4.0, num_microbatches=8)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="num_microbatches"):
+        schedules.get_schedule("1f1b", num_ranks=4, num_microbatches=True)
+
+
+def test_unknown_name_error_lists_every_known_name():
+    with pytest.raises(ValueError, match="'no_such_schedule'") as info:
+        make("no_such_schedule")
+    for name in schedules.names():
+        assert name in str(info.value)
+
+
+@pytest.mark.parametrize("name,spr", [("1f1b", 1), ("interleaved_1f1b", 2), ("zbv", 2),
+                                      ("dualpipev", 2)])
+def test_text_round_trip_preserves_compute_and_lowered_schedules(name, spr):
+    s = make(name, spr=spr)
+    for sched in (s, s.lower()):
+        back = Schedule.from_text(sched.to_text())
+        assert back == sched
+        assert back.to_text() == sched.to_text()
+
+
+def test_csv_round_trip_through_a_file(tmp_path):
+    s = make("interleaved_1f1b", spr=2)
+    path = tmp_path / "sched.csv"
+    text = s.to_csv(path)
+    assert path.read_text() == text
+    back = Schedule.from_csv(path)
+    assert back.actions == s.actions
+    assert back.stage_to_rank == s.stage_to_rank
+    assert back.num_microbatches == s.num_microbatches
+
+
+def test_csv_in_torch_format_with_idle_cells_loads(tmp_path):
+    # What torch.distributed.pipelining's _dump_csv writes for 1F1B, p=2, m=2:
+    # None (idle) slots become empty cells.
+    path = tmp_path / "torch.csv"
+    path.write_text("0F0,0F1,,0B0,,0B1\r\n,1F0,1B0,1F1,1B1\r\n")
+    s = Schedule.from_csv(path)
+    assert s.actions == [["0F0", "0F1", "0B0", "0B1"], ["1F0", "1B0", "1F1", "1B1"]]
+    assert (s.num_ranks, s.num_stages, s.num_microbatches) == (2, 2, 2)
+    assert s.simulate().makespan == 3 * (2 + 2 - 1)
+
+
+@pytest.mark.parametrize("text,token", [("0: 0F0 0X1", "0X1"), ("0: 0F0 0F", "0F"),
+                                        ("0: 0F0 F0", "F0"), ("0: 0F99999999999", "0F99999999999")])
+def test_malformed_text_raises_value_error_naming_the_token(text, token):
+    with pytest.raises(ValueError, match=f"'{token}'"):
+        Schedule.from_text(text)
+
+
+def test_from_actions_names_rank_position_and_token_of_a_bad_action():
+    with pytest.raises(schedules.ParseError, match=r"rank 1, action 2: .*'1Q0'"):
+        Schedule.from_actions([["0F0", "0B0"], ["1F0", "1B0", "1Q0"]])
+    assert issubclass(schedules.ParseError, ValueError)
+
+
+def test_loaded_schedule_breaking_an_invariant_raises_value_error():
+    with pytest.raises(ValueError, match="0F0"):
+        Schedule.from_actions([["0F0", "0F0", "0B0"]])
+
+
+@pytest.mark.parametrize("check", ["validate", "simulate"])
+def test_deadlocking_schedule_raises_deadlock_error_naming_blocked_actions(check):
+    s = Schedule.from_actions(DEADLOCK)
+    with pytest.raises(DeadlockError) as info:
+        getattr(s, check)()
+    assert isinstance(info.value, RuntimeError)
+    assert "0RECV_B0" in str(info.value) and "1RECV_F0" in str(info.value)
+
+
+def test_with_edges_skip_connection_lowers_to_transfers_with_explicit_peer():
+    s = make("1f1b", p=4, m=4)
+    skip = s.with_edges(s.edges + [(0, 3)])
+    assert (0, 3) in skip.edges and (0, 3) not in s.edges
+    low = skip.lower()
+    assert "0SEND_F0->3" in low.actions[0]
+    assert "3RECV_F0<-0" in low.actions[3]
+    assert Schedule.from_text(skip.to_text()).edges == skip.edges
+
+
+def test_with_edges_rejects_bad_edges_and_lowered_schedules():
+    s = make("1f1b", p=4, m=4)
+    with pytest.raises(ValueError, match=r"\(3, 0\)"):
+        s.with_edges([(3, 0)])
+    with pytest.raises(ValueError, match="num_stages=4"):
+        s.with_edges([(0, 4)])
+    with pytest.raises(ValueError, match="lowered"):
+        s.lower().with_edges(s.edges)
+
+
+def test_to_csv_refuses_skip_edges_it_cannot_express():
+    s = make("1f1b", p=4, m=4)
+    with pytest.raises(ValueError, match="to_text"):
+        s.with_edges(s.edges + [(0, 2)]).to_csv()
+
+
+def test_simulate_lowers_a_compute_only_schedule_first():
+    s = make("zero_bubble")
+    assert s.simulate() == s.lower().simulate()
+
+
+def test_lowering_twice_raises_value_error():
+    with pytest.raises(ValueError, match="already lowered"):
+        make().lower().lower()
+
+
+def test_lower_without_grad_reduce_has_no_reduce_actions():
+    s = make()
+    assert any("REDUCE_GRAD" in a for row in s.lower().actions for a in row)
+    assert not any("REDUCE_GRAD" in a for row in s.lower(grad_reduce=False).actions for a in row)
+
+
+@pytest.mark.parametrize("costs,key", [({"F": 1, "X": 2}, "'X'"), ({"B": -1}, "'B'"),
+                                       ({"W": float("nan")}, "'W'"), ({"F": "1"}, "'F'")])
+def test_simulate_rejects_unknown_or_invalid_costs_naming_the_key(costs, key):
+    with pytest.raises(ValueError, match=key):
+        make().simulate(costs)
+
+
+def test_simulate_rejects_negative_link_parameters():
+    with pytest.raises(ValueError, match="comm_latency"):
+        make().simulate(comm_latency=-1)
+    with pytest.raises(ValueError, match="stage_costs"):
+        make().simulate(stage_costs=[{"F": 1}])
+
+
+def test_slower_stage_and_comm_latency_lengthen_the_makespan():
+    s = make("1f1b", p=4, m=8)
+    base = s.simulate().makespan
+    assert s.simulate(stage_costs={3: {"F": 2, "B": 4}}).makespan > base
+    assert s.simulate(stage_costs=[{}, {}, {}, {"F": 2, "B": 4}]).makespan > base
+    assert s.simulate(comm_latency=0.5).makespan > base
+    assert s.simulate(message_bytes=100, comm_bandwidth=100).makespan > base
+
+
+def test_timeline_covers_every_lowered_action_with_its_cost():
+    s = make("1f1b", p=2, m=3)
+    result = s.simulate(costs={"F": 1, "B": 2}, timeline=True)
+    assert s.simulate().timeline is None
+    assert [[a for a, _, _ in row] for row in result.timeline] == s.lower().actions
+    for row in result.timeline:
+        for action, start, end in row:
+            assert 0 <= start <= end <= result.makespan
+            compute = re.fullmatch(r"\d+([FB])\d+", action)
+            if compute:
+                assert end - start == {"F": 1, "B": 2}[compute.group(1)]
+
+
+def test_schedule_is_immutable_and_returns_copies():
+    s = make()
+    with pytest.raises(AttributeError):
+        s.name = "x"  # type: ignore[misc]
+    s.actions[0].clear()
+    s.stage_to_rank.append(9)
+    assert len(s.actions[0]) == 16 and s.stage_to_rank == [0, 1, 2, 3]
+
+
+def test_table_and_repr_show_every_rank():
+    s = make("1f1b", p=4, m=8)
+    table = s.table()
+    for r in range(4):
+        assert f"rank {r} | {r}F0" in table
+    assert "4 ranks, 4 stages, 8 microbatches" in table
+    assert repr(s) == ("Schedule(name='1f1b', num_ranks=4, num_stages=4, num_microbatches=8, "
+                       "is_lowered=False)")
+
+
+def test_importing_the_package_does_not_import_torch():
+    code = "import sys, torch_mpmd; torch_mpmd.schedules.names(); print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

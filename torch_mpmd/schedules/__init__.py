@@ -1,0 +1,73 @@
+"""Pipeline schedules: generate, load, lower, validate and simulate.
+
+    from torch_mpmd import schedules
+    s = schedules.get_schedule("1f1b", num_ranks=4, num_microbatches=8)
+    r = s.lower().simulate(costs={"F": 1, "B": 2, "I": 1, "W": 1})
+    r.makespan, r.bubble_fraction, r.peak_activations
+
+All the work happens in the C++ core (csrc/core); this package is a thin,
+immutable view over it. Errors: ``ValueError`` (``ScheduleError``,
+``ParseError``) for bad parameters or malformed text, naming the values or the
+token; ``DeadlockError`` (a ``RuntimeError``) when ranks wait on each other
+forever. CLI: ``python -m torch_mpmd.schedules show --help``.
+"""
+
+from __future__ import annotations
+
+import operator
+
+from torch_mpmd import _C
+from torch_mpmd.schedules._schedule import Schedule
+from torch_mpmd.schedules._simulation import SimulationResult
+
+DeadlockError = _C.DeadlockError
+ParseError = _C.ParseError
+ScheduleError = _C.ScheduleError
+
+__all__ = [
+    "DeadlockError",
+    "ParseError",
+    "Schedule",
+    "ScheduleError",
+    "SimulationResult",
+    "get_schedule",
+    "names",
+]
+
+
+def names() -> list[str]:
+    """Names ``get_schedule`` accepts, in the core's order."""
+    return list(_C.schedule_names())
+
+
+def _count(what: str, value: object) -> int:
+    if isinstance(value, bool):
+        raise TypeError(f"{what} must be an int, got {value!r}")
+    try:
+        number = operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise TypeError(f"{what} must be an int, got {value!r}") from None
+    if not -(2**31) <= number < 2**31:
+        raise ValueError(f"{what}={number} is out of range")
+    return number
+
+
+def get_schedule(
+    name: str, *, num_ranks: int, num_microbatches: int, stages_per_rank: int = 1
+) -> Schedule:
+    """Generate the compute-only schedule ``name`` and fully validate it.
+
+    Raises ``ValueError`` for an unknown name (listing ``names()``) or
+    parameters the schedule cannot take (naming the values), ``TypeError``
+    for non-integer counts.
+    """
+    if not isinstance(name, str):
+        raise TypeError(f"schedule name must be a str, got {name!r}")
+    cpp = _C.make_schedule(
+        name,
+        num_ranks=_count("num_ranks", num_ranks),
+        stages_per_rank=_count("stages_per_rank", stages_per_rank),
+        num_microbatches=_count("num_microbatches", num_microbatches),
+    )
+    _C.validate(cpp)
+    return Schedule(cpp)

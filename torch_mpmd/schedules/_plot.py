@@ -1,0 +1,90 @@
+"""Timeline drawing with matplotlib (imported lazily; Agg canvas, no pyplot).
+
+Contract: ``save_timeline(schedule, result, path)`` writes a PNG with one row
+per rank (rank 0 on top) and one box per compute or REDUCE_GRAD action from
+``result.timeline`` (which must have been recorded), coloured by kind and
+labelled with the microbatch and stage. Raises ``ImportError`` with an install
+hint when matplotlib is missing, ``ValueError`` without a timeline.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Union
+
+from torch_mpmd import _C
+from torch_mpmd.schedules._schedule import Schedule
+from torch_mpmd.schedules._simulation import SimulationResult
+
+# The usual schedule-diagram palette: forward blue, backward green, input
+# gradient light green, weight gradient orange.
+KIND_COLOURS = {
+    "F": "#5b9bd5",
+    "B": "#70ad47",
+    "I": "#a9d18e",
+    "W": "#f4b183",
+    "REDUCE_GRAD": "#bfbfbf",
+}
+_KIND_LABELS = {"F": "forward", "B": "backward", "I": "input grad", "W": "weight grad",
+                "REDUCE_GRAD": "grad reduce"}
+
+
+def _import_matplotlib():  # type: ignore[no-untyped-def]
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+        from matplotlib.patches import Patch
+    except ImportError as e:
+        raise ImportError(
+            f"drawing a timeline needs matplotlib ({e}); install it with `pip install matplotlib`"
+        ) from None
+    return Figure, FigureCanvasAgg, Patch
+
+
+def save_timeline(
+    schedule: Schedule, result: SimulationResult, path: Union[str, "os.PathLike[str]"]
+) -> None:
+    """Draw ``result.timeline`` of ``schedule`` into the PNG file ``path``."""
+    if result.timeline is None:
+        raise ValueError("the result has no timeline; simulate with timeline=True")
+    Figure, FigureCanvasAgg, Patch = _import_matplotlib()
+    makespan = max(result.makespan, 1e-9)
+    ranks = len(result.timeline)
+    width_in = min(40.0, max(8.0, 0.35 * makespan + 1.5))
+    fig = Figure(figsize=(width_in, 0.9 + 0.55 * ranks), layout="constrained")
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    points_per_unit = (width_in - 1.5) * 72 / makespan
+    seen = []
+    for rank, row in enumerate(result.timeline):
+        for token, start, end in row:
+            action = _C.parse_action(token)
+            kind = _C.kind_name(action.kind)
+            if kind not in KIND_COLOURS or end <= start:
+                continue
+            if kind not in seen:
+                seen.append(kind)
+            ax.barh(rank, end - start, left=start, height=0.8, color=KIND_COLOURS[kind],
+                    edgecolor="black", linewidth=0.6)
+            label = "R" if kind == "REDUCE_GRAD" else f"{action.microbatch}\ns{action.stage}"
+            size = min(9.0, (end - start) * points_per_unit / 2.2)
+            if size >= 4.0:
+                ax.text((start + end) / 2, rank, label, ha="center", va="center",
+                        fontsize=size, linespacing=0.9)
+    ax.set_xlim(0, makespan)
+    ax.set_ylim(ranks - 0.5, -0.5)
+    ax.set_yticks(range(ranks), [f"rank {r}" for r in range(ranks)])
+    ax.set_xlabel("time")
+    mean_bubble = sum(result.bubble_fraction) / max(len(result.bubble_fraction), 1)
+    ax.set_title(
+        f"{schedule.name}: {schedule.num_ranks} ranks, {schedule.num_stages} stages, "
+        f"{schedule.num_microbatches} microbatches; makespan {result.makespan:g}, "
+        f"mean bubble {mean_bubble:.1%}"
+    )
+    order = [k for k in KIND_COLOURS if k in seen]
+    ax.legend(
+        handles=[Patch(facecolor=KIND_COLOURS[k], edgecolor="black", label=_KIND_LABELS[k])
+                 for k in order],
+        loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False,
+    )
+    fig.savefig(os.fspath(path), dpi=110)

@@ -1,0 +1,252 @@
+"""The Python ``Schedule``: an immutable wrapper around ``_C.Schedule``.
+
+Every way to obtain a ``Schedule`` checks it: ``get_schedule`` and
+``with_edges`` run the full ``validate`` (static invariants, then lowering and
+simulation, so a deadlock raises ``DeadlockError``); ``from_text``,
+``from_csv`` and ``from_actions`` run the static invariants only, so a loaded
+program that deadlocks still loads and reports its deadlock from
+``validate()`` or ``simulate()``. Malformed input raises ``ValueError``
+(``ParseError``/``ScheduleError``) naming the token or the values.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, Optional, Union
+
+from torch_mpmd import _C
+from torch_mpmd.schedules._simulation import CostDict, SimulationResult, cost_model
+
+PathLike = Union[str, "os.PathLike[str]"]
+_TABLE_WIDTH = 120
+
+
+class Schedule:
+    """Per-rank action programs of one pipeline step; see the module docstring.
+
+    Construct through ``get_schedule`` or the ``from_*`` classmethods; the
+    constructor wraps an already-checked ``_C.Schedule`` and is internal.
+    """
+
+    __slots__ = ("_cpp",)
+    _cpp: _C.Schedule
+
+    def __init__(self, cpp: _C.Schedule) -> None:
+        if not isinstance(cpp, _C.Schedule):
+            raise TypeError(f"Schedule wraps a torch_mpmd._C.Schedule, got {type(cpp).__name__}")
+        object.__setattr__(self, "_cpp", cpp)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError("Schedule is immutable; with_edges() and lower() return new ones")
+
+    # -- properties -------------------------------------------------------
+    @property
+    def name(self) -> str:
+        return self._cpp.name
+
+    @property
+    def num_ranks(self) -> int:
+        return self._cpp.num_ranks
+
+    @property
+    def num_stages(self) -> int:
+        return self._cpp.num_stages
+
+    @property
+    def num_microbatches(self) -> int:
+        return self._cpp.num_microbatches
+
+    @property
+    def stages_per_rank(self) -> int:
+        return self._cpp.stages_per_rank
+
+    @property
+    def stage_to_rank(self) -> list[int]:
+        return list(self._cpp.stage_to_rank)
+
+    @property
+    def edges(self) -> list[tuple[int, int]]:
+        """Stage data dependencies ``(producer, consumer)``; the chain by default."""
+        return list(self._cpp.edges)
+
+    @property
+    def actions(self) -> list[list[str]]:
+        """Each rank's program as action tokens (``"2F0"``, ``"1RECV_B3"``)."""
+        return [[str(a) for a in program] for program in self._cpp.programs]
+
+    @property
+    def activation_bound(self) -> list[int]:
+        """Per-rank bound on in-flight forwards the schedule promises; [] if none."""
+        return list(self._cpp.activation_bound)
+
+    @property
+    def is_lowered(self) -> bool:
+        """True when the programs hold SEND/RECV/REDUCE_GRAD actions."""
+        return self._cpp.is_lowered
+
+    # -- transformations ----------------------------------------------------
+    def lower(self, *, grad_reduce: bool = True) -> "Schedule":
+        """Add transfers (and REDUCE_GRAD unless ``grad_reduce=False``).
+
+        Raises ``ValueError`` when the schedule is already lowered.
+        """
+        if self.is_lowered:
+            raise ValueError(f"schedule '{self.name}' is already lowered")
+        return Schedule(_C.lower(self._cpp, grad_reduce=grad_reduce))
+
+    def with_edges(self, edges: Iterable[Sequence[int]]) -> "Schedule":
+        """A validated copy whose stage edges are exactly ``edges``.
+
+        The list replaces the current one, so keep the chain when adding a skip
+        connection: ``s.with_edges(s.edges + [(0, 3)])``. Compute-only
+        schedules only (transfers depend on the edges).
+        """
+        if self.is_lowered:
+            raise ValueError(
+                f"with_edges needs a compute-only schedule; '{self.name}' is lowered "
+                "(call with_edges before lower())"
+            )
+        pairs = []
+        for edge in edges:
+            pair = tuple(edge)
+            if len(pair) != 2 or not all(isinstance(x, int) for x in pair):
+                raise ValueError(f"edge {edge!r} must be a (producer, consumer) pair of ints")
+            pairs.append(pair)
+        out = _C.with_edges(self._cpp, pairs)
+        _C.validate(out)
+        return Schedule(out)
+
+    # -- checks and simulation ------------------------------------------------
+    def validate(self) -> None:
+        """Static invariants, then lower (if needed) and simulate with unit costs.
+
+        Raises ``ScheduleError`` (a ``ValueError``) or ``DeadlockError``.
+        """
+        _C.validate(self._cpp)
+
+    def simulate(
+        self,
+        costs: Optional[CostDict] = None,
+        *,
+        stage_costs: Optional[Union[Sequence[CostDict], Mapping[int, CostDict]]] = None,
+        comm_latency: float = 0.0,
+        comm_bandwidth: float = 0.0,
+        message_bytes: float = 0.0,
+        timeline: bool = False,
+    ) -> SimulationResult:
+        """Simulate all ranks; a compute-only schedule is lowered first.
+
+        ``costs`` maps ``"F" "B" "I" "W" "REDUCE_GRAD"`` to times (defaults
+        1, 2, 1, 1, 0); ``stage_costs`` overlays per-stage dicts on it.
+        ``comm_bandwidth=0`` means infinite bandwidth. Raises ``ValueError``
+        naming a bad key or value and ``DeadlockError`` naming blocked actions.
+        """
+        model = cost_model(
+            costs, stage_costs, self.num_stages, comm_latency, comm_bandwidth, message_bytes
+        )
+        lowered = self if self.is_lowered else self.lower()
+        raw = _C.simulate(lowered._cpp, model, bool(timeline))
+        return SimulationResult._from_cpp(raw, lowered.actions if timeline else None)
+
+    # -- text forms -------------------------------------------------------------
+    def to_text(self) -> str:
+        """The text form (name, skip edges and one line per rank); see from_text."""
+        return _C.to_text(self._cpp)
+
+    def to_csv(self, path: Optional[PathLike] = None) -> str:
+        """torch.distributed.pipelining's CSV form; also written to ``path`` if given.
+
+        Raises ``ValueError`` for a schedule with skip edges (CSV assumes the chain).
+        """
+        if sorted(self.edges) != sorted(_C.chain_edges(self.num_stages)):
+            raise ValueError(
+                f"schedule '{self.name}' has non-chain edges {self.edges}, which CSV cannot "
+                "express; use to_text()"
+            )
+        text = _C.to_csv(self._cpp)
+        if path is not None:
+            with open(path, "w", encoding="utf-8", newline="") as f:
+                f.write(text)
+        return text
+
+    @classmethod
+    def from_text(cls, text: str) -> "Schedule":
+        """Parse the text form and check the static invariants."""
+        return cls._checked(_C.schedule_from_text(text))
+
+    @classmethod
+    def from_csv(cls, path: PathLike) -> "Schedule":
+        """Load a CSV file in torch's format (empty cells are idle slots)."""
+        with open(path, encoding="utf-8", newline="") as f:
+            return cls._checked(_C.schedule_from_csv(f.read()))
+
+    @classmethod
+    def from_actions(
+        cls,
+        actions: Sequence[Sequence[str]],
+        name: str = "custom",
+        *,
+        edges: Optional[Iterable[Sequence[int]]] = None,
+    ) -> "Schedule":
+        """Build from one list of action tokens per rank (rank = list index)."""
+        programs = []
+        for rank, row in enumerate(actions):
+            if isinstance(row, str):
+                raise TypeError(f"rank {rank}: expected a list of action strings, got a str")
+            program = []
+            for i, token in enumerate(row):
+                try:
+                    program.append(_C.parse_action(str(token)))
+                except _C.ParseError as e:
+                    raise _C.ParseError(f"rank {rank}, action {i}: {e}") from None
+            programs.append(program)
+        pairs = [tuple(e) for e in edges] if edges is not None else []
+        return cls._checked(_C.schedule_from_programs(programs, name, pairs))
+
+    @classmethod
+    def _checked(cls, cpp: _C.Schedule) -> "Schedule":
+        _C.validate_static(cpp)
+        return cls(cpp)
+
+    # -- display ----------------------------------------------------------------
+    def table(self) -> str:
+        """A per-rank table of the programs, wrapped into blocks of steps."""
+        kind = "lowered" if self.is_lowered else "compute-only"
+        lines = [
+            f"schedule {self.name}: {self.num_ranks} ranks, {self.num_stages} stages, "
+            f"{self.num_microbatches} microbatches ({kind})"
+        ]
+        rows = self.actions
+        steps = max((len(r) for r in rows), default=0)
+        width = max([len(t) for r in rows for t in r] + [len(str(max(steps - 1, 0)))])
+        label = max(len("step"), len(f"rank {self.num_ranks - 1}"))
+        per_block = max(1, (_TABLE_WIDTH - label - 3) // (width + 1))
+        for first in range(0, max(steps, 1), per_block):
+            cols = range(first, min(first + per_block, steps))
+            lines.append("")
+            lines.append(f"{'step':>{label}} | " + " ".join(f"{c:<{width}}" for c in cols).rstrip())
+            lines.append("-" * (label + 1) + "+" + "-" * (len(cols) * (width + 1)))
+            for r, row in enumerate(rows):
+                cells = " ".join(f"{row[c] if c < len(row) else '':<{width}}" for c in cols)
+                lines.append((f"{f'rank {r}':>{label}} | " + cells).rstrip())
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return (
+            f"Schedule(name={self.name!r}, num_ranks={self.num_ranks}, "
+            f"num_stages={self.num_stages}, num_microbatches={self.num_microbatches}, "
+            f"is_lowered={self.is_lowered})"
+        )
+
+    def _key(self) -> tuple[Any, ...]:
+        return (self.name, self.stage_to_rank, self.edges, self.num_microbatches, self.actions)
+
+    def __eq__(self, other: object) -> bool:
+        """Equal name, placement, edges, microbatches and programs."""
+        if not isinstance(other, Schedule):
+            return NotImplemented
+        return self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self.to_text())
