@@ -39,17 +39,6 @@ int32_t readNumber(std::string_view text, size_t& pos, std::string_view what) {
 
 std::string_view kindName(ActionKind kind) { return kKindNames[static_cast<size_t>(kind)]; }
 
-bool isCompute(ActionKind kind) {
-  return kind == ActionKind::Forward || kind == ActionKind::FullBackward ||
-         kind == ActionKind::BackwardInput || kind == ActionKind::BackwardWeight;
-}
-bool isSend(ActionKind kind) { return kind == ActionKind::SendF || kind == ActionKind::SendB; }
-bool isRecv(ActionKind kind) { return kind == ActionKind::RecvF || kind == ActionKind::RecvB; }
-bool isCommunication(ActionKind kind) { return isSend(kind) || isRecv(kind); }
-bool isBackward(ActionKind kind) {
-  return kind == ActionKind::FullBackward || kind == ActionKind::BackwardInput;
-}
-
 int32_t defaultPeerStage(int32_t stage, ActionKind kind) {
   switch (kind) {
     case ActionKind::SendF:

@@ -44,11 +44,18 @@ struct Action {
 // Short name of a kind as it appears in text: "F", "SEND_B", "REDUCE_GRAD".
 std::string_view kindName(ActionKind kind);
 
-bool isCompute(ActionKind kind);        // F, B, I, W
-bool isCommunication(ActionKind kind);  // SEND_*, RECV_*
-bool isSend(ActionKind kind);
-bool isRecv(ActionKind kind);
-bool isBackward(ActionKind kind);       // B or I: frees the forward's activations
+// Kind predicates; inline because every pass calls them per action.
+constexpr bool isCompute(ActionKind kind) {  // F, B, I, W
+  return kind == ActionKind::Forward || kind == ActionKind::FullBackward ||
+         kind == ActionKind::BackwardInput || kind == ActionKind::BackwardWeight;
+}
+constexpr bool isSend(ActionKind kind) { return kind == ActionKind::SendF || kind == ActionKind::SendB; }
+constexpr bool isRecv(ActionKind kind) { return kind == ActionKind::RecvF || kind == ActionKind::RecvB; }
+constexpr bool isCommunication(ActionKind kind) { return isSend(kind) || isRecv(kind); }
+// B or I: the backward that frees the forward's activations.
+constexpr bool isBackward(ActionKind kind) {
+  return kind == ActionKind::FullBackward || kind == ActionKind::BackwardInput;
+}
 
 // The peer a transfer has when the text omits it (see NOTE [Peer stages]).
 int32_t defaultPeerStage(int32_t stage, ActionKind kind);

@@ -1,5 +1,7 @@
 #include "lowering.h"
 
+#include <algorithm>
+
 #include <fmt/format.h>
 
 #include "errors.h"
@@ -20,9 +22,18 @@ void requireComputeOnly(const Schedule& schedule, std::string_view pass) {
   }
 }
 
+// Everything but the programs (copying them only to clear them would double
+// the cost of each pass on large schedules).
 Schedule withEmptyPrograms(const Schedule& schedule) {
-  Schedule out = schedule;
-  for (auto& program : out.programs) program.clear();
+  Schedule out;
+  out.name = schedule.name;
+  out.num_ranks = schedule.num_ranks;
+  out.num_stages = schedule.num_stages;
+  out.num_microbatches = schedule.num_microbatches;
+  out.stage_to_rank = schedule.stage_to_rank;
+  out.edges = schedule.edges;
+  out.activation_bound = schedule.activation_bound;
+  out.programs.resize(schedule.programs.size());
   return out;
 }
 
@@ -133,18 +144,22 @@ Schedule insertGradReduce(const Schedule& with_transfers) {
     }
     // Insert after the backward and the sends right behind it, so the
     // reduction never delays a gradient a peer is waiting for.
-    std::vector<std::vector<int>> reduce_after(source.size());
+    std::vector<std::pair<size_t, int>> reduce_after;  // (position, stage), sorted below
     for (int s = 0; s < with_transfers.num_stages; ++s) {
       if (last[s] < 0) continue;
       size_t at = static_cast<size_t>(last[s]);
       while (at + 1 < source.size() && isSend(source[at + 1].kind)) ++at;
-      reduce_after[at].push_back(s);
+      reduce_after.emplace_back(at, s);
     }
+    std::sort(reduce_after.begin(), reduce_after.end());
     auto& program = out.programs[r];
-    program.reserve(source.size() + with_transfers.num_stages);
+    program.reserve(source.size() + reduce_after.size());
+    size_t next = 0;
     for (size_t i = 0; i < source.size(); ++i) {
       program.push_back(source[i]);
-      for (int s : reduce_after[i]) program.push_back(reduceGradAction(s));
+      for (; next < reduce_after.size() && reduce_after[next].first == i; ++next) {
+        program.push_back(reduceGradAction(reduce_after[next].second));
+      }
     }
   }
   return out;

@@ -42,8 +42,24 @@ double messageBytes(const CostModel& model, const Action& send) {
              : model.message_bytes;
 }
 
-[[noreturn]] void reportDeadlock(const Schedule& s, const TransferIndex& index,
-                                 const std::vector<size_t>& pc) {
+// Some rank is blocked on a RECV. If its SEND exists nowhere the program is
+// malformed (ScheduleError); otherwise the ranks wait on each other.
+[[noreturn]] void reportStuck(const Schedule& s, const TransferIndex& index, const std::vector<size_t>& pc) {
+  std::vector<uint8_t> has_send(index.numSlots(), 0);
+  for (const auto& program : s.programs) {
+    for (const Action& a : program) {
+      if (isSend(a.kind)) has_send[index.slotOf(a)] = 1;
+    }
+  }
+  for (int r = 0; r < s.num_ranks; ++r) {
+    if (pc[r] >= s.programs[r].size()) continue;
+    const Action& a = s.programs[r][pc[r]];
+    const int64_t slot = index.slotOf(a);
+    if (!has_send[slot]) {
+      throw ScheduleError(fmt::format("rank {}: '{}' has no matching '{}' on any rank", r, toString(a),
+                                      toString(index.sendOf(slot))));
+    }
+  }
   std::string blocked;
   for (int r = 0; r < s.num_ranks; ++r) {
     if (pc[r] >= s.programs[r].size()) continue;
@@ -65,24 +81,10 @@ double messageBytes(const CostModel& model, const Action& send) {
 SimulationResult simulate(const Schedule& s, const CostModel& model, bool record_timeline) {
   const TransferIndex index(s);
   const int p = s.num_ranks;
-  // A RECV whose SEND exists nowhere would look like a deadlock; name it as
-  // the malformed program it is instead.
-  std::vector<uint8_t> has_send(index.numSlots(), 0);
   for (int r = 0; r < p; ++r) {
     for (const Action& a : s.programs[r]) {
-      if (!isCommunication(a.kind)) continue;
-      const int64_t slot = index.slotOf(a);
-      if (slot < 0 || a.peer_stage < 0 || a.peer_stage >= s.num_stages) {
+      if (isCommunication(a.kind) && index.slotOf(a) < 0) {
         throw ScheduleError(fmt::format("rank {}: '{}' names no stage edge of this schedule", r, toString(a)));
-      }
-      if (isSend(a.kind)) has_send[slot] = 1;
-    }
-  }
-  for (int r = 0; r < p; ++r) {
-    for (const Action& a : s.programs[r]) {
-      if (isRecv(a.kind) && !has_send[index.slotOf(a)]) {
-        throw ScheduleError(fmt::format("rank {}: '{}' has no matching '{}' on any rank", r, toString(a),
-                                        toString(index.sendOf(index.slotOf(a)))));
       }
     }
   }
@@ -137,7 +139,7 @@ SimulationResult simulate(const Schedule& s, const CostModel& model, bool record
     now[r] = t;
   }
   for (int r = 0; r < p; ++r) {
-    if (pc[r] < s.programs[r].size()) reportDeadlock(s, index, pc);
+    if (pc[r] < s.programs[r].size()) reportStuck(s, index, pc);
   }
 
   result.makespan = p ? *std::max_element(now.begin(), now.end()) : 0.0;

@@ -1,36 +1,31 @@
 #include "transfer_index.h"
 
+#include <fmt/format.h>
+
+#include "errors.h"
+
 namespace mpmd {
 
 TransferIndex::TransferIndex(const Schedule& schedule)
     : edges_(schedule.edges),
       by_producer_(schedule.num_stages),
       num_microbatches_(schedule.num_microbatches) {
+  num_stages_ = schedule.num_stages;
+  for (const auto& e : edges_) {
+    if (e.producer < 0 || e.producer >= num_stages_ || e.consumer < 0 || e.consumer >= num_stages_) {
+      throw ScheduleError(fmt::format("stage edge {}->{} names a stage outside 0..{}", e.producer, e.consumer,
+                                      num_stages_ - 1));
+    }
+  }
   for (size_t e = 0; e < edges_.size(); ++e) {
     by_producer_[edges_[e].producer].emplace_back(edges_[e].consumer, static_cast<int>(e));
   }
-}
-
-int TransferIndex::edgeId(int producer, int consumer) const {
-  if (producer < 0 || producer >= static_cast<int>(by_producer_.size())) return -1;
-  for (const auto& [c, id] : by_producer_[producer]) {
-    if (c == consumer) return id;
+  if (num_stages_ <= kDenseStages) {
+    dense_.assign(static_cast<size_t>(num_stages_) * num_stages_, -1);
+    for (size_t e = 0; e < edges_.size(); ++e) {
+      dense_[static_cast<size_t>(edges_[e].producer) * num_stages_ + edges_[e].consumer] = static_cast<int>(e);
+    }
   }
-  return -1;
-}
-
-int64_t TransferIndex::slotOf(const Action& a) const {
-  if (a.microbatch < 0 || a.microbatch >= num_microbatches_) return -1;
-  int edge = -1;
-  bool backward = false;
-  switch (a.kind) {
-    case ActionKind::SendF: edge = edgeId(a.stage, a.peer_stage); break;
-    case ActionKind::RecvF: edge = edgeId(a.peer_stage, a.stage); break;
-    case ActionKind::SendB: edge = edgeId(a.peer_stage, a.stage); backward = true; break;
-    case ActionKind::RecvB: edge = edgeId(a.stage, a.peer_stage); backward = true; break;
-    default: return -1;
-  }
-  return edge < 0 ? -1 : slot(edge, backward, a.microbatch);
 }
 
 namespace {

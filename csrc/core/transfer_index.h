@@ -21,11 +21,30 @@ class TransferIndex {
   explicit TransferIndex(const Schedule& schedule);
 
   // Index of the stage edge, or -1 when the schedule has no such edge.
-  int edgeId(int producer, int consumer) const;
+  int edgeId(int producer, int consumer) const {
+    if (producer < 0 || producer >= num_stages_ || consumer < 0 || consumer >= num_stages_) return -1;
+    if (!dense_.empty()) return dense_[static_cast<size_t>(producer) * num_stages_ + consumer];
+    for (const auto& [c, id] : by_producer_[producer]) {
+      if (c == consumer) return id;
+    }
+    return -1;
+  }
 
   // Slot of a SEND/RECV action in [0, numSlots()), or -1 when the action
-  // names a peer its stage has no edge with.
-  int64_t slotOf(const Action& comm) const;
+  // names a peer its stage has no edge with. Called per action by every
+  // pass, hence inline.
+  int64_t slotOf(const Action& a) const {
+    if (a.microbatch < 0 || a.microbatch >= num_microbatches_) return -1;
+    int edge;
+    switch (a.kind) {
+      case ActionKind::SendF: edge = edgeId(a.stage, a.peer_stage); break;
+      case ActionKind::RecvF: edge = edgeId(a.peer_stage, a.stage); break;
+      case ActionKind::SendB: return slotOrInvalid(edgeId(a.peer_stage, a.stage), true, a.microbatch);
+      case ActionKind::RecvB: return slotOrInvalid(edgeId(a.stage, a.peer_stage), true, a.microbatch);
+      default: return -1;
+    }
+    return slotOrInvalid(edge, false, a.microbatch);
+  }
   // Slot of the transfer carrying edge `edge` in direction `backward` for mb.
   int64_t slot(int edge, bool backward, int microbatch) const {
     return (static_cast<int64_t>(edge) * 2 + (backward ? 1 : 0)) * num_microbatches_ + microbatch;
@@ -39,6 +58,15 @@ class TransferIndex {
   const std::vector<StageEdge>& edges() const { return edges_; }
 
  private:
+  int64_t slotOrInvalid(int edge, bool backward, int microbatch) const {
+    return edge < 0 ? -1 : slot(edge, backward, microbatch);
+  }
+
+  int num_stages_ = 0;
+  // producer * num_stages + consumer -> edge id; only for up to
+  // kDenseStages stages (a 4 MiB table), else by_producer_ is scanned.
+  static constexpr int kDenseStages = 1024;
+  std::vector<int> dense_;
   std::vector<StageEdge> edges_;
   std::vector<std::vector<std::pair<int, int>>> by_producer_;  // (consumer, edge id)
   int num_microbatches_ = 0;

@@ -180,28 +180,29 @@ void checkTransfers(const Schedule& s, const ComputePositions& cp) {
     for (int mb = 0; mb < m; ++mb) {
       for (bool backward : {false, true}) {
         const int64_t slot = index.slot(e, backward, mb);
-        const Action send = index.sendOf(slot), recv = index.recvOf(slot);
         const int sender = backward ? rc : rp, receiver = backward ? rp : rc;
+        const int send_stage = backward ? edge.consumer : edge.producer;
+        const int recv_stage = backward ? edge.producer : edge.consumer;
         if (send_pos[slot] < 0) {
           throw ScheduleError(fmt::format("rank {} never posts '{}' (rank {} needs it)", sender,
-                                          toString(send), receiver));
+                                          toString(index.sendOf(slot)), receiver));
         }
         if (recv_pos[slot] < 0) {
           throw ScheduleError(fmt::format("rank {} never posts '{}' for rank {}'s '{}'", receiver,
-                                          toString(recv), sender, toString(send)));
+                                          toString(index.recvOf(slot)), sender, toString(index.sendOf(slot))));
         }
         // Producer compute on the sender precedes the send; consumer compute
         // on the receiver follows the receive.
         const auto backwardAt = [&](size_t key) { return cp.b[key] >= 0 ? cp.b[key] : cp.i[key]; };
-        const size_t send_key = static_cast<size_t>(send.stage) * m + mb;
-        const size_t recv_key = static_cast<size_t>(recv.stage) * m + mb;
+        const size_t send_key = static_cast<size_t>(send_stage) * m + mb;
+        const size_t recv_key = static_cast<size_t>(recv_stage) * m + mb;
         const int64_t produced_at = backward ? backwardAt(send_key) : cp.f[send_key];
         const int64_t used_at = backward ? backwardAt(recv_key) : cp.f[recv_key];
         if (produced_at > send_pos[slot]) {
-          failAt(sender, send_pos[slot], send, "is posted before the compute that produces it");
+          failAt(sender, send_pos[slot], index.sendOf(slot), "is posted before the compute that produces it");
         }
         if (used_at < recv_pos[slot]) {
-          failAt(receiver, recv_pos[slot], recv, "is posted after the compute that uses it");
+          failAt(receiver, recv_pos[slot], index.recvOf(slot), "is posted after the compute that uses it");
         }
       }
     }
