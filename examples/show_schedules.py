@@ -66,7 +66,7 @@ def main() -> None:
     if args.png:
         from torch_mpmd.schedules import _plot
 
-        _plot.draw_timeline(shown, args.png)
+        _plot.save_timeline(shown, shown.simulate(timeline=True), args.png)
         print(f"timeline written to {args.png}")
 
 

@@ -1,6 +1,7 @@
 #include "lowering.h"
 
 #include <algorithm>
+#include <utility>
 
 #include <fmt/format.h>
 
@@ -71,24 +72,37 @@ Schedule insertTransfers(const Schedule& compute_only) {
   return out;
 }
 
-Schedule orderChannels(const Schedule& with_transfers) {
+namespace {
+
+// True when every rank's sends to each peer already come in that peer's
+// receive order: the common case, which needs no rewrite.
+bool channelsMatch(const Schedule& s, const TransferIndex& index, const ChannelOrder& order) {
+  std::vector<int64_t> next(order.offsets.begin(), order.offsets.end() - 1);
+  for (int r = 0; r < s.num_ranks; ++r) {
+    for (const Action& a : s.programs[r]) {
+      if (!isSend(a.kind)) continue;
+      const int64_t slot = index.slotOf(a);
+      if (slot < 0 || s.stage_to_rank[a.peer_stage] == r) return false;
+      const size_t ch = order.channel(r, s.stage_to_rank[a.peer_stage]);
+      if (next[ch] >= order.offsets[ch + 1] || order.slots[next[ch]] != slot) return false;
+      ++next[ch];
+    }
+  }
+  return true;
+}
+
+}  // namespace
+
+Schedule orderChannels(Schedule with_transfers) {
   const int p = with_transfers.num_ranks;
   const TransferIndex index(with_transfers);
   const auto& owner = with_transfers.stage_to_rank;
-
-  // Receive order of every directed channel sender->receiver, as slots.
-  std::vector<std::vector<int64_t>> recv_order(static_cast<size_t>(p) * p);
-  for (int r = 0; r < p; ++r) {
-    for (const Action& a : with_transfers.programs[r]) {
-      if (!isRecv(a.kind)) continue;
-      int64_t slot = index.slotOf(a);
-      if (slot >= 0) recv_order[static_cast<size_t>(owner[a.peer_stage]) * p + r].push_back(slot);
-    }
-  }
+  const ChannelOrder recv_order = receiveOrder(with_transfers, index);
+  if (channelsMatch(with_transfers, index, recv_order)) return with_transfers;
 
   Schedule out = withEmptyPrograms(with_transfers);
   std::vector<uint8_t> ready(index.numSlots(), 0);
-  std::vector<size_t> next(static_cast<size_t>(p) * p, 0);
+  std::vector<int64_t> next(recv_order.offsets.begin(), recv_order.offsets.end() - 1);
   for (int r = 0; r < p; ++r) {
     auto& program = out.programs[r];
     const auto& source = with_transfers.programs[r];
@@ -107,11 +121,10 @@ Schedule orderChannels(const Schedule& with_transfers) {
       ready[slot] = 1;
       // Emit, in receive order, every send of this channel that is ready:
       // a send whose turn has not come waits for the ones before it.
-      const size_t ch = static_cast<size_t>(r) * p + owner[a.peer_stage];
-      const auto& order = recv_order[ch];
-      while (next[ch] < order.size() && ready[order[next[ch]]]) {
-        ready[order[next[ch]]] = 2;
-        program.push_back(index.sendOf(order[next[ch]++]));
+      const size_t ch = recv_order.channel(r, owner[a.peer_stage]);
+      while (next[ch] < recv_order.offsets[ch + 1] && ready[recv_order.slots[next[ch]]] == 1) {
+        ready[recv_order.slots[next[ch]]] = 2;
+        program.push_back(index.sendOf(recv_order.slots[next[ch]++]));
       }
     }
     // Ready sends that never got their turn (the receiver lacks a RECV they
@@ -129,8 +142,10 @@ Schedule orderChannels(const Schedule& with_transfers) {
   return out;
 }
 
-Schedule insertGradReduce(const Schedule& with_transfers) {
-  Schedule out = withEmptyPrograms(with_transfers);
+Schedule insertGradReduce(Schedule with_transfers) {
+  // Rewritten rank by rank in place: only one rank's program is ever
+  // duplicated, which keeps large schedules cheap in memory.
+  std::vector<Action> program;
   for (int r = 0; r < with_transfers.num_ranks; ++r) {
     const auto& source = with_transfers.programs[r];
     // Position of each stage's last backward (B or W; I is followed by W).
@@ -152,7 +167,7 @@ Schedule insertGradReduce(const Schedule& with_transfers) {
       reduce_after.emplace_back(at, s);
     }
     std::sort(reduce_after.begin(), reduce_after.end());
-    auto& program = out.programs[r];
+    program.clear();
     program.reserve(source.size() + reduce_after.size());
     size_t next = 0;
     for (size_t i = 0; i < source.size(); ++i) {
@@ -161,13 +176,14 @@ Schedule insertGradReduce(const Schedule& with_transfers) {
         program.push_back(reduceGradAction(reduce_after[next].second));
       }
     }
+    with_transfers.programs[r].swap(program);
   }
-  return out;
+  return with_transfers;
 }
 
 Schedule lower(const Schedule& compute_only, const LowerOptions& options) {
   Schedule out = orderChannels(insertTransfers(compute_only));
-  if (options.grad_reduce) out = insertGradReduce(out);
+  if (options.grad_reduce) out = insertGradReduce(std::move(out));
   return out;
 }
 

@@ -25,8 +25,8 @@ struct LowerOptions {
 
 // Input must be compute-only (ScheduleError otherwise).
 Schedule insertTransfers(const Schedule& compute_only);
-Schedule orderChannels(const Schedule& with_transfers);
-Schedule insertGradReduce(const Schedule& with_transfers);
+Schedule orderChannels(Schedule with_transfers);  // returned as is when already ordered
+Schedule insertGradReduce(Schedule with_transfers);
 
 // All passes in order.
 Schedule lower(const Schedule& compute_only, const LowerOptions& options = {});

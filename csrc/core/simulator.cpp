@@ -42,6 +42,14 @@ double messageBytes(const CostModel& model, const Action& send) {
              : model.message_bytes;
 }
 
+int64_t checkedSlot(const TransferIndex& index, int rank, const Action& a) {
+  const int64_t slot = index.slotOf(a);
+  if (slot < 0) {
+    throw ScheduleError(fmt::format("rank {}: '{}' names no stage edge of this schedule", rank, toString(a)));
+  }
+  return slot;
+}
+
 // Some rank is blocked on a RECV. If its SEND exists nowhere the program is
 // malformed (ScheduleError); otherwise the ranks wait on each other.
 [[noreturn]] void reportStuck(const Schedule& s, const TransferIndex& index, const std::vector<size_t>& pc) {
@@ -81,14 +89,6 @@ double messageBytes(const CostModel& model, const Action& send) {
 SimulationResult simulate(const Schedule& s, const CostModel& model, bool record_timeline) {
   const TransferIndex index(s);
   const int p = s.num_ranks;
-  for (int r = 0; r < p; ++r) {
-    for (const Action& a : s.programs[r]) {
-      if (isCommunication(a.kind) && index.slotOf(a) < 0) {
-        throw ScheduleError(fmt::format("rank {}: '{}' names no stage edge of this schedule", r, toString(a)));
-      }
-    }
-  }
-
   SimulationResult result;
   result.busy.assign(p, 0.0);
   if (record_timeline) {
@@ -99,6 +99,7 @@ SimulationResult simulate(const Schedule& s, const CostModel& model, bool record
   std::vector<int> waiter(index.numSlots(), -1);
   std::vector<size_t> pc(p, 0);
   std::vector<double> now(p, 0.0);
+  std::vector<int> live(p, 0), peak(p, 0);  // in-flight forwards, as peakActivations counts them
   std::vector<int> runnable;
   for (int r = p - 1; r >= 0; --r) runnable.push_back(r);
 
@@ -113,7 +114,7 @@ SimulationResult simulate(const Schedule& s, const CostModel& model, bool record
       const Action& a = program[pc[r]];
       double start = t;
       if (isRecv(a.kind)) {
-        const int64_t slot = index.slotOf(a);
+        const int64_t slot = checkedSlot(index, r, a);
         if (arrival[slot] < 0.0) {
           waiter[slot] = r;
           break;
@@ -121,7 +122,7 @@ SimulationResult simulate(const Schedule& s, const CostModel& model, bool record
         t = std::max(t, arrival[slot]);
         start = t;
       } else if (isSend(a.kind)) {
-        const int64_t slot = index.slotOf(a);
+        const int64_t slot = checkedSlot(index, r, a);
         if (arrival[slot] < 0.0) {
           arrival[slot] = t + model.transferTime(a);
           result.messages += 1;
@@ -129,6 +130,8 @@ SimulationResult simulate(const Schedule& s, const CostModel& model, bool record
           if (waiter[slot] >= 0) runnable.push_back(waiter[slot]);
         }
       } else {
+        if (a.kind == ActionKind::Forward) peak[r] = std::max(peak[r], ++live[r]);
+        else if (isBackward(a.kind)) --live[r];
         const double cost = model.computeCost(a);
         t += cost;
         if (isCompute(a.kind)) result.busy[r] += cost;
@@ -147,7 +150,7 @@ SimulationResult simulate(const Schedule& s, const CostModel& model, bool record
   for (int r = 0; r < p; ++r) {
     result.bubble_fraction[r] = result.makespan > 0.0 ? (result.makespan - result.busy[r]) / result.makespan : 0.0;
   }
-  result.peak_activations = peakActivations(s);
+  result.peak_activations = std::move(peak);
   return result;
 }
 

@@ -53,4 +53,28 @@ Action TransferIndex::recvOf(int64_t slot) const {
                   : commAction(edge.consumer, ActionKind::RecvF, mb, edge.producer);
 }
 
+ChannelOrder receiveOrder(const Schedule& s, const TransferIndex& index) {
+  ChannelOrder order;
+  order.num_ranks = s.num_ranks;
+  const size_t channels = static_cast<size_t>(s.num_ranks) * s.num_ranks;
+  // One pass over the programs collects (channel, slot) in program order;
+  // a counting sort by channel then keeps that order within each channel.
+  std::vector<std::pair<uint32_t, int64_t>> recvs;
+  for (int r = 0; r < s.num_ranks; ++r) {
+    for (const Action& a : s.programs[r]) {
+      if (!isRecv(a.kind) || a.peer_stage < 0 || a.peer_stage >= s.num_stages) continue;
+      const int64_t slot = index.slotOf(a);
+      if (slot < 0) continue;
+      recvs.emplace_back(static_cast<uint32_t>(order.channel(s.stage_to_rank[a.peer_stage], r)), slot);
+    }
+  }
+  order.offsets.assign(channels + 1, 0);
+  for (const auto& [ch, slot] : recvs) ++order.offsets[ch + 1];
+  for (size_t ch = 0; ch < channels; ++ch) order.offsets[ch + 1] += order.offsets[ch];
+  order.slots.resize(recvs.size());
+  std::vector<int64_t> fill(order.offsets.begin(), order.offsets.end() - 1);
+  for (const auto& [ch, slot] : recvs) order.slots[fill[ch]++] = slot;
+  return order;
+}
+
 }  // namespace mpmd

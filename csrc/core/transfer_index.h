@@ -72,4 +72,18 @@ class TransferIndex {
   int num_microbatches_ = 0;
 };
 
+// Receive order of every directed rank channel sender -> receiver, in CSR
+// form: channel `sender * num_ranks + receiver` holds
+// slots[offsets[ch] .. offsets[ch + 1]) in the receiver's program order.
+// RECVs that name no edge are left out (validation reports them).
+struct ChannelOrder {
+  int num_ranks = 0;
+  std::vector<int64_t> offsets;
+  std::vector<int64_t> slots;
+  size_t channel(int sender, int receiver) const {
+    return static_cast<size_t>(sender) * num_ranks + receiver;
+  }
+};
+ChannelOrder receiveOrder(const Schedule& schedule, const TransferIndex& index);
+
 }  // namespace mpmd

@@ -56,7 +56,7 @@ void checkShape(const Schedule& s) {
 
 // Position of each compute kind per (stage, microbatch), -1 when absent.
 struct ComputePositions {
-  std::vector<int64_t> f, b, i, w;  // index stage * m + mb
+  std::vector<int32_t> f, b, i, w;  // index stage * m + mb; positions fit int32
 };
 
 void checkActionFields(const Schedule& s, int r, size_t pos, const Action& a) {
@@ -83,8 +83,8 @@ void checkActionFields(const Schedule& s, int r, size_t pos, const Action& a) {
 
 ComputePositions collectCompute(const Schedule& s) {
   const size_t n = static_cast<size_t>(s.num_stages) * s.num_microbatches;
-  ComputePositions cp{std::vector<int64_t>(n, -1), std::vector<int64_t>(n, -1),
-                      std::vector<int64_t>(n, -1), std::vector<int64_t>(n, -1)};
+  ComputePositions cp{std::vector<int32_t>(n, -1), std::vector<int32_t>(n, -1),
+                      std::vector<int32_t>(n, -1), std::vector<int32_t>(n, -1)};
   for (int r = 0; r < s.num_ranks; ++r) {
     const auto& program = s.programs[r];
     for (size_t pos = 0; pos < program.size(); ++pos) {
@@ -97,7 +97,7 @@ ComputePositions collectCompute(const Schedule& s) {
                    : a.kind == ActionKind::BackwardInput ? cp.i[key]
                                                         : cp.w[key];
       if (slot >= 0) failAt(r, pos, a, fmt::format("runs twice (first at #{})", slot));
-      slot = static_cast<int64_t>(pos);
+      slot = static_cast<int32_t>(pos);
     }
   }
   return cp;
@@ -144,14 +144,36 @@ void checkComputeOrder(const Schedule& s, const ComputePositions& cp) {
   }
 }
 
+// Each directed channel's k-th SEND is the receiver's k-th RECV from it
+// (NOTE [Channel order] in lowering.h). Runs after every transfer is known to
+// be posted exactly once on both sides.
+void checkChannelOrder(const Schedule& s, const TransferIndex& index) {
+  const ChannelOrder order = receiveOrder(s, index);
+  std::vector<int64_t> next(order.offsets.begin(), order.offsets.end() - 1);
+  for (int r = 0; r < s.num_ranks; ++r) {
+    for (const Action& a : s.programs[r]) {
+      if (!isSend(a.kind)) continue;
+      const int peer = s.stage_to_rank[a.peer_stage];
+      const size_t ch = order.channel(r, peer);
+      const int64_t slot = index.slotOf(a);
+      if (order.slots[next[ch]] != slot) {
+        throw ScheduleError(fmt::format(
+            "channel rank {} -> rank {} is not matched by order: transfer #{} is '{}' on rank {} but '{}' on "
+            "rank {} (NCCL p2p matches by order alone)",
+            r, peer, next[ch] - order.offsets[ch], toString(a), r, toString(index.recvOf(order.slots[next[ch]])),
+            peer));
+      }
+      ++next[ch];
+    }
+  }
+}
+
 // Lowered schedules: transfers exist, are used in the right place, and each
 // channel is matched by order alone (NOTE [Channel order] in lowering.h).
 void checkTransfers(const Schedule& s, const ComputePositions& cp) {
   const TransferIndex index(s);
   const int64_t slots = index.numSlots();
-  std::vector<int64_t> send_pos(slots, -1), recv_pos(slots, -1);
-  std::vector<std::vector<int64_t>> send_seq(static_cast<size_t>(s.num_ranks) * s.num_ranks);
-  std::vector<std::vector<int64_t>> recv_seq(send_seq.size());
+  std::vector<int32_t> send_pos(slots, -1), recv_pos(slots, -1);
   for (int r = 0; r < s.num_ranks; ++r) {
     const auto& program = s.programs[r];
     for (size_t pos = 0; pos < program.size(); ++pos) {
@@ -164,10 +186,7 @@ void checkTransfers(const Schedule& s, const ComputePositions& cp) {
       }
       auto& at = isSend(a.kind) ? send_pos[slot] : recv_pos[slot];
       if (at >= 0) failAt(r, pos, a, fmt::format("transfer already posted at #{}", at));
-      at = static_cast<int64_t>(pos);
-      const int peer = s.stage_to_rank[a.peer_stage];
-      if (isSend(a.kind)) send_seq[static_cast<size_t>(r) * s.num_ranks + peer].push_back(slot);
-      else recv_seq[static_cast<size_t>(peer) * s.num_ranks + r].push_back(slot);
+      at = static_cast<int32_t>(pos);
     }
   }
   // Every cross-rank dependency is sent after it is produced and received
@@ -207,18 +226,7 @@ void checkTransfers(const Schedule& s, const ComputePositions& cp) {
       }
     }
   }
-  for (size_t ch = 0; ch < send_seq.size(); ++ch) {
-    if (send_seq[ch] == recv_seq[ch]) continue;
-    const int a = static_cast<int>(ch / s.num_ranks), b = static_cast<int>(ch % s.num_ranks);
-    size_t k = 0;
-    while (k < send_seq[ch].size() && k < recv_seq[ch].size() && send_seq[ch][k] == recv_seq[ch][k]) ++k;
-    const std::string sent = k < send_seq[ch].size() ? toString(index.sendOf(send_seq[ch][k])) : "nothing";
-    const std::string recvd = k < recv_seq[ch].size() ? toString(index.recvOf(recv_seq[ch][k])) : "nothing";
-    throw ScheduleError(fmt::format(
-        "channel rank {} -> rank {} is not matched by order: transfer #{} is '{}' on rank {} but '{}' on "
-        "rank {} (NCCL p2p matches by order alone)",
-        a, b, k, sent, a, recvd, b));
-  }
+  checkChannelOrder(s, index);
 }
 
 }  // namespace
