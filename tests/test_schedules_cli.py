@@ -72,6 +72,12 @@ def test_show_png_writes_a_png_timeline(tmp_path):
     assert f"wrote {png}" in out.stdout
 
 
+def test_v_schedules_default_to_two_stages_per_rank():
+    out = cli("show", "zbv", "--ranks", "2", "--microbatches", "2")
+    assert out.returncode == 0, out.stderr
+    assert "4 stages" in out.stdout
+
+
 def test_list_prints_every_schedule_name():
     out = cli("list")
     assert out.returncode == 0

@@ -59,7 +59,8 @@ def _build_parser() -> argparse.ArgumentParser:
     show.add_argument("--file", type=Path, help="load a .csv (torch format) or text schedule")
     show.add_argument("--ranks", type=int, help="number of pipeline ranks")
     show.add_argument("--microbatches", type=int, help="number of microbatches")
-    show.add_argument("--stages-per-rank", type=int, default=None, help="default 1")
+    show.add_argument("--stages-per-rank", type=int, default=None,
+                      help="default 2 for the V schedules (zbv, dualpipev), else 1")
     show.add_argument("--lowered", action="store_true", help="print the lowered program")
     show.add_argument("--costs", type=_parse_costs, default=None,
                       help="e.g. F=1,B=2,I=1,W=1,REDUCE_GRAD=0")
@@ -87,8 +88,18 @@ def _load(args: argparse.Namespace) -> Schedule:
         args.name,
         num_ranks=args.ranks,
         num_microbatches=args.microbatches,
-        stages_per_rank=1 if args.stages_per_rank is None else args.stages_per_rank,
+        stages_per_rank=_default_stages_per_rank(args.name) if args.stages_per_rank is None
+        else args.stages_per_rank,
     )
+
+
+# V placements hold exactly two stages per rank; every other schedule starts
+# from one, the library default.
+_V_SCHEDULES = ("zbv", "dualpipev")
+
+
+def _default_stages_per_rank(name: str) -> int:
+    return 2 if name in _V_SCHEDULES else 1
 
 
 def _metrics(result: SimulationResult) -> str:
