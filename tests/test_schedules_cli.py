@@ -95,7 +95,8 @@ def test_help_describes_show_options():
 
 @pytest.mark.parametrize("args,fragments", [
     (["show", "nope", "--ranks", "4", "--microbatches", "8"], ["'nope'", "1f1b"]),
-    (["show", "zbv", "--ranks", "4", "--microbatches", "8"], ["stages_per_rank=1"]),
+    (["show", "zbv", "--ranks", "4", "--microbatches", "3"], ["num_microbatches=3", "num_ranks=4"]),
+    (["show", "zbv", "--ranks", "4", "--microbatches", "8", "--stages-per-rank", "1"], ["stages_per_rank=1"]),
     (["show", "1f1b", "--ranks", "4"], ["--microbatches"]),
     (["show", "1f1b", "--ranks", "four", "--microbatches", "8"], ["--ranks", "four"]),
     (["show", "1f1b", "--ranks", "4", "--microbatches", "8", "--costs", "X=1"], ["'X'"]),
