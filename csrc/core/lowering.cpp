@@ -47,9 +47,25 @@ Schedule insertTransfers(const Schedule& compute_only) {
   const auto& owner = compute_only.stage_to_rank;
   Schedule out = withEmptyPrograms(compute_only);
 
+  std::vector<size_t> extra(compute_only.num_stages);
   for (int r = 0; r < compute_only.num_ranks; ++r) {
+    // Exact size (a 3x guess would touch, and page-fault, far more memory on
+    // large schedules): F, B and I of stage s each gain one transfer per
+    // neighbour stage on another rank. Plus room for insertGradReduce's one
+    // action per local stage, so that pass can insert in place.
+    size_t local_stages = 0;
+    for (int s = 0; s < compute_only.num_stages; ++s) {
+      extra[s] = 0;
+      for (int p : producers[s]) extra[s] += owner[p] != r;
+      for (int c : consumers[s]) extra[s] += owner[c] != r;
+      local_stages += owner[s] == r;
+    }
+    size_t size = 0;
+    for (const Action& a : compute_only.programs[r]) {
+      size += 1 + (a.kind == ActionKind::BackwardWeight ? 0 : extra[a.stage]);
+    }
     auto& program = out.programs[r];
-    program.reserve(compute_only.programs[r].size() * 3);
+    program.reserve(size + local_stages);
     for (const Action& a : compute_only.programs[r]) {
       const int s = a.stage, mb = a.microbatch;
       if (a.kind == ActionKind::Forward) {
@@ -143,9 +159,6 @@ Schedule orderChannels(Schedule with_transfers) {
 }
 
 Schedule insertGradReduce(Schedule with_transfers) {
-  // Rewritten rank by rank in place: only one rank's program is ever
-  // duplicated, which keeps large schedules cheap in memory.
-  std::vector<Action> program;
   for (int r = 0; r < with_transfers.num_ranks; ++r) {
     const auto& source = with_transfers.programs[r];
     // Position of each stage's last backward (B or W; I is followed by W).
@@ -167,16 +180,20 @@ Schedule insertGradReduce(Schedule with_transfers) {
       reduce_after.emplace_back(at, s);
     }
     std::sort(reduce_after.begin(), reduce_after.end());
-    program.clear();
-    program.reserve(source.size() + reduce_after.size());
-    size_t next = 0;
-    for (size_t i = 0; i < source.size(); ++i) {
-      program.push_back(source[i]);
-      for (; next < reduce_after.size() && reduce_after[next].first == i; ++next) {
-        program.push_back(reduceGradAction(reduce_after[next].second));
-      }
+    // Insert in place from the back: only the actions after the first
+    // insertion point move (the tail of the program, as the last backwards
+    // come late), instead of copying every program.
+    auto& program = with_transfers.programs[r];
+    size_t end = program.size();  // actions [0, end) are not yet at their final place
+    program.resize(end + reduce_after.size());
+    for (size_t j = reduce_after.size(); j-- > 0;) {
+      const size_t after = reduce_after[j].first;
+      std::move_backward(program.begin() + static_cast<ptrdiff_t>(after + 1),
+                         program.begin() + static_cast<ptrdiff_t>(end),
+                         program.begin() + static_cast<ptrdiff_t>(end + j + 1));
+      program[after + 1 + j] = reduceGradAction(reduce_after[j].second);
+      end = after + 1;
     }
-    with_transfers.programs[r].swap(program);
   }
   return with_transfers;
 }

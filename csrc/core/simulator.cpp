@@ -42,11 +42,13 @@ double messageBytes(const CostModel& model, const Action& send) {
              : model.message_bytes;
 }
 
-int64_t checkedSlot(const TransferIndex& index, int rank, const Action& a) {
+[[noreturn, gnu::noinline]] void throwNoEdge(int rank, const Action& a) {
+  throw ScheduleError(fmt::format("rank {}: '{}' names no stage edge of this schedule", rank, toString(a)));
+}
+
+inline int64_t checkedSlot(const TransferIndex& index, int rank, const Action& a) {
   const int64_t slot = index.slotOf(a);
-  if (slot < 0) {
-    throw ScheduleError(fmt::format("rank {}: '{}' names no stage edge of this schedule", rank, toString(a)));
-  }
+  if (slot < 0) [[unlikely]] throwNoEdge(rank, a);
   return slot;
 }
 
@@ -84,10 +86,34 @@ int64_t checkedSlot(const TransferIndex& index, int rank, const Action& a) {
   throw DeadlockError("deadlock: no rank can make progress" + blocked);
 }
 
+// Per-(stage, kind) costs and per-producer transfer times, looked up in the
+// hot loop instead of re-deriving them per action from the CostModel.
+struct CostTable {
+  std::vector<double> compute;  // stage * kNumActionKinds + kind; 0 for transfers
+  std::vector<double> transfer_time, transfer_bytes;  // per producing stage
+
+  CostTable(const CostModel& model, int num_stages) {
+    compute.resize(static_cast<size_t>(num_stages) * kNumActionKinds);
+    transfer_time.resize(num_stages);
+    transfer_bytes.resize(num_stages);
+    for (int st = 0; st < num_stages; ++st) {
+      for (int k = 0; k < kNumActionKinds; ++k) {
+        compute[static_cast<size_t>(st) * kNumActionKinds + k] =
+            model.computeCost(Action{st, static_cast<ActionKind>(k), 0, -1});
+      }
+      const Action send{st, ActionKind::SendF, 0, st + 1};  // producer is `st`
+      transfer_time[st] = model.transferTime(send);
+      transfer_bytes[st] = messageBytes(model, send);
+    }
+  }
+};
+
 }  // namespace
 
 SimulationResult simulate(const Schedule& s, const CostModel& model, bool record_timeline) {
   const TransferIndex index(s);
+  const CostTable table(model, s.num_stages);
+  const size_t num_stages = static_cast<size_t>(std::max(s.num_stages, 0));
   const int p = s.num_ranks;
   SimulationResult result;
   result.busy.assign(p, 0.0);
@@ -109,9 +135,12 @@ SimulationResult simulate(const Schedule& s, const CostModel& model, bool record
     const int r = runnable.back();
     runnable.pop_back();
     const auto& program = s.programs[r];
-    double t = now[r];
-    while (pc[r] < program.size()) {
-      const Action& a = program[pc[r]];
+    const size_t size = program.size();
+    double t = now[r], busy = result.busy[r];
+    int rank_live = live[r], rank_peak = peak[r];
+    size_t i = pc[r];
+    for (; i < size; ++i) {
+      const Action& a = program[i];
       double start = t;
       if (isRecv(a.kind)) {
         const int64_t slot = checkedSlot(index, r, a);
@@ -124,22 +153,31 @@ SimulationResult simulate(const Schedule& s, const CostModel& model, bool record
       } else if (isSend(a.kind)) {
         const int64_t slot = checkedSlot(index, r, a);
         if (arrival[slot] < 0.0) {
-          arrival[slot] = t + model.transferTime(a);
+          // A valid slot has both stages in range.
+          const int producer = a.kind == ActionKind::SendF ? a.stage : a.peer_stage;
+          arrival[slot] = t + table.transfer_time[producer];
           result.messages += 1;
-          result.comm_bytes += messageBytes(model, a);
+          result.comm_bytes += table.transfer_bytes[producer];
           if (waiter[slot] >= 0) runnable.push_back(waiter[slot]);
         }
       } else {
-        if (a.kind == ActionKind::Forward) peak[r] = std::max(peak[r], ++live[r]);
-        else if (isBackward(a.kind)) --live[r];
-        const double cost = model.computeCost(a);
+        if (a.kind == ActionKind::Forward) rank_peak = std::max(rank_peak, ++rank_live);
+        else if (isBackward(a.kind)) --rank_live;
+        // Unvalidated input may name a stage out of range: cost it as computeCost does.
+        const double cost = static_cast<size_t>(a.stage) < num_stages
+                                ? table.compute[static_cast<size_t>(a.stage) * kNumActionKinds +
+                                                static_cast<size_t>(a.kind)]
+                                : model.computeCost(a);
         t += cost;
-        if (isCompute(a.kind)) result.busy[r] += cost;
+        if (isCompute(a.kind)) busy += cost;
       }
-      if (record_timeline) result.timeline[r][pc[r]] = {start, t};
-      ++pc[r];
+      if (record_timeline) result.timeline[r][i] = {start, t};
     }
+    pc[r] = i;
     now[r] = t;
+    result.busy[r] = busy;
+    live[r] = rank_live;
+    peak[r] = rank_peak;
   }
   for (int r = 0; r < p; ++r) {
     if (pc[r] < s.programs[r].size()) reportStuck(s, index, pc);

@@ -55,25 +55,31 @@ Action TransferIndex::recvOf(int64_t slot) const {
 
 ChannelOrder receiveOrder(const Schedule& s, const TransferIndex& index) {
   ChannelOrder order;
-  order.num_ranks = s.num_ranks;
-  const size_t channels = static_cast<size_t>(s.num_ranks) * s.num_ranks;
-  // One pass over the programs collects (channel, slot) in program order;
-  // a counting sort by channel then keeps that order within each channel.
-  std::vector<std::pair<uint32_t, int64_t>> recvs;
-  for (int r = 0; r < s.num_ranks; ++r) {
+  const int p = order.num_ranks = s.num_ranks;
+  order.offsets.assign(static_cast<size_t>(p) * p + 1, 0);
+  // Channels are numbered receiver-major (see ChannelOrder::channel), so each
+  // rank's program fills a contiguous block: count its RECVs per sender, then
+  // fill, while the program is still in cache. No temporary list of pairs.
+  const auto senderOf = [&](const Action& a) {
+    return isRecv(a.kind) && a.peer_stage >= 0 && a.peer_stage < s.num_stages ? s.stage_to_rank[a.peer_stage]
+                                                                               : -1;
+  };
+  for (int r = 0; r < p; ++r) {
+    int64_t* counts = &order.offsets[order.channel(0, r) + 1];
     for (const Action& a : s.programs[r]) {
-      if (!isRecv(a.kind) || a.peer_stage < 0 || a.peer_stage >= s.num_stages) continue;
+      const int sender = senderOf(a);
+      if (sender >= 0 && index.slotOf(a) >= 0) ++counts[sender];
+    }
+    for (int q = 0; q < p; ++q) counts[q] += counts[q - 1];  // counts[-1] is the block's base
+    order.slots.resize(static_cast<size_t>(counts[p - 1]));
+    std::vector<int64_t> fill(counts - 1, counts + p - 1);
+    for (const Action& a : s.programs[r]) {
+      const int sender = senderOf(a);
+      if (sender < 0) continue;
       const int64_t slot = index.slotOf(a);
-      if (slot < 0) continue;
-      recvs.emplace_back(static_cast<uint32_t>(order.channel(s.stage_to_rank[a.peer_stage], r)), slot);
+      if (slot >= 0) order.slots[fill[sender]++] = slot;
     }
   }
-  order.offsets.assign(channels + 1, 0);
-  for (const auto& [ch, slot] : recvs) ++order.offsets[ch + 1];
-  for (size_t ch = 0; ch < channels; ++ch) order.offsets[ch + 1] += order.offsets[ch];
-  order.slots.resize(recvs.size());
-  std::vector<int64_t> fill(order.offsets.begin(), order.offsets.end() - 1);
-  for (const auto& [ch, slot] : recvs) order.slots[fill[ch]++] = slot;
   return order;
 }
 

@@ -73,7 +73,7 @@ class TransferIndex {
 };
 
 // Receive order of every directed rank channel sender -> receiver, in CSR
-// form: channel `sender * num_ranks + receiver` holds
+// form: channel `receiver * num_ranks + sender` holds
 // slots[offsets[ch] .. offsets[ch + 1]) in the receiver's program order.
 // RECVs that name no edge are left out (validation reports them).
 struct ChannelOrder {
@@ -81,7 +81,7 @@ struct ChannelOrder {
   std::vector<int64_t> offsets;
   std::vector<int64_t> slots;
   size_t channel(int sender, int receiver) const {
-    return static_cast<size_t>(sender) * num_ranks + receiver;
+    return static_cast<size_t>(receiver) * num_ranks + sender;
   }
 };
 ChannelOrder receiveOrder(const Schedule& schedule, const TransferIndex& index);
