@@ -107,11 +107,52 @@ bool channelsMatch(const Schedule& s, const TransferIndex& index, const ChannelO
   return true;
 }
 
+// A sufficient condition for channelsMatch, in one pass and without building
+// the receive order: every transfer is on its stages' ranks and posted at
+// most once per side, every SEND has its RECV, and each slot's SEND and RECV
+// have the same index among their channel's sends and receives (a slot's two
+// sides share a channel). False means "unknown": the caller checks in full.
+bool channelsSurelyMatch(const Schedule& s, const TransferIndex& index) {
+  const int p = s.num_ranks;
+  const auto& owner = s.stage_to_rank;
+  struct SlotState {  // 4 bytes: this array is the pass's main memory cost
+    uint32_t ord : 30;  // index in the channel of whichever side came first
+    uint32_t seen : 2;  // kSent | kReceived
+  };
+  constexpr uint32_t kSent = 1, kReceived = 2, kMaxOrd = (1u << 30) - 1;
+  std::vector<SlotState> slots(index.numSlots(), SlotState{0, 0});
+  std::vector<uint32_t> sent(static_cast<size_t>(p) * p, 0), received(static_cast<size_t>(p) * p, 0);
+  int64_t sends = 0, pairs = 0;
+  for (int r = 0; r < p; ++r) {
+    for (const Action& a : s.programs[r]) {
+      if (!isCommunication(a.kind)) continue;
+      const int64_t slot = index.slotOf(a);  // valid: both stages in range
+      if (slot < 0 || owner[a.stage] != r || owner[a.peer_stage] == r) return false;
+      const int peer = owner[a.peer_stage];
+      const bool send = isSend(a.kind);
+      const uint32_t side = send ? kSent : kReceived;
+      const uint32_t ord =
+          send ? sent[static_cast<size_t>(r) * p + peer]++ : received[static_cast<size_t>(peer) * p + r]++;
+      SlotState& st = slots[slot];
+      if ((st.seen & side) || ord > kMaxOrd) return false;
+      if (st.seen) {
+        if (st.ord != ord) return false;
+        ++pairs;
+      }
+      st.seen |= side;
+      st.ord = ord;
+      sends += send;
+    }
+  }
+  return pairs == sends;
+}
+
 }  // namespace
 
 Schedule orderChannels(Schedule with_transfers) {
   const int p = with_transfers.num_ranks;
   const TransferIndex index(with_transfers);
+  if (channelsSurelyMatch(with_transfers, index)) return with_transfers;
   const auto& owner = with_transfers.stage_to_rank;
   const ChannelOrder recv_order = receiveOrder(with_transfers, index);
   if (channelsMatch(with_transfers, index, recv_order)) return with_transfers;

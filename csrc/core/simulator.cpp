@@ -121,14 +121,20 @@ SimulationResult simulate(const Schedule& s, const CostModel& model, bool record
     result.timeline.resize(p);
     for (int r = 0; r < p; ++r) result.timeline[r].resize(s.programs[r].size());
   }
-  std::vector<double> arrival(index.numSlots(), -1.0);
-  std::vector<int> waiter(index.numSlots(), -1);
+  // Per transfer: when its data arrives (-1 until sent) and the rank blocked
+  // on its RECV (-1 if none), side by side so a SEND touches one cache line.
+  struct SlotTime {
+    double arrival = -1.0;
+    int waiter = -1;
+  };
+  std::vector<SlotTime> slots(index.numSlots());
   std::vector<size_t> pc(p, 0);
   std::vector<double> now(p, 0.0);
   std::vector<int> live(p, 0), peak(p, 0);  // in-flight forwards, as peakActivations counts them
   std::vector<int> runnable;
   for (int r = p - 1; r >= 0; --r) runnable.push_back(r);
 
+  constexpr size_t kLookahead = 8;
   // Each rank runs until it blocks on a RECV whose SEND has not happened;
   // that SEND wakes it. Every action is executed once: linear time.
   while (!runnable.empty()) {
@@ -141,24 +147,33 @@ SimulationResult simulate(const Schedule& s, const CostModel& model, bool record
     size_t i = pc[r];
     for (; i < size; ++i) {
       const Action& a = program[i];
+      // Transfers of a rank hit many slot streams at once; fetch ahead.
+      if (i + kLookahead < size && isCommunication(program[i + kLookahead].kind)) {
+        const int64_t ahead = index.slotOf(program[i + kLookahead]);
+        if (ahead >= 0) __builtin_prefetch(&slots[ahead]);
+      }
       double start = t;
       if (isRecv(a.kind)) {
-        const int64_t slot = checkedSlot(index, r, a);
-        if (arrival[slot] < 0.0) {
-          waiter[slot] = r;
+        SlotTime& slot = slots[checkedSlot(index, r, a)];
+        if (slot.arrival < 0.0) {
+          slot.waiter = r;
           break;
         }
-        t = std::max(t, arrival[slot]);
+        t = std::max(t, slot.arrival);
         start = t;
       } else if (isSend(a.kind)) {
-        const int64_t slot = checkedSlot(index, r, a);
-        if (arrival[slot] < 0.0) {
+        SlotTime& slot = slots[checkedSlot(index, r, a)];
+        if (slot.arrival < 0.0) {
           // A valid slot has both stages in range.
           const int producer = a.kind == ActionKind::SendF ? a.stage : a.peer_stage;
-          arrival[slot] = t + table.transfer_time[producer];
+          slot.arrival = t + table.transfer_time[producer];
           result.messages += 1;
           result.comm_bytes += table.transfer_bytes[producer];
-          if (waiter[slot] >= 0) runnable.push_back(waiter[slot]);
+          if (slot.waiter >= 0) {
+            runnable.push_back(slot.waiter);
+            // Ranks resume often and out of the cache: fetch where it resumes.
+            __builtin_prefetch(s.programs[slot.waiter].data() + pc[slot.waiter]);
+          }
         }
       } else {
         if (a.kind == ActionKind::Forward) rank_peak = std::max(rank_peak, ++rank_live);

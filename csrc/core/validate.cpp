@@ -1,6 +1,7 @@
 #include "validate.h"
 
 #include <algorithm>
+#include <utility>
 
 #include <fmt/format.h>
 
@@ -54,9 +55,28 @@ void checkShape(const Schedule& s) {
   }
 }
 
-// Position of each compute kind per (stage, microbatch), -1 when absent.
-struct ComputePositions {
-  std::vector<int32_t> f, b, i, w;  // index stage * m + mb; positions fit int32
+// Position of each compute kind per (stage, microbatch), -1 when absent;
+// key stage * m + mb, positions fit int32. I and W get their own table, made
+// only when a schedule splits its backward: most do not, and these tables
+// are the bulk of validation's memory.
+class ComputePositions {
+ public:
+  explicit ComputePositions(size_t keys) : fb_(keys, {-1, -1}) {}
+  int32_t f(size_t key) const { return fb_[key].first; }
+  int32_t b(size_t key) const { return fb_[key].second; }
+  int32_t i(size_t key) const { return iw_.empty() ? -1 : iw_[key].first; }
+  int32_t w(size_t key) const { return iw_.empty() ? -1 : iw_[key].second; }
+  // B if any, else I: the backward that produces the input gradient.
+  int32_t backward(size_t key) const { return b(key) >= 0 ? b(key) : i(key); }
+  int32_t& at(size_t key, ActionKind kind) {
+    if (kind == ActionKind::Forward) return fb_[key].first;
+    if (kind == ActionKind::FullBackward) return fb_[key].second;
+    if (iw_.empty()) iw_.assign(fb_.size(), {-1, -1});
+    return kind == ActionKind::BackwardInput ? iw_[key].first : iw_[key].second;
+  }
+
+ private:
+  std::vector<std::pair<int32_t, int32_t>> fb_ = {}, iw_ = {};
 };
 
 void checkActionFields(const Schedule& s, int r, size_t pos, const Action& a) {
@@ -81,28 +101,6 @@ void checkActionFields(const Schedule& s, int r, size_t pos, const Action& a) {
   }
 }
 
-ComputePositions collectCompute(const Schedule& s) {
-  const size_t n = static_cast<size_t>(s.num_stages) * s.num_microbatches;
-  ComputePositions cp{std::vector<int32_t>(n, -1), std::vector<int32_t>(n, -1),
-                      std::vector<int32_t>(n, -1), std::vector<int32_t>(n, -1)};
-  for (int r = 0; r < s.num_ranks; ++r) {
-    const auto& program = s.programs[r];
-    for (size_t pos = 0; pos < program.size(); ++pos) {
-      const Action& a = program[pos];
-      checkActionFields(s, r, pos, a);
-      if (!isCompute(a.kind)) continue;
-      const size_t key = static_cast<size_t>(a.stage) * s.num_microbatches + a.microbatch;
-      auto& slot = a.kind == ActionKind::Forward        ? cp.f[key]
-                   : a.kind == ActionKind::FullBackward ? cp.b[key]
-                   : a.kind == ActionKind::BackwardInput ? cp.i[key]
-                                                        : cp.w[key];
-      if (slot >= 0) failAt(r, pos, a, fmt::format("runs twice (first at #{})", slot));
-      slot = static_cast<int32_t>(pos);
-    }
-  }
-  return cp;
-}
-
 void checkComputeOrder(const Schedule& s, const ComputePositions& cp) {
   const int m = s.num_microbatches;
   for (int st = 0; st < s.num_stages; ++st) {
@@ -112,14 +110,14 @@ void checkComputeOrder(const Schedule& s, const ComputePositions& cp) {
       const auto missing = [&](std::string_view what) {
         throw ScheduleError(fmt::format("rank {}: stage {} microbatch {} {}", r, st, mb, what));
       };
-      if (cp.f[key] < 0) missing(fmt::format("has no forward {}F{}", st, mb));
-      const bool full = cp.b[key] >= 0, split = cp.i[key] >= 0 || cp.w[key] >= 0;
+      if (cp.f(key) < 0) missing(fmt::format("has no forward {}F{}", st, mb));
+      const bool full = cp.b(key) >= 0, split = cp.i(key) >= 0 || cp.w(key) >= 0;
       if (full && split) missing("has both a full backward (B) and a split one (I/W)");
       if (!full && !split) missing(fmt::format("has no backward ({}B{} or {}I{} and {}W{})", st, mb, st, mb, st, mb));
-      if (split && (cp.i[key] < 0 || cp.w[key] < 0)) missing("has only half of its split backward (needs both I and W)");
-      if (split && cp.w[key] < cp.i[key]) missing(fmt::format("runs {}W{} before {}I{}", st, mb, st, mb));
-      const int64_t bwd = full ? cp.b[key] : cp.i[key];
-      if (bwd < cp.f[key]) missing("runs its backward before its forward");
+      if (split && (cp.i(key) < 0 || cp.w(key) < 0)) missing("has only half of its split backward (needs both I and W)");
+      if (split && cp.w(key) < cp.i(key)) missing(fmt::format("runs {}W{} before {}I{}", st, mb, st, mb));
+      const int64_t bwd = full ? cp.b(key) : cp.i(key);
+      if (bwd < cp.f(key)) missing("runs its backward before its forward");
     }
   }
   // Same-rank dependencies follow program order (cross-rank ones are
@@ -129,12 +127,12 @@ void checkComputeOrder(const Schedule& s, const ComputePositions& cp) {
     if (s.stage_to_rank[e.consumer] != r) continue;
     for (int mb = 0; mb < m; ++mb) {
       const size_t kp = static_cast<size_t>(e.producer) * m + mb, kc = static_cast<size_t>(e.consumer) * m + mb;
-      if (cp.f[kc] < cp.f[kp]) {
+      if (cp.f(kc) < cp.f(kp)) {
         throw ScheduleError(fmt::format("rank {}: {}F{} runs before {}F{}, whose output it reads", r,
                                         e.consumer, mb, e.producer, mb));
       }
-      const int64_t bp = cp.b[kp] >= 0 ? cp.b[kp] : cp.i[kp];
-      const int64_t bc = cp.b[kc] >= 0 ? cp.b[kc] : cp.i[kc];
+      const int64_t bp = cp.backward(kp);
+      const int64_t bc = cp.backward(kc);
       if (bp < bc) {
         throw ScheduleError(fmt::format("rank {}: backward of stage {} microbatch {} runs before the "
                                         "backward of stage {}, whose gradient it needs",
@@ -170,7 +168,10 @@ void checkChannelOrder(const Schedule& s, const TransferIndex& index) {
 
 // Lowered schedules: transfers exist, are used in the right place, and each
 // channel is matched by order alone (NOTE [Channel order] in lowering.h).
-void checkTransfers(const Schedule& s, const ComputePositions& cp) {
+//
+// The reference check, run only when checkTransfersFast could not prove the
+// schedule valid: it names the first violation in a stable order.
+void checkTransfersSlow(const Schedule& s, const ComputePositions& cp) {
   const TransferIndex index(s);
   const int64_t slots = index.numSlots();
   std::vector<int32_t> send_pos(slots, -1), recv_pos(slots, -1);
@@ -212,11 +213,10 @@ void checkTransfers(const Schedule& s, const ComputePositions& cp) {
         }
         // Producer compute on the sender precedes the send; consumer compute
         // on the receiver follows the receive.
-        const auto backwardAt = [&](size_t key) { return cp.b[key] >= 0 ? cp.b[key] : cp.i[key]; };
         const size_t send_key = static_cast<size_t>(send_stage) * m + mb;
         const size_t recv_key = static_cast<size_t>(recv_stage) * m + mb;
-        const int64_t produced_at = backward ? backwardAt(send_key) : cp.f[send_key];
-        const int64_t used_at = backward ? backwardAt(recv_key) : cp.f[recv_key];
+        const int64_t produced_at = backward ? cp.backward(send_key) : cp.f(send_key);
+        const int64_t used_at = backward ? cp.backward(recv_key) : cp.f(recv_key);
         if (produced_at > send_pos[slot]) {
           failAt(sender, send_pos[slot], index.sendOf(slot), "is posted before the compute that produces it");
         }
@@ -227,6 +227,111 @@ void checkTransfers(const Schedule& s, const ComputePositions& cp) {
     }
   }
   checkChannelOrder(s, index);
+}
+
+// What the one pass over the programs (collect) learns.
+struct Collected {
+  ComputePositions cp{0};
+  bool lowered = false;  // holds a non-compute action, as Schedule::isLowered
+  // Per transfer slot, tracked only while every transfer seen is fine; once
+  // transfers_ok is false, checkTransfersSlow names the problem.
+  struct SlotState {  // 8 bytes: with cp, the main memory cost of validation
+    int32_t recv_pos = -1;
+    uint32_t ord : 31 = 0;  // index in its rank channel of whichever side came first
+    uint32_t sent : 1 = 0;
+  };
+  std::vector<SlotState> slots;
+  bool transfers_ok = true;
+  std::vector<int> peak;  // as peakActivations
+};
+
+// The transfers of a program touch many slot streams at once, which the
+// hardware prefetcher does not follow; fetch the slot of a transfer ahead.
+template <typename T>
+inline void prefetchSlotAhead(const TransferIndex& index, const std::vector<Action>& program, size_t pos,
+                              const std::vector<T>& slots) {
+  constexpr size_t kLookahead = 8;
+  if (pos + kLookahead < program.size() && isCommunication(program[pos + kLookahead].kind)) {
+    const int64_t ahead = index.slotOf(program[pos + kLookahead]);
+    if (ahead >= 0 && ahead < static_cast<int64_t>(slots.size())) __builtin_prefetch(&slots[ahead]);
+  }
+}
+
+// Checks each action's fields and that each compute runs once (throwing at
+// the first problem, in program order), and gathers everything the later
+// checks need, so the programs are read once.
+Collected collect(const Schedule& s, const TransferIndex& index) {
+  const int p = s.num_ranks, m = s.num_microbatches;
+  Collected c;
+  c.cp = ComputePositions(static_cast<size_t>(s.num_stages) * m);
+  c.peak.assign(p, 0);
+  // Transfers posted so far per channel sender * p + receiver, by each side.
+  std::vector<uint32_t> sent(static_cast<size_t>(p) * p, 0), received(static_cast<size_t>(p) * p, 0);
+  for (int r = 0; r < p; ++r) {
+    const auto& program = s.programs[r];
+    int live = 0;
+    for (size_t pos = 0; pos < program.size(); ++pos) {
+      const Action& a = program[pos];
+      checkActionFields(s, r, pos, a);
+      if (isCompute(a.kind)) {
+        int32_t& slot = c.cp.at(static_cast<size_t>(a.stage) * m + a.microbatch, a.kind);
+        if (slot >= 0) failAt(r, pos, a, fmt::format("runs twice (first at #{})", slot));
+        slot = static_cast<int32_t>(pos);
+        if (a.kind == ActionKind::Forward) c.peak[r] = std::max(c.peak[r], ++live);
+        else if (isBackward(a.kind)) --live;
+        continue;
+      }
+      c.lowered = true;
+      if (!isCommunication(a.kind) || !c.transfers_ok) continue;
+      if (c.slots.empty()) c.slots.resize(index.numSlots());
+      prefetchSlotAhead(index, program, pos, c.slots);
+      const int64_t slot = index.slotOf(a);
+      if (slot < 0) {
+        c.transfers_ok = false;
+        continue;
+      }
+      auto& st = c.slots[slot];
+      const int peer = s.stage_to_rank[a.peer_stage];  // checkActionFields: not r
+      if (isSend(a.kind)) {
+        // The producer is on this rank, so it is recorded iff it came first.
+        const size_t key = static_cast<size_t>(a.stage) * m + a.microbatch;
+        const int32_t produced_at = a.kind == ActionKind::SendF ? c.cp.f(key) : c.cp.backward(key);
+        const uint32_t ord = sent[static_cast<size_t>(r) * p + peer]++;
+        if (st.sent || produced_at < 0 || (st.recv_pos >= 0 && st.ord != ord)) c.transfers_ok = false;
+        st.sent = 1;
+        if (st.recv_pos < 0) st.ord = ord;
+      } else {
+        const uint32_t ord = received[static_cast<size_t>(peer) * p + r]++;
+        if (st.recv_pos >= 0 || (st.sent && st.ord != ord)) c.transfers_ok = false;
+        st.recv_pos = static_cast<int32_t>(pos);
+        if (!st.sent) st.ord = ord;
+      }
+    }
+  }
+  if (c.lowered && c.slots.empty()) c.slots.resize(index.numSlots());
+  return c;
+}
+
+// True when collect's data proves what checkTransfersSlow checks: every
+// transfer valid and posted once per side, each send after its producer, each
+// receive before its consumer, and per channel the k-th send is the k-th
+// receive (equal indices per slot, given each slot's sides share a channel).
+bool transfersProvenValid(const Schedule& s, const TransferIndex& index, const Collected& c) {
+  if (!c.transfers_ok) return false;
+  const int m = s.num_microbatches;
+  for (int e = 0; e < static_cast<int>(index.edges().size()); ++e) {
+    const StageEdge edge = index.edges()[e];
+    if (s.stage_to_rank[edge.producer] == s.stage_to_rank[edge.consumer]) continue;
+    for (int mb = 0; mb < m; ++mb) {
+      const size_t consumer = static_cast<size_t>(edge.consumer) * m + mb;
+      const size_t producer = static_cast<size_t>(edge.producer) * m + mb;
+      const auto& fwd = c.slots[index.slot(e, false, mb)];
+      const auto& bwd = c.slots[index.slot(e, true, mb)];
+      if (!fwd.sent || fwd.recv_pos < 0 || c.cp.f(consumer) < fwd.recv_pos) return false;
+      if (!bwd.sent || bwd.recv_pos < 0 || c.cp.backward(producer) < bwd.recv_pos) return false;
+    }
+  }
+  return true;
 }
 
 }  // namespace
@@ -245,16 +350,16 @@ std::vector<int> peakActivations(const Schedule& schedule) {
 
 void validateStatic(const Schedule& schedule) {
   checkShape(schedule);
-  const ComputePositions cp = collectCompute(schedule);
-  checkComputeOrder(schedule, cp);
-  if (schedule.isLowered()) checkTransfers(schedule, cp);
+  const TransferIndex index(schedule);
+  const Collected c = collect(schedule, index);
+  checkComputeOrder(schedule, c.cp);
+  if (c.lowered && !transfersProvenValid(schedule, index, c)) checkTransfersSlow(schedule, c.cp);
   if (!schedule.activation_bound.empty()) {
-    const auto peak = peakActivations(schedule);
     for (int r = 0; r < schedule.num_ranks; ++r) {
-      if (peak[r] > schedule.activation_bound[r]) {
+      if (c.peak[r] > schedule.activation_bound[r]) {
         throw ScheduleError(fmt::format("rank {} holds {} forwards' activations at its peak, above the "
                                         "bound of {} that schedule '{}' promises",
-                                        r, peak[r], schedule.activation_bound[r], schedule.name));
+                                        r, c.peak[r], schedule.activation_bound[r], schedule.name));
       }
     }
   }

@@ -1,8 +1,13 @@
 // Simulator: timing of hand-written programs, deadlock reports, validation.
+#include <map>
+#include <random>
+#include <tuple>
+
 #include <gtest/gtest.h>
 
 #include "core/errors.h"
 #include "core/lowering.h"
+#include "core/schedules/registry.h"
 #include "core/simulator.h"
 #include "core/validate.h"
 #include "test_util.h"
@@ -139,6 +144,64 @@ TEST(Validate, SendBeforeItsProducerIsRejected) {
 TEST(Validate, BadEdgesAreNamed) {
   Schedule s = scheduleFromRows({0, 1}, 1, {"0F0 0B0", "1F0 1B0"}, {{1, 0}});
   EXPECT_NE(whatOf([&] { validate(s); }).find("stage edge 1->0"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace mpmd
+
+namespace mpmd {
+namespace {
+
+// Channel order by brute force: per directed rank pair, the transfers in
+// send order and in receive order, as (sender stage, receiver stage, kind, mb).
+bool channelsMatchByOrder(const Schedule& s) {
+  std::map<std::pair<int, int>, std::vector<std::tuple<int, int, bool, int>>> sent, received;
+  for (int r = 0; r < s.num_ranks; ++r) {
+    for (const Action& a : s.programs[r]) {
+      const int peer = s.stage_to_rank[a.peer_stage < 0 ? 0 : a.peer_stage];
+      const bool backward = a.kind == ActionKind::SendB || a.kind == ActionKind::RecvB;
+      if (isSend(a.kind)) sent[{r, peer}].emplace_back(a.stage, a.peer_stage, backward, a.microbatch);
+      if (isRecv(a.kind)) received[{peer, r}].emplace_back(a.peer_stage, a.stage, backward, a.microbatch);
+    }
+  }
+  return sent == received;
+}
+
+// Mutations of valid lowered programs (adjacent swaps, drops, duplicates):
+// whatever validateStatic accepts must match channels by order and simulate
+// without a ScheduleError. Guards the single-pass fast path of validation.
+TEST(Validate, MutatedLoweredProgramsAreAcceptedOnlyWhenSound) {
+  std::mt19937 rng(1234);
+  int accepted = 0, rejected = 0;
+  for (const char* name : {"1f1b", "interleaved_1f1b", "zero_bubble", "zbv"}) {
+    const int v = std::string(name) == "zbv" || std::string(name) == "interleaved_1f1b" ? 2 : 1;
+    const Schedule base = lower(makeSchedule(name, {3, v, 4}));
+    for (int trial = 0; trial < 400; ++trial) {
+      Schedule s = base;
+      auto& program = s.programs[rng() % s.num_ranks];
+      const size_t i = rng() % program.size();
+      switch (trial % 3) {
+        case 0: if (i + 1 < program.size()) std::swap(program[i], program[i + 1]); break;
+        case 1: program.erase(program.begin() + static_cast<long>(i)); break;
+        default: program.insert(program.begin() + static_cast<long>(i), program[i]); break;
+      }
+      try {
+        validateStatic(s);
+      } catch (const ScheduleError&) {
+        ++rejected;
+        continue;
+      }
+      ++accepted;
+      EXPECT_TRUE(channelsMatchByOrder(s)) << name << " trial " << trial << ":\n" << testing::rowOf(s, 0);
+      try {
+        simulate(s);
+      } catch (const DeadlockError&) {
+        // A reordering may deadlock; that is simulate's verdict to give.
+      }
+    }
+  }
+  EXPECT_GT(accepted, 0);
+  EXPECT_GT(rejected, 0);
 }
 
 }  // namespace
