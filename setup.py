@@ -57,5 +57,5 @@ setup(
     cmdclass={"build_ext": CMakeBuild},
     python_requires=">=3.10",
     install_requires=["torch==2.13.0"],
-    entry_points={},
+    entry_points={"torch_dynamo_backends": ["mpmd = torch_mpmd.backend:mpmd_backend"]},
 )

@@ -24,7 +24,8 @@ fi
 need_pip=0
 "$PYTHON" - <<'PY' || need_pip=1
 import importlib.metadata as md, sys
-want = {"torch": "2.13.0", "pytest": None, "matplotlib": None, "cmake": None, "numpy": None}
+want = {"torch": "2.13.0", "pytest": None, "matplotlib": None, "cmake": None, "numpy": None,
+        "transformers": "5.24.0"}
 for name, version in want.items():
     try:
         have = md.version(name)
@@ -36,7 +37,9 @@ import cmake  # noqa: F401  (PyPI cmake >= 3.27 reads Torch's CMake config)
 PY
 if ((need_pip)); then
   echo "[setup] installing Python packages"
-  "$PYTHON" -m pip install -q "torch==2.13.0" "cmake>=3.27,<4" pytest matplotlib numpy
+  # transformers: the capture tests split Hugging Face models built from
+  # small configs (no download).
+  "$PYTHON" -m pip install -q "torch==2.13.0" "cmake>=3.27,<4" pytest matplotlib numpy "transformers==5.24.0"
 fi
 
 # Incremental: CMake rebuilds only what changed in build/cmake.

@@ -1,11 +1,38 @@
 """torch_mpmd: MPMD pipeline parallelism for PyTorch with a C++ core.
 
 Importing the package does not import torch; ``torch_mpmd.schedules`` needs
-only the compiled ``torch_mpmd._C`` extension.
+only the compiled ``torch_mpmd._C`` extension. The torch-dependent names
+(``stage_boundary``, ``split_model``, ``SplitModel``, ``CaptureError``) are
+imported on first access.
 """
+
+import importlib
+from typing import Any
 
 from torch_mpmd import schedules
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__", "schedules"]
+# Public name -> module that defines it; imported lazily (they need torch).
+_LAZY = {
+    "stage_boundary": "torch_mpmd.markers",
+    "split_model": "torch_mpmd.stage",
+    "SplitModel": "torch_mpmd.stage",
+    "CaptureError": "torch_mpmd.capture",
+}
+
+__all__ = ["__version__", "schedules", "stage_boundary", "split_model", "SplitModel",
+           "CaptureError"]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'torch_mpmd' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

@@ -15,5 +15,6 @@ void bindErrors(pybind11::module_& m);     // errors.cpp
 void bindActions(pybind11::module_& m);    // actions.cpp
 void bindSchedules(pybind11::module_& m);  // schedules.cpp
 void bindSimulator(pybind11::module_& m);  // simulator.cpp
+void bindGraph(pybind11::module_& m);      // graph.cpp
 
 }  // namespace mpmd::python

@@ -1,0 +1,397 @@
+"""Capture ``module(*args, **kwargs)`` as one FX graph with Dynamo.
+
+The graph is what ``torch.compile(fullgraph=True)`` hands a backend: torch-level
+calls, with every parameter, buffer and tensor input lifted to a placeholder.
+This module maps those placeholders back to names (parameter and buffer FQNs,
+user input names) and records how to rebuild the model's return value from the
+graph's flat outputs. A graph break is a :class:`CaptureError` that names the
+reason and the user's source line.
+
+Dynamo state: each capture compiles a fresh code object and drops its cache
+entry afterwards, so captures do not count towards recompile limits and leave
+no compiled code behind. The capture call itself runs no model code: the
+recording backend returns uninitialised tensors of the graph's output shapes,
+so parameters, buffers and the RNG are untouched.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import sys
+import itertools
+import types
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+import torch.fx
+import torch.utils._pytree as pytree
+
+import torch_mpmd.markers  # noqa: F401  (registers the marker op before any capture)
+
+__all__ = [
+    "CaptureError",
+    "CapturedGraph",
+    "PlaceholderInfo",
+    "OutputLeaf",
+    "capture",
+    "flatten_inputs",
+]
+
+_capture_counter = itertools.count()
+
+
+class CaptureError(ValueError):
+    """The model cannot be captured as one graph (a graph break) or uses a
+    feature the stage split cannot reproduce. The message names the reason,
+    the source line and a way out."""
+
+
+PlaceholderKind = Literal["input", "parameter", "buffer"]
+
+
+@dataclass(frozen=True)
+class PlaceholderInfo:
+    """What one placeholder of the captured graph stands for.
+
+    ``name`` is the user input name (``"x"``, ``"batch['ids']"``, ``"args[0]"``)
+    or the parameter/buffer FQN. ``aliases`` lists the other FQNs of the same
+    tensor (tied weights); ``persistent`` is False for non-persistent buffers.
+    """
+
+    kind: PlaceholderKind
+    name: str
+    aliases: tuple[str, ...] = ()
+    persistent: bool = True
+
+
+@dataclass(frozen=True)
+class OutputLeaf:
+    """Where one leaf of the model's return value comes from."""
+
+    source: Literal["graph", "input", "tensor", "constant"]
+    index: int = -1          # "graph": position among the graph's outputs
+    name: str = ""           # "input": user input name; "tensor": parameter/buffer FQN
+    value: Any = None        # "constant": the value itself
+
+
+@dataclass
+class CapturedGraph:
+    """A captured forward: the FX graph and what its placeholders mean."""
+
+    gm: torch.fx.GraphModule
+    placeholders: list[PlaceholderInfo]   # aligned with the graph's placeholder nodes
+    tensors: dict[str, torch.Tensor]      # parameter/buffer FQN -> the module's own tensor
+    module_fqns: list[str]                # every submodule FQN ("" = root), for messages
+    module_ids: dict[int, str] = field(default_factory=dict)  # id(submodule) -> FQN
+    input_names: list[str] = field(default_factory=list)      # tensor inputs, call order
+    input_constants: dict[str, Any] = field(default_factory=dict)  # non-tensor inputs
+    output_spec: pytree.TreeSpec | None = None
+    output_leaves: list[OutputLeaf] = field(default_factory=list)
+    signature: inspect.Signature | None = None
+    root: torch.nn.Module | None = None   # the captured module
+    grad_enabled: bool = True             # grad mode the graph was captured under
+    # Input name -> earlier input name that was the same tensor at capture (Dynamo
+    # reads such inputs once, so they must stay the same tensor).
+    input_aliases: dict[str, str] = field(default_factory=dict)
+
+    def rebuild_output(self, graph_outputs: Sequence[Any], inputs: Mapping[str, Any]) -> Any:
+        """The model's return value from the graph's flat outputs."""
+        leaves = []
+        for leaf in self.output_leaves:
+            if leaf.source == "graph":
+                leaves.append(graph_outputs[leaf.index])
+            elif leaf.source == "input":
+                leaves.append(inputs[leaf.name])
+            elif leaf.source == "tensor":
+                leaves.append(self.tensors[leaf.name])
+            else:
+                leaves.append(leaf.value)
+        assert self.output_spec is not None
+        return pytree.tree_unflatten(leaves, self.output_spec)
+
+
+# ---------------------------------------------------------------- inputs
+
+
+def _forward_signature(module: torch.nn.Module) -> inspect.Signature | None:
+    try:
+        return inspect.signature(module.forward)
+    except (TypeError, ValueError):
+        return None
+
+
+def flatten_inputs(
+    signature: inspect.Signature | None, args: Sequence[Any], kwargs: Mapping[str, Any]
+) -> dict[str, Any]:
+    """Name every leaf of a forward call: ``{"x": t, "batch['ids']": t2, "args[0]": t3}``.
+
+    Positional arguments take the name of forward's parameter; ``*args`` items
+    are ``args[i]``; ``**kwargs`` items take their key. Containers are
+    flattened with torch's pytree, their paths appended to the name.
+    """
+    named: list[tuple[str, Any]] = []
+    bound = None
+    if signature is not None:
+        try:
+            bound = signature.bind(*args, **kwargs)
+        except TypeError as e:
+            raise TypeError(f"the inputs do not match forward{signature}: {e}") from None
+    if bound is None:
+        named += [(f"args[{i}]", a) for i, a in enumerate(args)]
+        named += list(kwargs.items())
+    else:
+        for pname, value in bound.arguments.items():
+            kind = bound.signature.parameters[pname].kind
+            if kind is inspect.Parameter.VAR_POSITIONAL:
+                named += [(f"{pname}[{i}]", v) for i, v in enumerate(value)]
+            elif kind is inspect.Parameter.VAR_KEYWORD:
+                named += list(value.items())
+            else:
+                named.append((pname, value))
+    flat: dict[str, Any] = {}
+    for name, value in named:
+        for path, leaf in pytree.tree_flatten_with_path(value)[0]:
+            flat[name + pytree.keystr(path)] = leaf
+    return flat
+
+
+# ---------------------------------------------------------------- graph breaks
+
+
+def _user_frame(exc: BaseException) -> str:
+    frame = getattr(exc, "innermost_user_frame_summary", None)
+    if frame is None:
+        stack = getattr(exc, "real_stack", None) or []
+        frame = stack[-1] if stack else None
+    if frame is None:
+        return "an unknown source line"
+    code = (frame.line or "").strip()
+    return f"{frame.filename}:{frame.lineno} (in {frame.name}: `{code}`)"
+
+
+def _graph_break_error(module: torch.nn.Module, exc: BaseException) -> CaptureError:
+    reason = getattr(exc, "gb_type", None) or str(exc).strip().splitlines()[0]
+    where = _user_frame(exc)
+    return CaptureError(
+        f"torch_mpmd captures {type(module).__name__}.forward as one graph, but Dynamo stops "
+        f"at {where}: {reason}.\n"
+        "Ways out: move data-dependent Python control flow (an `if`/`while` on a tensor's "
+        "value, `.item()`, `.tolist()`) out of forward or make it branchless "
+        "(torch.where, torch.clamp), or express it with torch.cond; keep stage_boundary() "
+        "calls outside such regions.\nDynamo's message:\n" + str(exc)
+    )
+
+
+# ---------------------------------------------------------------- capture
+
+
+def _fresh_entry(module: torch.nn.Module) -> types.FunctionType:
+    """A function calling `module` whose code object is new, so that Dynamo's
+    cache entry for it dies with it (no recompile counts, no stale code)."""
+
+    def entry(*args: Any, **kwargs: Any) -> Any:
+        return module(*args, **kwargs)
+
+    name = f"mpmd_capture_{next(_capture_counter)}"
+    names = {"co_name": name}
+    if sys.version_info >= (3, 11):
+        names["co_qualname"] = name
+    code = entry.__code__.replace(**names)
+    return types.FunctionType(code, entry.__globals__, name, None, entry.__closure__)
+
+
+def _empty_like_meta(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return torch.empty_strided(
+            value.shape, value.stride(), dtype=value.dtype, device=value.device,
+            requires_grad=value.requires_grad and (value.is_floating_point()
+                                                   or value.is_complex()))
+    return value
+
+
+def _output_nodes(gm: torch.fx.GraphModule) -> list[Any]:
+    out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    values = out.args[0]
+    return list(values) if isinstance(values, (tuple, list)) else [values]
+
+
+def _record(records: list, gm: torch.fx.GraphModule, example_inputs: list) -> Any:
+    records.append((gm, list(example_inputs)))
+    outputs = [
+        _empty_like_meta(n.meta.get("example_value", n.meta.get("val")))
+        if isinstance(n, torch.fx.Node) else n
+        for n in _output_nodes(gm)
+    ]
+    records.append(outputs)
+
+    def replay(*_: Any) -> tuple:
+        return tuple(outputs)
+
+    return replay
+
+
+def _logging_functions() -> set:
+    """Dynamo's ignore set plus every logging.Logger method (including ones
+    libraries add, like transformers' ``warning_once``): a log call in forward
+    is dropped from the graph instead of breaking it."""
+    extra = {f for name, f in vars(logging.Logger).items()
+             if callable(f) and not name.startswith("_")}
+    return set(torch._dynamo.config.ignore_logging_functions) | extra
+
+
+def _named_module_tensors(module: torch.nn.Module) -> tuple[
+    dict[int, tuple[PlaceholderKind, list[str], bool]], dict[str, torch.Tensor]
+]:
+    """id(tensor) -> (kind, FQNs in registration order, persistent), and FQN -> tensor
+    for the first FQN of each tensor."""
+    by_id: dict[int, tuple[PlaceholderKind, list[str], bool]] = {}
+    tensors: dict[str, torch.Tensor] = {}
+    for fqn, p in module.named_parameters(remove_duplicate=False):
+        entry = by_id.setdefault(id(p), ("parameter", [], True))
+        entry[1].append(fqn)
+        tensors.setdefault(entry[1][0], p)
+    for mod_fqn, mod in module.named_modules(remove_duplicate=False):
+        for name, b in mod._buffers.items():
+            if b is None:
+                continue
+            fqn = f"{mod_fqn}.{name}" if mod_fqn else name
+            persistent = name not in mod._non_persistent_buffers_set
+            entry = by_id.setdefault(id(b), ("buffer", [], persistent))
+            entry[1].append(fqn)
+            tensors.setdefault(entry[1][0], b)
+    return by_id, tensors
+
+
+def _tensor_attribute_fqn(module: torch.nn.Module, tensor: torch.Tensor) -> str | None:
+    """FQN of a plain (unregistered) tensor attribute, e.g. ``self.scale = torch.tensor(2.)``."""
+    for mod_fqn, mod in module.named_modules():
+        for name, value in vars(mod).items():
+            if value is tensor:
+                return f"{mod_fqn}.{name}" if mod_fqn else name
+    return None
+
+
+def capture(module: torch.nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any]
+            ) -> CapturedGraph:
+    """Capture ``module(*args, **kwargs)`` as one FX graph (see the module docstring)."""
+    if isinstance(module, torch._dynamo.eval_frame.OptimizedModule):
+        module = module._orig_mod  # a torch.compile'd module: capture the original
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(f"expected a torch.nn.Module, got {type(module).__name__}")
+    signature = _forward_signature(module)
+    inputs = flatten_inputs(signature, args, kwargs)
+
+    records: list = []
+    entry = _fresh_entry(module)
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list) -> Any:
+        return _record(records, gm, example_inputs)
+
+    compiled = torch.compile(entry, backend=backend, fullgraph=True, dynamic=False)
+    try:
+        with torch._dynamo.config.patch(ignore_logging_functions=_logging_functions()):
+            result = compiled(*args, **kwargs)
+    except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError) as e:
+        raise _graph_break_error(module, e) from None
+    finally:
+        torch._dynamo.eval_frame.reset_code(entry.__code__)
+    if len(records) != 2:
+        raise CaptureError(
+            f"expected Dynamo to produce one graph for {type(module).__name__}.forward, got "
+            f"{len(records) // 2}")
+    (gm, example_inputs), fake_outputs = records
+
+    by_id, tensors = _named_module_tensors(module)
+    input_ids: dict[int, str] = {}
+    input_aliases: dict[str, str] = {}
+    for k, v in inputs.items():
+        if isinstance(v, torch.Tensor):
+            first = input_ids.setdefault(id(v), k)
+            if first != k:
+                input_aliases[k] = first
+    placeholders: list[PlaceholderInfo] = []
+    nodes = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    if len(nodes) != len(example_inputs):
+        raise CaptureError(f"Dynamo graph has {len(nodes)} placeholders but "
+                           f"{len(example_inputs)} example inputs")
+    for node, value in zip(nodes, example_inputs):
+        if not isinstance(value, torch.Tensor):
+            raise CaptureError(
+                f"the captured graph takes a non-tensor input {node.target} ({value!r}); "
+                "torch_mpmd captures with dynamic=False, so this should not happen")
+        if id(value) in by_id:
+            kind, fqns, persistent = by_id[id(value)]
+            placeholders.append(PlaceholderInfo(kind, fqns[0], tuple(fqns[1:]), persistent))
+        elif id(value) in input_ids:
+            placeholders.append(PlaceholderInfo("input", input_ids[id(value)]))
+        else:
+            fqn = _tensor_attribute_fqn(module, value)
+            if fqn is None:
+                raise CaptureError(
+                    f"the captured graph reads a tensor ({node.target}) that is neither an "
+                    "input of forward nor a parameter, buffer or tensor attribute of the model "
+                    "(a global tensor?); register it as a buffer or pass it as an input")
+            # A plain tensor attribute acts as a (non-persistent) buffer of the stage.
+            tensors[fqn] = value
+            placeholders.append(PlaceholderInfo("buffer", fqn, (), False))
+
+    captured = CapturedGraph(
+        gm=gm,
+        placeholders=placeholders,
+        tensors=tensors,
+        module_fqns=[name for name, _ in module.named_modules()],
+        input_names=[k for k, v in inputs.items() if isinstance(v, torch.Tensor)],
+        input_constants={k: v for k, v in inputs.items() if not isinstance(v, torch.Tensor)},
+        signature=signature,
+        root=module,
+        grad_enabled=torch.is_grad_enabled(),
+        input_aliases=input_aliases,
+    )
+    # First FQN per module id (named_modules(remove_duplicate=False) lists aliases later).
+    captured.module_ids = {}
+    for name, m in module.named_modules(remove_duplicate=False):
+        captured.module_ids.setdefault(id(m), name)
+    _map_outputs(captured, module, result, fake_outputs, inputs)
+    return captured
+
+
+def _map_outputs(captured: CapturedGraph, module: torch.nn.Module, result: Any,
+                 graph_outputs: list, inputs: Mapping[str, Any]) -> None:
+    leaves, spec = pytree.tree_flatten(result)
+    by_id_graph = {id(t): i for i, t in enumerate(graph_outputs) if isinstance(t, torch.Tensor)}
+    by_id_input = {id(v): k for k, v in inputs.items() if isinstance(v, torch.Tensor)}
+    by_id_tensor = {id(t): k for k, t in captured.tensors.items()}
+    out: list[OutputLeaf] = []
+    used: set[int] = set()
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            if id(leaf) in by_id_graph:
+                used.add(by_id_graph[id(leaf)])
+                out.append(OutputLeaf("graph", index=by_id_graph[id(leaf)]))
+            elif id(leaf) in by_id_input:
+                out.append(OutputLeaf("input", name=by_id_input[id(leaf)]))
+            elif id(leaf) in by_id_tensor:
+                out.append(OutputLeaf("tensor", name=by_id_tensor[id(leaf)]))
+            else:
+                raise CaptureError(
+                    f"{type(module).__name__}.forward returns a tensor that torch_mpmd cannot "
+                    "trace back to the captured graph (an output of type "
+                    f"{type(result).__name__} that torch's pytree does not flatten?)")
+        else:
+            out.append(OutputLeaf("constant", value=leaf))
+    unused = [i for i, t in enumerate(graph_outputs)
+              if isinstance(t, torch.Tensor) and i not in used]
+    if unused:
+        names = [str(n) for i, n in enumerate(_output_nodes(captured.gm)) if i in unused]
+        raise CaptureError(
+            f"{type(module).__name__}.forward produces tensors that its return value does not "
+            f"show torch's pytree (graph values {', '.join(names)}): an attribute assignment "
+            "(`self.attr = tensor`), a tensor appended to a Python list, or an output object "
+            "pytree cannot flatten, such as a KV cache (pass use_cache=False). torch_mpmd "
+            "replays only what forward returns: update registered buffers in place "
+            "(`self.buf.copy_(value)`) or return the value.")
+    captured.output_spec = spec
+    captured.output_leaves = out

@@ -1,0 +1,459 @@
+"""Per-stage ``fx.GraphModule``s from a partition plan, and a single-process runner.
+
+Each stage module takes, positionally, the model inputs it reads (by name) and
+then the values it receives from earlier stages (named after their producing
+node), and returns a tuple: the values later stages read, then, on the last
+stage, the model's flat outputs. :class:`StageSignature` describes that.
+Parameters and buffers are ``get_attr`` under their original FQNs and are the
+model's own tensors (shared storage; BatchNorm running stats update the
+model's buffers). Constant nodes are recomputed on every stage that reads them.
+
+:func:`split_model` is the public entry point; :class:`SplitModel.run` chains
+the stages in one process under autograd.
+"""
+
+from __future__ import annotations
+
+import operator
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx
+
+from torch_mpmd import _C
+from torch_mpmd.capture import CapturedGraph, PlaceholderInfo, capture
+from torch_mpmd.capture import flatten_inputs
+from torch_mpmd.fx_to_ir import GraphIR, grad_mode_setting, order_mutations
+from torch_mpmd.fx_to_ir import resolve_split_points, to_ir
+
+__all__ = [
+    "StageValue",
+    "StageSignature",
+    "build_stages",
+    "partition",
+    "run_stages",
+    "split_model",
+    "SplitModel",
+]
+
+K = _C.NodeKind
+
+
+@dataclass(frozen=True)
+class StageValue:
+    """A value crossing stages: produced by ``producer_stage``, read by ``consumer_stages``."""
+
+    name: str                          # the producing FX node's name
+    node: int                          # IR node id (plan.cross_stage_values[k].node)
+    producer_stage: int
+    consumer_stages: tuple[int, ...]
+    bytes: int
+
+
+@dataclass(frozen=True)
+class StageSignature:
+    """Inputs and outputs of one stage module, in call order.
+
+    ``stage_module(*[inputs[n] for n in user_inputs], *[value of v for v in received])``
+    returns ``(*[value of v for v in sent], *model_outputs)``; only the last
+    stage has model outputs (``num_model_outputs``, the flat outputs of the
+    captured graph).
+    """
+
+    stage: int
+    user_inputs: tuple[str, ...]
+    received: tuple[StageValue, ...]
+    sent: tuple[StageValue, ...]
+    num_model_outputs: int
+    parameters: tuple[str, ...]
+    buffers: tuple[str, ...]
+
+    @property
+    def input_names(self) -> tuple[str, ...]:
+        return self.user_inputs + tuple(v.name for v in self.received)
+
+    @property
+    def output_names(self) -> tuple[str, ...]:
+        return tuple(v.name for v in self.sent) + tuple(
+            f"output[{i}]" for i in range(self.num_model_outputs))
+
+
+# ------------------------------------------------------------------ partition
+
+
+def partition(ir: GraphIR, *, split_points: Sequence[str] | None = None,
+              num_stages: int | None = None, known_modules: Sequence[str] | None = None,
+              what: str = "the model") -> Any:
+    """The plan for ``ir``: from its markers, else ``split_points``, else
+    ``num_stages`` balanced by cost (1 when neither is given)."""
+    if num_stages is not None and (not isinstance(num_stages, int) or num_stages < 1):
+        raise ValueError(f"num_stages must be a positive int, got {num_stages!r}")
+    try:
+        if ir.num_markers:
+            if split_points is not None:
+                raise ValueError(
+                    f"{what} has {ir.num_markers} stage_boundary() markers and split_points="
+                    f"{list(split_points)!r} was given too: use one or the other")
+            # Validate on the graph with its markers (errors name them), then plan
+            # over the marker-free graph so the plan equals the split-point one.
+            _C.partition_by_markers(ir.graph_with_markers())
+            plan = _C.partition_at_nodes(ir.graph, ir.marker_stage_starts())
+            source = f"{ir.num_markers} stage_boundary() markers"
+        elif split_points is not None:
+            starts = resolve_split_points(ir, split_points, known_modules)
+            first = next((i for i, k in enumerate(ir.kinds) if k == K.COMPUTE), None)
+            if starts and starts[0] == first:
+                raise ValueError(
+                    f"split point {split_points[0]!r} begins at the model's first operation "
+                    f"({ir.fx_nodes[first].name!r}), so stage 0 would be empty; drop it")
+            plan = _C.partition_at_nodes(ir.graph, starts)
+            source = f"split_points={list(split_points)!r}"
+        else:
+            return _C.partition_balanced(ir.graph, num_stages or 1)
+    except ValueError as e:
+        raise ValueError(f"cannot split {what} into stages: {e}") from None
+    if num_stages is not None and num_stages != plan.num_stages:
+        raise ValueError(f"num_stages={num_stages} disagrees with {source}, which give "
+                         f"{plan.num_stages} stages")
+    return plan
+
+
+# ------------------------------------------------------------------ stage modules
+
+
+def _set_path(root: torch.nn.Module, fqn: str, value: Any, kind: str,
+              persistent: bool = True) -> None:
+    *prefix, leaf = fqn.split(".")
+    mod = root
+    for part in prefix:
+        nxt = mod._modules.get(part)
+        if nxt is None:
+            nxt = torch.nn.Module()
+            mod.add_module(part, nxt)
+        mod = nxt
+    if kind == "parameter":
+        mod.register_parameter(leaf, value)
+    elif kind == "buffer":
+        mod.register_buffer(leaf, value, persistent=persistent)
+    else:
+        setattr(mod, leaf, value)
+
+
+def _module_at(root: torch.nn.Module, fqn: str) -> tuple[torch.nn.Module, str]:
+    *prefix, leaf = fqn.split(".")
+    mod = root
+    for part in prefix:
+        mod = getattr(mod, part)
+    return mod, leaf
+
+
+def _identifier(name: str) -> str:
+    """A placeholder name for an input name like ``batch['ids']`` (FX makes it unique)."""
+    ident = re.sub(r"\W+", "_", name).strip("_") or "input"
+    return ident if not ident[0].isdigit() else f"_{ident}"
+
+
+def _is_autocast_enter(node: torch.fx.Node) -> bool:
+    return node.op == "call_function" and "enter_autocast" in getattr(
+        node.target, "__name__", "")
+
+
+def build_stages(gm: torch.fx.GraphModule, ir: GraphIR, plan: Any,
+                 placeholders: Sequence[PlaceholderInfo], tensors: Mapping[str, torch.Tensor],
+                 *, grad_enabled_at_capture: bool = True
+                 ) -> tuple[list[torch.fx.GraphModule], list[StageSignature]]:
+    """One GraphModule per stage of ``plan`` (see the module docstring)."""
+    nodes = ir.fx_nodes
+    ph_info: dict[torch.fx.Node, PlaceholderInfo] = dict(
+        zip([n for n in gm.graph.nodes if n.op == "placeholder"], placeholders))
+    num_stages = plan.num_stages
+    cross = plan.cross_stage_values
+    output_node = nodes[-1]
+    model_outputs = output_node.args[0]
+    model_outputs = list(model_outputs) if isinstance(model_outputs, (tuple, list)) else [
+        model_outputs]
+
+    for v in cross:
+        if _is_autocast_enter(nodes[v.node]):
+            raise ValueError(
+                f"a stage boundary falls inside a `with torch.autocast(...)` region (entered at "
+                f"node {nodes[v.node].name!r}, stage {v.producer_stage}, left on stage "
+                f"{v.consumer_stages[0]}); move the boundary out of the region")
+
+    # Grad mode each node runs under: None = the mode the stage is called in.
+    desired: list[bool | None] = []
+    mode: bool | None = None
+    for node in nodes:
+        flag = grad_mode_setting(node)
+        if flag is not None:
+            mode = None if flag == grad_enabled_at_capture else flag
+        desired.append(mode)
+
+    # Readers per stage, for user inputs.
+    reads_input: list[set[int]] = [set() for _ in range(num_stages)]
+    for i, node in enumerate(nodes):
+        kind = ir.kinds[i]
+        if kind == K.COMPUTE or kind == K.OUTPUT:
+            stages = [plan.node_stage[i]]
+        elif kind == K.CONSTANT:
+            stages = list(plan.constant_stages[i])
+        else:
+            continue
+        for a in node.all_input_nodes:
+            j = ir.index[a]
+            if ir.kinds[j] == K.INPUT:
+                for s in stages:
+                    reads_input[s].add(j)
+
+    placements = {p.node: p for p in plan.parameters}
+    by_name = {info.name: info for info in placeholders}
+    stages: list[torch.fx.GraphModule] = []
+    signatures: list[StageSignature] = []
+    for s in range(num_stages):
+        graph = torch.fx.Graph()
+        env: dict[torch.fx.Node, Any] = {}
+        user_inputs = []
+        for j in sorted(reads_input[s]):
+            name = ph_info[nodes[j]].name
+            user_inputs.append(name)
+            env[nodes[j]] = graph.placeholder(_identifier(name))
+        received = []
+        for v in cross:
+            if s in v.consumer_stages:
+                sv = StageValue(nodes[v.node].name, v.node, v.producer_stage,
+                                tuple(v.consumer_stages), v.bytes)
+                received.append(sv)
+                env[nodes[v.node]] = graph.placeholder(sv.name)
+                env[nodes[v.node]].meta.update(
+                    {k: nodes[v.node].meta[k] for k in ("example_value", "val")
+                     if k in nodes[v.node].meta})
+        root = torch.nn.Module()
+        params, buffers = [], []
+        for node_id, p in placements.items():
+            if s not in p.stages:
+                continue
+            info = ph_info[nodes[node_id]]
+            _set_path(root, info.name, tensors[info.name], info.kind, info.persistent)
+            (params if info.kind == "parameter" else buffers).append(info.name)
+            env[nodes[node_id]] = graph.get_attr(info.name)
+
+        entry_mode: torch.fx.Node | None = None
+        current: bool | None = None
+
+        def switch_mode(want: bool | None) -> None:
+            nonlocal entry_mode, current
+            if want == current:
+                return
+            if entry_mode is None:
+                entry_mode = graph.call_function(torch.is_grad_enabled, ())
+            graph.call_function(torch._C._set_grad_enabled,
+                                (entry_mode if want is None else want,))
+            current = want
+
+        for i, node in enumerate(nodes):
+            kind = ir.kinds[i]
+            if kind == K.COMPUTE:
+                if plan.node_stage[i] != s or grad_mode_setting(node) is not None:
+                    continue
+            elif kind == K.CONSTANT:
+                if s not in plan.constant_stages[i]:
+                    continue
+            else:
+                continue
+            if node.op == "get_attr":
+                target = str(node.target)
+                _set_path(root, target, operator.attrgetter(target)(gm), "attr")
+            switch_mode(desired[i])
+            try:
+                env[node] = graph.node_copy(node, lambda n: env[n])
+            except KeyError as e:
+                raise RuntimeError(
+                    f"stage {s}: node {node.name!r} reads {e.args[0]}, which the plan does "
+                    "not make available on this stage (partitioner bug)") from None
+        switch_mode(None)
+
+        outs = []
+        sent = []
+        for v in cross:
+            if v.producer_stage == s:
+                sent.append(StageValue(nodes[v.node].name, v.node, v.producer_stage,
+                                       tuple(v.consumer_stages), v.bytes))
+                outs.append(env[nodes[v.node]])
+        num_model_outputs = 0
+        if s == num_stages - 1:
+            for o in model_outputs:
+                outs.append(env[o] if isinstance(o, torch.fx.Node) else o)
+            num_model_outputs = len(model_outputs)
+        graph.output(tuple(outs))
+        graph.lint()
+        module = torch.fx.GraphModule(root, graph, class_name=f"Stage{s}")
+        for name in buffers:
+            if not by_name[name].persistent:
+                mod, leaf = _module_at(module, name)
+                mod._non_persistent_buffers_set.add(leaf)
+        stages.append(module)
+        signatures.append(StageSignature(
+            stage=s, user_inputs=tuple(user_inputs), received=tuple(received), sent=tuple(sent),
+            num_model_outputs=num_model_outputs, parameters=tuple(params),
+            buffers=tuple(buffers)))
+    return stages, signatures
+
+
+def run_stages(stages: Sequence[torch.nn.Module], signatures: Sequence[StageSignature],
+               inputs: Mapping[str, Any]) -> tuple:
+    """Run the stages in order in this process; returns the model's flat outputs."""
+    values: dict[int, Any] = {}
+    outputs: tuple = ()
+    for module, sig in zip(stages, signatures):
+        args = [inputs[n] for n in sig.user_inputs] + [values[v.node] for v in sig.received]
+        result = module(*args)
+        for v, value in zip(sig.sent, result):
+            values[v.node] = value
+        for v in sig.received:  # free what no later stage reads
+            if v.consumer_stages[-1] <= sig.stage:
+                values.pop(v.node, None)
+        outputs = tuple(result[len(sig.sent):])
+    return outputs
+
+
+# ------------------------------------------------------------------ split_model
+
+
+class SplitModel:
+    """A model split into pipeline stages (see :func:`split_model`).
+
+    ``stages`` are the stage ``fx.GraphModule``s, ``stage_signatures`` their
+    inputs/outputs, ``plan`` the C++ PartitionPlan (``plan.hash`` compares
+    plans), ``run(*args, **kwargs)`` the model's forward computed stage by stage.
+    """
+
+    def __init__(self, captured: CapturedGraph, ir: GraphIR, plan: Any,
+                 stages: list[torch.fx.GraphModule], signatures: list[StageSignature],
+                 model_name: str) -> None:
+        self.captured = captured
+        self.ir = ir
+        self.plan = plan
+        self.stages = stages
+        self.stage_signatures = signatures
+        self.model_name = model_name
+        self._training = _training_flags(captured.root)
+        self._input_meta = {
+            info.name: node.meta.get("example_value")
+            for node, info in zip(
+                [n for n in captured.gm.graph.nodes if n.op == "placeholder"],
+                captured.placeholders)
+            if info.kind == "input"}
+
+    @property
+    def num_stages(self) -> int:
+        return self.plan.num_stages
+
+    @property
+    def parameter_aliases(self) -> dict[str, tuple[str, ...]]:
+        """FQN -> the other FQNs of the same tensor (tied weights)."""
+        return {p.name: p.aliases for p in self.captured.placeholders if p.aliases}
+
+    def stage_of_parameter(self, fqn: str) -> list[int]:
+        """The stages that read parameter/buffer ``fqn`` (an alias works too)."""
+        for p in self.plan.parameters:
+            if p.fqn == fqn:
+                return list(p.stages)
+        for name, aliases in self.parameter_aliases.items():
+            if fqn in aliases:
+                return self.stage_of_parameter(name)
+        raise KeyError(f"{fqn!r} is not a parameter or buffer the model reads")
+
+    def _named_inputs(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> dict[str, Any]:
+        inputs = flatten_inputs(self.captured.signature, args, kwargs)
+        for name, meta in self._input_meta.items():
+            if name not in inputs:
+                raise ValueError(f"{self.model_name} was split with input {name!r}, which "
+                                 "this call does not pass")
+            t = inputs[name]
+            if not isinstance(t, torch.Tensor):
+                raise ValueError(f"input {name!r} was a tensor when the model was split, got "
+                                 f"{type(t).__name__}")
+            if meta is not None and (tuple(t.shape) != tuple(meta.shape) or
+                                     t.dtype != meta.dtype):
+                raise ValueError(
+                    f"the stages are specialized to the example inputs: {name!r} had shape "
+                    f"{tuple(meta.shape)} and dtype {meta.dtype} when the model was split, got "
+                    f"{tuple(t.shape)} and {t.dtype}; split again with an example of this shape")
+        for name, first in self.captured.input_aliases.items():
+            if name in inputs and inputs.get(first) is not inputs[name]:
+                raise ValueError(
+                    f"inputs {first!r} and {name!r} were the same tensor when the model was "
+                    "split, so the stages read it once; pass the same tensor again, or split "
+                    "with distinct example tensors")
+        for name, value in self.captured.input_constants.items():
+            if name in inputs and not _same_constant(inputs[name], value):
+                raise ValueError(
+                    f"non-tensor input {name!r} was {value!r} when the model was split, got "
+                    f"{inputs[name]!r}; the stages have it baked in, split again")
+        return inputs
+
+    def run(self, *args: Any, **kwargs: Any) -> Any:
+        """Chain the stages in this process; returns what the model's forward returns."""
+        if _training_flags(self.captured.root) != self._training:
+            mode = "training" if self._training[0] else "eval"
+            raise ValueError(
+                f"{self.model_name} was split in {mode} mode and its train/eval mode has "
+                "changed since; the stages have the mode baked in (dropout, BatchNorm): "
+                "split again after switching")
+        inputs = self._named_inputs(args, kwargs)
+        flat = run_stages(self.stages, self.stage_signatures, inputs)
+        return self.captured.rebuild_output(flat, inputs)
+
+    __call__ = run
+
+    def describe(self) -> str:
+        """The plan summary plus every stage's signature."""
+        lines = [_C.describe_plan(self.ir.graph, self.plan).rstrip()]
+        for sig in self.stage_signatures:
+            lines.append(
+                f"  stage {sig.stage}: inputs ({', '.join(sig.input_names)}) -> outputs "
+                f"({', '.join(sig.output_names)}); {len(sig.parameters)} parameters, "
+                f"{len(sig.buffers)} buffers")
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return (f"SplitModel({self.model_name}, num_stages={self.num_stages}, "
+                f"hash={self.plan.hash:016x})")
+
+
+def _training_flags(module: torch.nn.Module | None) -> tuple[bool, ...]:
+    return tuple(m.training for m in module.modules()) if module is not None else ()
+
+
+def _same_constant(a: Any, b: Any) -> bool:
+    try:
+        return bool(a == b) and type(a) is type(b)
+    except Exception:  # noqa: BLE001  (objects with odd __eq__)
+        return a is b
+
+
+def split_model(module: torch.nn.Module, *example_args: Any,
+                split_points: Sequence[str] | None = None, num_stages: int | None = None,
+                **example_kwargs: Any) -> SplitModel:
+    """Capture ``module(*example_args, **example_kwargs)`` and split it into stages.
+
+    Markers (``stage_boundary()``) in the model fix the stages; else
+    ``split_points`` (module FQNs where a new stage begins); else ``num_stages``
+    stages balanced by estimated cost. ``num_stages`` given together with
+    markers or split points must agree with them.
+    """
+    captured = capture(module, example_args, example_kwargs)
+    gm = captured.gm
+    order_mutations(gm.graph)
+    gm.recompile()
+    ir = to_ir(gm, captured.placeholders, captured.module_ids)
+    name = type(module).__name__
+    plan = partition(ir, split_points=split_points, num_stages=num_stages,
+                     known_modules=captured.module_fqns, what=name)
+    stages, signatures = build_stages(gm, ir, plan, captured.placeholders, captured.tensors,
+                                      grad_enabled_at_capture=captured.grad_enabled)
+    return SplitModel(captured, ir, plan, stages, signatures, name)
+
