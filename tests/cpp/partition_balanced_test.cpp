@@ -3,6 +3,8 @@
 // of the earliest-split tie-break) against every split of small sequences.
 #include <gtest/gtest.h>
 
+#include "test_util.h"
+
 #include <algorithm>
 #include <functional>
 #include <limits>
@@ -64,16 +66,6 @@ double maxCost(const PartitionPlan& plan) {
   return *std::max_element(plan.stage_cost.begin(), plan.stage_cost.end());
 }
 
-template <class F>
-std::string errorOf(F&& f) {
-  try {
-    f();
-  } catch (const std::invalid_argument& e) {
-    return e.what();
-  }
-  ADD_FAILURE() << "expected std::invalid_argument";
-  return "";
-}
 
 TEST(PartitionBalanced, HeavyLayerGetsAStageOfItsOwnAtTheKnownOptimum) {
   Graph g = chain({1, 1, 1, 10, 1, 1, 1, 1, 1, 1});
@@ -137,12 +129,12 @@ TEST(PartitionBalanced, SharedParameterCountsOncePerStageAndOnEveryStage) {
 TEST(PartitionBalanced, ImpossibleCapIsAnErrorNamingTheCapAndTheNeed) {
   Graph g = chain({1, 1, 1}, {500, 60, 60}, {{}, {1}, {2}});
   g.nodes[4].inputs.push_back(1);  // c0 reads p0 (500 bytes)
-  std::string msg = errorOf([&] { partitionBalanced(g, 2, 100); });
+  std::string msg = testing::errorOf([&] { partitionBalanced(g, 2, 100); });
   EXPECT_NE(msg.find("max_stage_parameter_bytes=100"), std::string::npos) << msg;
   EXPECT_NE(msg.find("'c0' (id 4) alone reads 500"), std::string::npos) << msg;
 
   Graph h = chain({1, 1, 1}, {60, 60, 60}, {{0}, {1}, {2}});
-  msg = errorOf([&] { partitionBalanced(h, 2, 100); });
+  msg = testing::errorOf([&] { partitionBalanced(h, 2, 100); });
   EXPECT_NE(msg.find("max_stage_parameter_bytes=100 cannot be met with num_stages=2"),
             std::string::npos)
       << msg;
@@ -152,18 +144,18 @@ TEST(PartitionBalanced, ImpossibleCapIsAnErrorNamingTheCapAndTheNeed) {
 
 TEST(PartitionBalanced, StageCountOutOfRangeIsAnErrorNamingBothNumbers) {
   Graph g = chain({1, 1, 1});
-  std::string msg = errorOf([&] { partitionBalanced(g, 4); });
+  std::string msg = testing::errorOf([&] { partitionBalanced(g, 4); });
   EXPECT_NE(msg.find("num_stages=4 exceeds the number of Compute nodes (3)"), std::string::npos)
       << msg;
-  msg = errorOf([&] { partitionBalanced(g, 0); });
+  msg = testing::errorOf([&] { partitionBalanced(g, 0); });
   EXPECT_NE(msg.find("num_stages=0 must be at least 1"), std::string::npos) << msg;
-  msg = errorOf([&] { partitionBalanced(g, 2, -5); });
+  msg = testing::errorOf([&] { partitionBalanced(g, 2, -5); });
   EXPECT_NE(msg.find("max_stage_parameter_bytes=-5"), std::string::npos) << msg;
 }
 
 TEST(PartitionBalanced, NegativeOrNonFiniteCostIsAnErrorNamingTheNode) {
   Graph g = chain({1, -2, 1});
-  std::string msg = errorOf([&] { partitionBalanced(g, 2); });
+  std::string msg = testing::errorOf([&] { partitionBalanced(g, 2); });
   EXPECT_NE(msg.find("'c1' (id 2) has cost -2"), std::string::npos) << msg;
   g.nodes[2].cost = std::numeric_limits<double>::quiet_NaN();
   EXPECT_THROW(partitionBalanced(g, 2), std::invalid_argument);

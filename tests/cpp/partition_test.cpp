@@ -3,6 +3,8 @@
 // describePlan, checkGraph, and every documented error with its message.
 #include <gtest/gtest.h>
 
+#include "test_util.h"
+
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -61,17 +63,6 @@ class Builder {
   Graph g_;
 };
 
-// Runs f, expects std::invalid_argument, returns its message.
-template <class F>
-std::string errorOf(F&& f) {
-  try {
-    f();
-  } catch (const std::invalid_argument& e) {
-    return e.what();
-  }
-  ADD_FAILURE() << "expected std::invalid_argument";
-  return "";
-}
 
 using Stages = std::vector<int32_t>;
 
@@ -103,7 +94,7 @@ TEST(GraphCheck, AcceptsWellFormedGraph) { EXPECT_NO_THROW(checkGraph(makeMlp().
 TEST(GraphCheck, RejectsIdsNotInOrderNamingTheNode) {
   Graph g = makeMlp().g;
   g.nodes[3].id = 7;
-  std::string msg = errorOf([&] { checkGraph(g); });
+  std::string msg = testing::errorOf([&] { checkGraph(g); });
   EXPECT_NE(msg.find("'fc3.weight'"), std::string::npos) << msg;
   EXPECT_NE(msg.find("id 7"), std::string::npos) << msg;
 }
@@ -111,27 +102,27 @@ TEST(GraphCheck, RejectsIdsNotInOrderNamingTheNode) {
 TEST(GraphCheck, RejectsInputThatIsNotAnEarlierNode) {
   Graph g = makeMlp().g;
   g.nodes[4].inputs.push_back(4);
-  std::string msg = errorOf([&] { checkGraph(g); });
+  std::string msg = testing::errorOf([&] { checkGraph(g); });
   EXPECT_NE(msg.find("'fc1' (id 4) reads node id 4"), std::string::npos) << msg;
   g.nodes[4].inputs.back() = -1;
-  EXPECT_NE(errorOf([&] { checkGraph(g); }).find("reads node id -1"), std::string::npos);
+  EXPECT_NE(testing::errorOf([&] { checkGraph(g); }).find("reads node id -1"), std::string::npos);
 }
 
 TEST(GraphCheck, RejectsMissingMisplacedOrDuplicateOutput) {
   Graph g = makeMlp().g;
-  EXPECT_NE(errorOf([&] { checkGraph(Graph{}); }).find("no nodes"), std::string::npos);
+  EXPECT_NE(testing::errorOf([&] { checkGraph(Graph{}); }).find("no nodes"), std::string::npos);
   Graph no_output = g;
   no_output.nodes.back().kind = NodeKind::Compute;
-  EXPECT_NE(errorOf([&] { checkGraph(no_output); }).find("no Output node"), std::string::npos);
+  EXPECT_NE(testing::errorOf([&] { checkGraph(no_output); }).find("no Output node"), std::string::npos);
   Graph early = g;
   early.nodes[5].kind = NodeKind::Output;
   early.nodes.back().kind = NodeKind::Compute;
-  std::string msg = errorOf([&] { checkGraph(early); });
+  std::string msg = testing::errorOf([&] { checkGraph(early); });
   EXPECT_NE(msg.find("'relu1' has id 5 but must be the last node (id 11)"), std::string::npos)
       << msg;
   Graph two = g;
   two.nodes[5].kind = NodeKind::Output;
-  EXPECT_NE(errorOf([&] { checkGraph(two); }).find("more than one Output"), std::string::npos);
+  EXPECT_NE(testing::errorOf([&] { checkGraph(two); }).find("more than one Output"), std::string::npos);
 }
 
 TEST(PartitionMarkers, MlpChainWithTwoMarkersGivesThreeStagesInProgramOrder) {
@@ -297,7 +288,7 @@ TEST(PartitionMarkers, AdjacentMarkersAreAnEmptyStageNamingBothMarkers) {
   b.marker("mark_y");
   int32_t c = b.compute("c", {a});
   Graph g = b.output({c});
-  std::string msg = errorOf([&] { partitionByMarkers(g); });
+  std::string msg = testing::errorOf([&] { partitionByMarkers(g); });
   EXPECT_NE(msg.find("stage 1 has no compute nodes"), std::string::npos) << msg;
   EXPECT_NE(msg.find("'mark_x'"), std::string::npos) << msg;
   EXPECT_NE(msg.find("'mark_y'"), std::string::npos) << msg;
@@ -310,7 +301,7 @@ TEST(PartitionMarkers, MarkerBeforeFirstOrAfterLastComputeIsAnEmptyStage) {
   b1.marker("too_early");
   int32_t a = b1.compute("a", {x});
   Graph g1 = b1.output({a});
-  std::string msg = errorOf([&] { partitionByMarkers(g1); });
+  std::string msg = testing::errorOf([&] { partitionByMarkers(g1); });
   EXPECT_NE(msg.find("stage 0 has no compute nodes"), std::string::npos) << msg;
   EXPECT_NE(msg.find("'too_early'"), std::string::npos) << msg;
 
@@ -319,7 +310,7 @@ TEST(PartitionMarkers, MarkerBeforeFirstOrAfterLastComputeIsAnEmptyStage) {
   a = b2.compute("a", {x});
   b2.marker("too_late");
   Graph g2 = b2.output({a});
-  msg = errorOf([&] { partitionByMarkers(g2); });
+  msg = testing::errorOf([&] { partitionByMarkers(g2); });
   EXPECT_NE(msg.find("stage 1 has no compute nodes"), std::string::npos) << msg;
   EXPECT_NE(msg.find("'too_late'"), std::string::npos) << msg;
 }
@@ -333,7 +324,7 @@ TEST(PartitionMarkers, BoundaryNoValueCrossesIsAnErrorNamingTheStages) {
   b.marker("m1");
   int32_t d = b.compute("d", {x});  // stage 2 reads only the input
   Graph g = b.output({d});
-  std::string msg = errorOf([&] { partitionByMarkers(g); });
+  std::string msg = testing::errorOf([&] { partitionByMarkers(g); });
   EXPECT_NE(msg.find("no value crosses the boundary between stage 1 and stage 2"),
             std::string::npos)
       << msg;
@@ -348,7 +339,7 @@ TEST(PartitionMarkers, GraphWithoutComputeNodesIsRejected) {
   Builder b;
   int32_t x = b.input("x");
   Graph g = b.output({x});
-  EXPECT_NE(errorOf([&] { partitionByMarkers(g); }).find("no compute nodes"), std::string::npos);
+  EXPECT_NE(testing::errorOf([&] { partitionByMarkers(g); }).find("no compute nodes"), std::string::npos);
 }
 
 TEST(PartitionMarkers, MalformedKindsAreRejectedNamingTheNodes) {
@@ -358,7 +349,7 @@ TEST(PartitionMarkers, MalformedKindsAreRejectedNamingTheNodes) {
   int32_t k = b.constant("bad_const", {a});
   int32_t c = b.compute("c", {k});
   Graph g = b.output({c});
-  std::string msg = errorOf([&] { partitionByMarkers(g); });
+  std::string msg = testing::errorOf([&] { partitionByMarkers(g); });
   EXPECT_NE(msg.find("Constant node 'bad_const' (id 2) reads Compute node 'a' (id 1)"),
             std::string::npos)
       << msg;
@@ -369,7 +360,7 @@ TEST(PartitionMarkers, MalformedKindsAreRejectedNamingTheNodes) {
   a = b2.compute("a", {x, w});
   Graph g2 = b2.output({a});
   g2.nodes[w].inputs = {x};
-  msg = errorOf([&] { partitionByMarkers(g2); });
+  msg = testing::errorOf([&] { partitionByMarkers(g2); });
   EXPECT_NE(msg.find("Parameter node 'w' (id 1) reads 'x' (id 0)"), std::string::npos) << msg;
 }
 
@@ -396,24 +387,24 @@ TEST(PartitionAtNodes, NoStartsGivesOneStage) {
 
 TEST(PartitionAtNodes, StartsThatAreNotAscendingComputeIdsInRangeAreRejected) {
   Mlp m = makeMlp();
-  std::string msg = errorOf([&] { partitionAtNodes(m.g, {m.fc3, m.fc2}); });
+  std::string msg = testing::errorOf([&] { partitionAtNodes(m.g, {m.fc3, m.fc2}); });
   EXPECT_NE(msg.find("strictly ascending"), std::string::npos) << msg;
   EXPECT_NE(msg.find("stage_starts[1]=7 (fc2)"), std::string::npos) << msg;
   EXPECT_NE(msg.find("stage_starts[0]=10 (fc3)"), std::string::npos) << msg;
-  msg = errorOf([&] { partitionAtNodes(m.g, {m.fc2, m.fc2}); });
+  msg = testing::errorOf([&] { partitionAtNodes(m.g, {m.fc2, m.fc2}); });
   EXPECT_NE(msg.find("strictly ascending"), std::string::npos) << msg;
-  msg = errorOf([&] { partitionAtNodes(m.g, {m.w2}); });
+  msg = testing::errorOf([&] { partitionAtNodes(m.g, {m.w2}); });
   EXPECT_NE(msg.find("'fc2.weight' (id 2), which is not a Compute node"), std::string::npos)
       << msg;
-  msg = errorOf([&] { partitionAtNodes(m.g, {m.fc2, 99}); });
+  msg = testing::errorOf([&] { partitionAtNodes(m.g, {m.fc2, 99}); });
   EXPECT_NE(msg.find("stage_starts[1]=99 is not a node id"), std::string::npos) << msg;
-  msg = errorOf([&] { partitionAtNodes(m.g, {-1}); });
+  msg = testing::errorOf([&] { partitionAtNodes(m.g, {-1}); });
   EXPECT_NE(msg.find("stage_starts[0]=-1"), std::string::npos) << msg;
 }
 
 TEST(PartitionAtNodes, StartAtTheFirstComputeNodeIsAnEmptyStageZero) {
   Mlp m = makeMlp();
-  std::string msg = errorOf([&] { partitionAtNodes(m.g, {m.fc1, m.fc2}); });
+  std::string msg = testing::errorOf([&] { partitionAtNodes(m.g, {m.fc1, m.fc2}); });
   EXPECT_NE(msg.find("stage 0 has no compute nodes"), std::string::npos) << msg;
   EXPECT_NE(msg.find("'fc1'"), std::string::npos) << msg;
 }
@@ -430,7 +421,7 @@ TEST(PartitionAtNodes, BoundaryNoValueCrossesIsAnError) {
   a = b2.compute("a", {x});
   c = b2.compute("c", {x});
   Graph g2 = b2.output({c});  // a is dead: nothing crosses
-  std::string msg = errorOf([&] { partitionAtNodes(g2, {c}); });
+  std::string msg = testing::errorOf([&] { partitionAtNodes(g2, {c}); });
   EXPECT_NE(msg.find("no value crosses the boundary between stage 0 and stage 1"),
             std::string::npos)
       << msg;

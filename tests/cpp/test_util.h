@@ -2,7 +2,10 @@
 // print them back, without going through the text/CSV readers under test.
 #pragma once
 
+#include <gtest/gtest.h>
+
 #include <sstream>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -39,6 +42,18 @@ inline std::vector<std::string> rowsOf(const Schedule& s) {
   std::vector<std::string> rows;
   for (int r = 0; r < s.num_ranks; ++r) rows.push_back(rowOf(s, r));
   return rows;
+}
+
+// Runs f, expects std::invalid_argument, returns its message.
+template <class F>
+std::string errorOf(F&& f) {
+  try {
+    f();
+  } catch (const std::invalid_argument& e) {
+    return e.what();
+  }
+  ADD_FAILURE() << "expected std::invalid_argument";
+  return "";
 }
 
 }  // namespace mpmd::testing
