@@ -9,7 +9,7 @@ import torch.nn as nn
 from torch.testing import assert_close
 
 import models
-from torch_mpmd.backend import BACKEND_OPTIONS, mpmd_backend
+from torch_mpmd.backend import BACKEND_OPTIONS, check_stage_count, mpmd_backend
 
 TOL = dict(rtol=1e-6, atol=1e-6)
 
@@ -183,3 +183,14 @@ def test_hugging_face_gpt2_compiles_with_split_points_and_matches_eager():
     ref = dict(eager.named_parameters())
     for name, p in model.named_parameters():
         assert_close(p.grad, ref[name].grad, rtol=1e-5, atol=1e-6)
+
+
+def test_stage_count_must_fit_the_pipeline_size_naming_the_values():
+    assert check_stage_count(8, 4) == 2
+    assert check_stage_count(4, 2, stages_per_rank=2) == 2
+    with pytest.raises(ValueError, match="define 3 stages, which is not a multiple of the "
+                                         "pipeline size pp_size=2"):
+        check_stage_count(3, 2)
+    with pytest.raises(ValueError, match="stages_per_rank=1 disagrees with the 4 stages .* "
+                                         "pp_size=2 ranks \\(2 per rank\\)"):
+        check_stage_count(4, 2, stages_per_rank=1)

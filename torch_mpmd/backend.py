@@ -25,7 +25,7 @@ from torch_mpmd.capture import CaptureError, PlaceholderInfo
 from torch_mpmd.fx_to_ir import order_mutations, to_ir
 from torch_mpmd.stage import _set_path, build_stages, partition, run_stages
 
-__all__ = ["mpmd_backend", "BACKEND_OPTIONS"]
+__all__ = ["mpmd_backend", "BACKEND_OPTIONS", "check_stage_count"]
 
 BACKEND_OPTIONS = ("split_points", "num_stages", "num_microbatches", "stages_per_rank")
 """Keys ``options`` may hold; any other key is a ValueError naming it."""
@@ -50,6 +50,28 @@ def _check_options(options: Mapping[str, Any] | None) -> dict[str, Any]:
     if sp is not None and (isinstance(sp, str) or not isinstance(sp, Sequence)):
         raise ValueError(f"option split_points={sp!r} must be a list of module FQNs")
     return opts
+
+
+def check_stage_count(num_stages: int, pp_size: int, stages_per_rank: int | None = None,
+                      *, source: str = "the markers or split points") -> int:
+    """Stages per rank for ``num_stages`` stages over ``pp_size`` pipeline ranks.
+
+    The stage count must be a multiple of the pipeline size, and an explicit
+    ``stages_per_rank`` must agree with it; otherwise a ValueError names the
+    numbers. Checked before any rank communicates.
+    """
+    if pp_size < 1:
+        raise ValueError(f"pp_size={pp_size} must be >= 1")
+    if num_stages % pp_size:
+        raise ValueError(f"{source} define {num_stages} stages, which is not a multiple of "
+                         f"the pipeline size pp_size={pp_size}; add or remove boundaries so "
+                         f"every rank holds the same number of stages")
+    per_rank = num_stages // pp_size
+    if stages_per_rank is not None and stages_per_rank != per_rank:
+        raise ValueError(f"stages_per_rank={stages_per_rank} disagrees with the {num_stages} "
+                         f"stages {source} define on pp_size={pp_size} ranks "
+                         f"({per_rank} per rank)")
+    return per_rank
 
 
 def _world_size() -> int:
@@ -143,6 +165,7 @@ def mpmd_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
                     for k in range(1, f.count(".") + 2) if f})
     plan = partition(ir, split_points=opts.get("split_points"), num_stages=num_stages,
                      known_modules=known, what=f"the graph of {gm.__class__.__name__}")
+    check_stage_count(plan.num_stages, world, spr)
     stages, signatures = build_stages(gm, ir, plan, placeholders, tensors,
                                       grad_enabled_at_capture=torch.is_grad_enabled())
 
