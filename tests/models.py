@@ -219,3 +219,109 @@ class UnevenLayers(nn.Module):
         for layer in self.layers:
             x = torch.relu(layer(x))
         return x
+
+
+# A module-level tensor named like GlobalTensorAndInput's argument minus its
+# trailing underscore: Dynamo names their placeholders G_x_ and L_x_.
+x = torch.full((8,), 10.0)
+
+
+class GlobalTensorAndInput(nn.Module):
+    """Reads a global tensor `x` and an argument `x_` (both strip to "x")."""
+
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        self.a = nn.Linear(d, d)
+        self.b = nn.Linear(d, d)
+
+    def forward(self, x_: torch.Tensor) -> torch.Tensor:
+        h = self.a(x_)
+        mpmd.stage_boundary()
+        return self.b(h) + x
+
+
+class ReusedArgumentName(nn.Module):
+    """Rebinds an argument name (`mask`) to a value that crosses the boundary,
+    while the original argument is read after it too (as in Hugging Face code)."""
+
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        self.a = nn.Linear(d, d)
+        self.b = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        m2 = mask
+        mask = self.a(x) * m2
+        mpmd.stage_boundary()
+        return self.b(mask) + m2
+
+
+class OptionalArguments(nn.Module):
+    """An optional tensor argument and a float argument with defaults."""
+
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        self.a = nn.Linear(d, d)
+        self.b = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None,
+                scale: float = 1.0) -> torch.Tensor:
+        h = self.a(x)
+        if mask is not None:
+            h = h * mask
+        h = h * scale
+        mpmd.stage_boundary()
+        return self.b(h)
+
+
+class BoundaryInCond(nn.Module):
+    """A stage boundary inside a torch.cond branch."""
+
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        self.a = nn.Linear(d, d)
+        self.b = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        def true_fn(x):
+            h = self.a(x)
+            mpmd.stage_boundary()
+            return self.b(h)
+
+        def false_fn(x):
+            return self.b(x)
+
+        return torch.cond(x.sum() > 0, true_fn, false_fn, (x,))
+
+
+class BoundaryInCheckpoint(nn.Module):
+    """A stage boundary inside a torch.utils.checkpoint region."""
+
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        self.a = nn.Linear(d, d)
+        self.b = nn.Linear(d, d)
+        self.c = nn.Linear(d, d)
+
+    def block(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        mpmd.stage_boundary()
+        return self.b(h)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+        return self.c(checkpoint(self.block, x, use_reentrant=False))
+
+
+class CheckpointedLayers(nn.Module):
+    """Every layer runs under torch.utils.checkpoint."""
+
+    def __init__(self, d: int = 8, n: int = 4) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(d, d) for _ in range(n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+        for layer in self.layers:
+            x = checkpoint(layer, x, use_reentrant=False)
+        return x

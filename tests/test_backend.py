@@ -194,3 +194,28 @@ def test_stage_count_must_fit_the_pipeline_size_naming_the_values():
     with pytest.raises(ValueError, match="stages_per_rank=1 disagrees with the 4 stages .* "
                                          "pp_size=2 ranks \\(2 per rank\\)"):
         check_stage_count(4, 2, stages_per_rank=1)
+
+
+def test_global_tensor_and_argument_with_the_same_stripped_name_are_distinct_inputs():
+    # Dynamo names them G_x_ and L_x_; both used to become input "x", and the
+    # global was fed to both placeholders.
+    record = []
+    assert_compiled_matches_eager(models.GlobalTensorAndInput, (torch.randn(2, 8),),
+                                  backend=spy_backend(record))
+    names = [n for sig in record[0].stage_signatures for n in sig.user_inputs]
+    assert len(names) == len(set(names)) == 2
+
+
+def test_marker_inside_a_checkpoint_body_is_an_error_naming_it():
+    compiled = torch.compile(models.BoundaryInCheckpoint(), backend="mpmd")
+    with pytest.raises(Exception, match=r"stage_boundary\(\) inside the torch.utils.checkpoint "
+                                        r"body 'wrap_body_0'.*outside it"):
+        compiled(torch.randn(2, 8))
+
+
+def test_compile_with_split_points_on_checkpointed_layers():
+    record = []
+    assert_compiled_matches_eager(models.CheckpointedLayers, (torch.randn(2, 8),),
+                                  options={"split_points": ["layers.2"]},
+                                  backend=spy_backend(record))
+    assert record[0].plan.num_stages == 2

@@ -205,3 +205,22 @@ def test_ops_inside_a_no_grad_block_are_captured_with_grad_mode_switches():
     cap = capture(Rotary(), (torch.randn(2, 3),), {})
     assert sum(n.target is torch._C._set_grad_enabled for n in cap.gm.graph.nodes) == 2
     assert inspect.isfunction(mpmd.split_model)
+
+
+@pytest.mark.parametrize("make, where", [
+    (models.BoundaryInCond, r"torch.cond body 'cond_true_0'"),
+    (models.BoundaryInCheckpoint, r"torch.utils.checkpoint body 'wrap_body_0'"),
+])
+def test_marker_inside_a_higher_order_op_body_is_a_capture_error_naming_the_body(make, where):
+    # It used to be dropped silently, leaving one stage.
+    with pytest.raises(CaptureError, match=r"stage_boundary\(\) inside the " + where +
+                       r".*put the boundary outside it"):
+        mpmd.split_model(make(), torch.randn(2, 8))
+
+
+def test_split_point_on_a_checkpointed_layer_starts_a_stage_there():
+    sm = mpmd.split_model(models.CheckpointedLayers(), torch.randn(2, 8),
+                          split_points=["layers.2"])
+    assert sm.num_stages == 2
+    starts = resolve_split_points(sm.ir, ["layers.2"])
+    assert sm.ir.graph.nodes[starts[0]].module_fqn == "layers.2"

@@ -369,3 +369,47 @@ def test_hugging_face_llama_split_with_split_points_matches_outputs_and_gradient
         {"labels": labels, "attention_mask": torch.ones_like(ids), "use_cache": False},
         tol=dict(rtol=1e-5, atol=1e-6), split_points=["model.layers.2"])
     assert sm.num_stages == 2
+
+
+def test_input_and_received_value_with_the_same_name_get_distinct_stage_arguments():
+    sm = assert_split_reproduces(models.ReusedArgumentName, (torch.randn(2, 8), torch.randn(2, 8)))
+    sig = sm.stage_signatures[1]
+    assert sig.input_names == ("mask", "mask")  # the signature keeps the names
+    args = [n.target for n in sm.stages[1].graph.nodes if n.op == "placeholder"]
+    assert len(set(args)) == 2
+
+
+def test_inputs_that_differ_from_the_split_call_are_errors_naming_them():
+    x = torch.randn(2, 8)
+    model = models.OptionalArguments()
+    sm = mpmd.split_model(model, x)
+    assert_close(sm.run(x), model(x))
+    assert_close(sm.run(x, None, 1.0), model(x))  # defaults passed explicitly
+    with pytest.raises(ValueError, match="'mask'"):  # left at None when split
+        sm.run(x, mask=torch.zeros(2, 8))
+    with pytest.raises(ValueError, match="'scale' was 1.0.*got 3.0"):  # default when split
+        sm.run(x, scale=3.0)
+    sm3 = mpmd.split_model(model, x, scale=3.0)
+    with pytest.raises(ValueError, match="'scale' was 3.0.*got 1.0"):  # omitted now
+        sm3.run(x)
+    smm = mpmd.split_model(model, x, torch.ones(2, 8))
+    with pytest.raises(ValueError, match="'mask'"):  # passed when split, omitted now
+        smm.run(x)
+
+
+def test_extra_keyword_input_not_known_from_the_split_call_is_an_error_naming_it():
+    class Kw(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(4, 4)
+            self.b = nn.Linear(4, 4)
+
+        def forward(self, x, **extra):
+            h = self.a(x)
+            mpmd.stage_boundary()
+            return self.b(h) + sum(extra.values(), torch.zeros(()))
+
+    x = torch.randn(2, 4)
+    sm = mpmd.split_model(Kw(), x)
+    with pytest.raises(ValueError, match="'bias'"):
+        sm.run(x, bias=torch.ones(2, 4))

@@ -100,6 +100,7 @@ def _placeholders(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]
     infos: list[PlaceholderInfo] = []
     tensors: dict[str, torch.Tensor] = {}
     seen: dict[int, str] = {}
+    input_targets: list[tuple[int, str]] = []
     nodes = [n for n in gm.graph.nodes if n.op == "placeholder"]
     for node, value in zip(nodes, example_inputs):
         target = str(node.target)
@@ -111,8 +112,22 @@ def _placeholders(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]
             tensors[fqn] = value
             seen[id(value)] = fqn
         else:
-            name = re.sub(r"^[LG]_", "", target).rstrip("_") or target
-            infos.append(PlaceholderInfo("input", name))
+            infos.append(PlaceholderInfo("input", ""))
+            input_targets.append((len(infos) - 1, target))
+    # Input names must be unique (the runner feeds inputs by name): a global `x`
+    # (G_x_) and an argument `x_` (L_x_) both strip to "x", so a name shared by
+    # several placeholders keeps the placeholder's own (unique) target instead.
+    short = [re.sub(r"^[LG]_", "", t).rstrip("_") or t for _, t in input_targets]
+    taken = {info.name for info in infos if info.kind != "input"}
+    for (k, target), name in zip(input_targets, short):
+        if short.count(name) > 1 or name in taken:
+            name = target
+        base, n = name, 0
+        while name in taken:
+            n += 1
+            name = f"{base}_{n}"
+        taken.add(name)
+        infos[k] = PlaceholderInfo("input", name)
     return infos, tensors
 
 

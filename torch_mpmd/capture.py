@@ -129,8 +129,9 @@ def flatten_inputs(
     """Name every leaf of a forward call: ``{"x": t, "batch['ids']": t2, "args[0]": t3}``.
 
     Positional arguments take the name of forward's parameter; ``*args`` items
-    are ``args[i]``; ``**kwargs`` items take their key. Containers are
-    flattened with torch's pytree, their paths appended to the name.
+    are ``args[i]``; ``**kwargs`` items take their key. Arguments not passed
+    take forward's default. Containers are flattened with torch's pytree, their
+    paths appended to the name.
     """
     named: list[tuple[str, Any]] = []
     bound = None
@@ -139,6 +140,9 @@ def flatten_inputs(
             bound = signature.bind(*args, **kwargs)
         except TypeError as e:
             raise TypeError(f"the inputs do not match forward{signature}: {e}") from None
+        # Arguments left at their default are named too, so that a call passing
+        # a different value than the capture call can be told apart from it.
+        bound.apply_defaults()
     if bound is None:
         named += [(f"args[{i}]", a) for i, a in enumerate(args)]
         named += list(kwargs.items())

@@ -30,7 +30,7 @@ import torch.utils._pytree as pytree
 from torch.fx.experimental.symbolic_shapes import optimization_hint
 
 from torch_mpmd import _C
-from torch_mpmd.capture import PlaceholderInfo
+from torch_mpmd.capture import CaptureError, PlaceholderInfo
 from torch_mpmd.markers import is_stage_boundary
 
 __all__ = [
@@ -387,9 +387,87 @@ class GraphIR:
         return starts
 
 
+_HOP_NAMES = {"cond": "torch.cond", "tag_activation_checkpoint": "torch.utils.checkpoint",
+              "checkpoint": "torch.utils.checkpoint", "while_loop": "torch.while_loop",
+              "map_impl": "torch.map", "wrap": "a wrapped region",
+              "wrap_with_autocast": "a torch.autocast region",
+              "wrap_with_set_grad_enabled": "a grad-mode region"}
+
+
+def _has_marker(graph: torch.fx.Graph, root: torch.nn.Module) -> bool:
+    """Whether ``graph`` (or a subgraph it calls, at any depth) has a marker."""
+    for node in graph.nodes:
+        if node.op == "call_function" and is_stage_boundary(node.target):
+            return True
+        if node.op == "get_attr":
+            sub = _get_attr(root, str(node.target))
+            if isinstance(sub, torch.fx.GraphModule) and _has_marker(sub.graph, sub):
+                return True
+    return False
+
+
+def _get_attr(root: torch.nn.Module, target: str) -> Any:
+    try:
+        return operator.attrgetter(target)(root)
+    except AttributeError:
+        return None
+
+
+def _check_no_nested_markers(gm: torch.fx.GraphModule) -> None:
+    """A marker inside a higher-order op's body (torch.cond branch, checkpointed
+    region) cannot split the graph: refuse it instead of dropping it."""
+    for node in gm.graph.nodes:
+        if node.op != "get_attr":
+            continue
+        sub = _get_attr(gm, str(node.target))
+        if not isinstance(sub, torch.fx.GraphModule) or not _has_marker(sub.graph, sub):
+            continue
+        users = [u for u in node.users if u.op == "call_function"]
+        hop = _short_name(users[0]) if users else "a higher-order op"
+        what = _HOP_NAMES.get(hop, hop)
+        raise CaptureError(
+            f"stage_boundary() inside the {what} body {str(node.target)!r} (called by "
+            f"{users[0].name if users else 'no node'!r}) is not supported: a stage boundary "
+            f"cannot split a {what} region; put the boundary outside it")
+
+
+def _subgraph_module_fqn(gm: torch.fx.GraphModule, node: torch.fx.Node,
+                         module_ids: Mapping[int, str] | None) -> str:
+    """For a higher-order op (``checkpoint(layer, x)``, ``torch.cond``) whose body
+    runs inside a submodule deeper than the op's own module: that submodule's FQN
+    (the deepest module every op of its bodies runs in), so that a split point
+    can name a checkpointed layer. "" otherwise."""
+    if node.op != "call_function":
+        return ""
+    fqns: list[list[str]] = []
+    for a in node.all_input_nodes:
+        sub = _get_attr(gm, str(a.target)) if a.op == "get_attr" else None
+        if not isinstance(sub, torch.fx.GraphModule):
+            continue
+        for n in sub.graph.nodes:
+            if n.op in ("call_function", "call_method", "call_module"):
+                fqn = _module_fqn(n, module_ids)
+                fqns.append(fqn.split(".") if fqn else [])
+    if not fqns:
+        return ""
+    common: list[str] = []
+    for parts in zip(*fqns):
+        if any(p != parts[0] for p in parts):
+            break
+        common.append(parts[0])
+    inner = ".".join(common)
+    own = _module_fqn(node, module_ids)
+    if inner and len(inner) > len(own) and (not own or inner.startswith(own + ".")):
+        return inner
+    return ""
+
+
 def to_ir(gm: torch.fx.GraphModule, placeholders: Sequence[PlaceholderInfo],
           module_ids: Mapping[int, str] | None = None) -> GraphIR:
-    """Build the IR of ``gm``; ``placeholders`` says what each placeholder is."""
+    """Build the IR of ``gm``; ``placeholders`` says what each placeholder is.
+
+    A CaptureError if a marker sits inside a higher-order op's subgraph."""
+    _check_no_nested_markers(gm)
     g = _C.Graph()
     fx_nodes: list[torch.fx.Node] = []
     kinds: list[Any] = []
@@ -421,7 +499,8 @@ def to_ir(gm: torch.fx.GraphModule, placeholders: Sequence[PlaceholderInfo],
         elif node.op == "get_attr":
             kind = K.CONSTANT
         else:
-            module_fqn = _module_fqn(node, module_ids)
+            module_fqn = _subgraph_module_fqn(gm, node, module_ids) or _module_fqn(
+                node, module_ids)
             all_const = all(kinds[i] == K.CONSTANT for i in inputs)
             pure = not (_is_random(node) or _is_global_state(node) or node.op == "call_module"
                         or (node.op == "call_function" and node.target in

@@ -216,17 +216,31 @@ def build_stages(gm: torch.fx.GraphModule, ir: GraphIR, plan: Any,
         graph = torch.fx.Graph()
         env: dict[torch.fx.Node, Any] = {}
         user_inputs = []
+        # FX does not make placeholder targets unique (a duplicate is a
+        # SyntaxError in the generated forward): a user input and a received
+        # value may share a name (`mask = self.a(x) * mask`), so uniquify here;
+        # the StageSignature keeps the original names.
+        arg_names: set[str] = set()
+
+        def placeholder(name: str) -> torch.fx.Node:
+            base, ident, n = name, name, 0
+            while ident in arg_names:
+                n += 1
+                ident = f"{base}_{n}"
+            arg_names.add(ident)
+            return graph.placeholder(ident)
+
         for j in sorted(reads_input[s]):
             name = ph_info[nodes[j]].name
             user_inputs.append(name)
-            env[nodes[j]] = graph.placeholder(_identifier(name))
+            env[nodes[j]] = placeholder(_identifier(name))
         received = []
         for v in cross:
             if s in v.consumer_stages:
                 sv = StageValue(nodes[v.node].name, v.node, v.producer_stage,
                                 tuple(v.consumer_stages), v.bytes)
                 received.append(sv)
-                env[nodes[v.node]] = graph.placeholder(sv.name)
+                env[nodes[v.node]] = placeholder(sv.name)
                 env[nodes[v.node]].meta.update(
                     {k: nodes[v.node].meta[k] for k in ("example_value", "val")
                      if k in nodes[v.node].meta})
@@ -368,6 +382,17 @@ class SplitModel:
 
     def _named_inputs(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> dict[str, Any]:
         inputs = flatten_inputs(self.captured.signature, args, kwargs)
+        known = set(self.captured.input_names) | set(self.captured.input_constants)
+        unknown = [name for name in inputs if name not in known]
+        if unknown:
+            raise ValueError(
+                f"{self.model_name} was split without input(s) "
+                f"{', '.join(map(repr, unknown))} (not passed, or None), which this call "
+                "passes; the stages do not read them, split again with them")
+        for name in self.captured.input_names:
+            if name not in inputs:
+                raise ValueError(f"{self.model_name} was split with input {name!r}, which "
+                                 "this call does not pass")
         for name, meta in self._input_meta.items():
             if name not in inputs:
                 raise ValueError(f"{self.model_name} was split with input {name!r}, which "
@@ -389,7 +414,11 @@ class SplitModel:
                     "split, so the stages read it once; pass the same tensor again, or split "
                     "with distinct example tensors")
         for name, value in self.captured.input_constants.items():
-            if name in inputs and not _same_constant(inputs[name], value):
+            if name not in inputs:
+                raise ValueError(
+                    f"non-tensor input {name!r} was {value!r} when the model was split, and "
+                    "this call does not pass it; the stages have it baked in, split again")
+            if not _same_constant(inputs[name], value):
                 raise ValueError(
                     f"non-tensor input {name!r} was {value!r} when the model was split, got "
                     f"{inputs[name]!r}; the stages have it baked in, split again")
