@@ -325,3 +325,40 @@ class CheckpointedLayers(nn.Module):
         for layer in self.layers:
             x = checkpoint(layer, x, use_reentrant=False)
         return x
+
+
+class ViewOfConstantBeforeWrite(nn.Module):
+    """A view of a constant buffer is taken before an in-place write through
+    the buffer; a later stage reads the view and must see the write."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+
+    def forward(self, x):
+        buf = torch.zeros(2, 4)
+        head = buf[0]              # view taken before the write
+        tail = buf[1:].t()         # a view of the base in another shape
+        h = self.a(x)
+        tail.copy_(h[1:].t())      # write through one view
+        buf[0] = h.sum(0)          # write through the base
+        mpmd.stage_boundary()
+        return self.b(h) + head + tail.t()
+
+
+class ViewOfValueBeforeWrite(nn.Module):
+    """A view of a computed value taken on one stage, the value written in
+    place on the next; the view must see the write."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.a(x)
+        v = h[:, :2]
+        mpmd.stage_boundary()
+        h.mul_(2)
+        return self.b(h) + v.sum()

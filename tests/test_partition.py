@@ -197,6 +197,24 @@ def test_in_place_mutation_of_a_received_value_reaches_later_stages():
     assert all(v.producer_stage == 1 for v in last.received)
 
 
+def test_view_of_a_constant_taken_before_an_in_place_write_sees_the_write():
+    sm = assert_split_reproduces(models.ViewOfConstantBeforeWrite, (torch.randn(2, 4),))
+    # The written buffer and its views are not Constants rebuilt from zeros on stage 1.
+    names = {sm.ir.fx_nodes[i].name for i, st in enumerate(sm.plan.constant_stages)
+             if len(st) > 0}
+    assert not names & {"buf", "head", "tail"}
+    assert all(v.producer_stage == 0 for v in sm.stage_signatures[1].received)
+
+
+def test_view_of_a_value_taken_before_an_in_place_write_on_a_later_stage():
+    sm = assert_split_reproduces(models.ViewOfValueBeforeWrite, (torch.randn(2, 4),))
+    # The view's later reader depends on the write (reads after(v, mul_)).
+    nodes = sm.ir.graph.nodes
+    reader = next(n for n in nodes if n.target.endswith("sum"))
+    assert [nodes[i].target.rsplit(".", 1)[-1] for i in reader.inputs] == ["after"]
+    assert "mul_" in {nodes[j].name for j in nodes[reader.inputs[0]].inputs}
+
+
 class GradModeSwitches(nn.Module):
     def __init__(self):
         super().__init__()

@@ -37,6 +37,7 @@ __all__ = [
     "GraphIR",
     "to_ir",
     "order_mutations",
+    "is_written_alias",
     "resolve_split_points",
     "module_path_to_fqn",
     "node_cost",
@@ -159,19 +160,58 @@ def _view_base(node: torch.fx.Node) -> torch.fx.Node | None:
     return None
 
 
+_ALIAS_OF = "mpmd_alias_of"  # on a node: ids of the writes to its alias family
+_WRITE_ID = "mpmd_write_id"  # on an in-place node: its write id
+
+
+def _alias_family(v: torch.fx.Node) -> list[torch.fx.Node]:
+    """``v``, its bases, and every view derived from any of them (transitively),
+    in graph order: the nodes that may share memory with ``v``."""
+    root = v
+    seen = {root}
+    while True:
+        b = _view_base(root)
+        if b is None or b in seen:
+            break
+        seen.add(b)
+        root = b
+    family = [root]
+    members = {root}
+    k = 0
+    while k < len(family):
+        a = family[k]
+        k += 1
+        for u in a.users:
+            if u not in members and _view_base(u) is a:
+                members.add(u)
+                family.append(u)
+    return family
+
+
+def is_written_alias(node: torch.fx.Node) -> bool:
+    """Whether :func:`order_mutations` found an in-place write to ``node`` or
+    to a tensor it may share memory with (a base, a view, a view of a base)."""
+    return bool(node.meta.get(_ALIAS_OF))
+
+
 def order_mutations(graph: torch.fx.Graph) -> int:
     """Make every in-place mutation a def-use dependency of later readers.
 
-    For a node ``m`` that writes tensor ``v`` (and, through views, ``v``'s
-    bases), each later reader of ``v`` or a base reads ``after(v, m)``
-    instead, a node inserted right after ``m``. Values are unchanged (``after``
-    is the identity); what changes is that a reader on another stage now
-    depends on the mutation, so the mutated tensor, not the value from before
-    it, is what crosses stages, and a recomputed Constant is recomputed with
-    its mutation. Returns the number of nodes inserted.
+    For a node ``m`` that writes tensor ``v``, the alias family of ``v`` is
+    ``v``, its bases and every view taken of any of them (before or after
+    ``m``). Each later reader of a family member ``a`` that existed before
+    ``m`` reads ``after(a, m)`` instead, a node inserted right after ``m``.
+    Values are unchanged (``after`` is the identity); what changes is that a
+    reader on another stage now depends on the mutation, so the mutated
+    tensor, not the value from before it, is what crosses stages. Every
+    family member is marked (:func:`is_written_alias`) so that :func:`to_ir`
+    classifies none of them as a Constant (which a later stage would rebuild
+    without the write) when the write itself is not a Constant. Returns the
+    number of nodes inserted.
     """
     position: dict[torch.fx.Node, float] = {n: float(i) for i, n in enumerate(graph.nodes)}
     inserted = 0
+    next_id = 1 + max((n.meta[_WRITE_ID] for n in graph.nodes if _WRITE_ID in n.meta), default=-1)
     for m in list(graph.nodes):
         v = _mutated_arg(m)
         if v is None:
@@ -179,23 +219,31 @@ def order_mutations(graph: torch.fx.Graph) -> int:
         if m.op == "call_function" and m.target is operator.setitem:
             m.target = setitem
             m.meta.update({k: v.meta[k] for k in ("example_value", "val") if k in v.meta})
-        aliases = []
-        a: torch.fx.Node | None = v
-        while a is not None and a not in aliases:
-            aliases.append(a)
-            a = _view_base(a)
-        cursor = m
-        for k, a in enumerate(aliases):
-            later = [u for u in a.users if u is not m and position.get(u, -1) > position[m]]
-            if not later:
+        family = _alias_family(v)
+        write_id = next_id
+        next_id += 1
+        m.meta[_WRITE_ID] = write_id
+        for a in family + [m]:
+            a.meta[_ALIAS_OF] = a.meta.get(_ALIAS_OF, ()) + (write_id,)
+        # Members from before m, each with its readers after m (collected before
+        # any insertion, so the inserted after() nodes are never redirected).
+        redirects = []
+        for a in family:
+            if a is m or position.get(a, float("inf")) >= position[m]:
                 continue
+            later = [u for u in a.users if u is not m and position.get(u, -1) > position[m]]
+            if later:
+                redirects.append((a, later))
+        cursor = m
+        for k, (a, later) in enumerate(redirects):
             with graph.inserting_after(cursor):
                 dep = graph.call_function(after, (a, m))
             dep.meta.update({k: a.meta[k] for k in ("example_value", "val") if k in a.meta})
+            dep.meta[_ALIAS_OF] = (write_id,)
             if "nn_module_stack" in m.meta:
                 dep.meta["nn_module_stack"] = m.meta["nn_module_stack"]
             # Between m and its successor; never "later" than m for this or other aliases.
-            position[dep] = position[m] + (1 - 0.5 ** (k + 1)) / 2
+            position[dep] = position[m] + (1 - 0.5 ** (min(k, 40) + 1)) / 2
             for u in later:
                 u.replace_input_with(a, dep)
             cursor = dep
@@ -462,6 +510,37 @@ def _subgraph_module_fqn(gm: torch.fx.GraphModule, node: torch.fx.Node,
     return ""
 
 
+def _is_pure(node: torch.fx.Node) -> bool:
+    return not (_is_random(node) or _is_global_state(node) or node.op == "call_module"
+                or (node.op == "call_function" and node.target in
+                    torch.fx.node._side_effectful_functions))
+
+
+def _non_constant_writes(graph: torch.fx.Graph) -> set[int]:
+    """Ids of the in-place writes (see :func:`order_mutations`) that are not
+    Constants, once every alias family such a write touches is itself kept
+    from being Constant (a fixpoint: un-Constant members can make more writes
+    non-Constant)."""
+    poisoned: set[int] = set()
+    while True:
+        const: dict[torch.fx.Node, bool] = {}
+        for node in graph.nodes:
+            if node.op == "call_function" and is_stage_boundary(node.target):
+                continue
+            if node.op in ("placeholder", "output"):
+                const[node] = False
+            elif node.op == "get_attr":
+                const[node] = True
+            else:
+                const[node] = (all(const.get(a, True) for a in node.all_input_nodes)
+                               and _is_pure(node)
+                               and not poisoned.intersection(node.meta.get(_ALIAS_OF, ())))
+        found = {n.meta[_WRITE_ID] for n, c in const.items() if not c and _WRITE_ID in n.meta}
+        if found <= poisoned:
+            return poisoned
+        poisoned |= found
+
+
 def to_ir(gm: torch.fx.GraphModule, placeholders: Sequence[PlaceholderInfo],
           module_ids: Mapping[int, str] | None = None) -> GraphIR:
     """Build the IR of ``gm``; ``placeholders`` says what each placeholder is.
@@ -476,6 +555,7 @@ def to_ir(gm: torch.fx.GraphModule, placeholders: Sequence[PlaceholderInfo],
     marker_names: list[str] = []
     module_fqns: dict[str, None] = {}
     ph = iter(placeholders)
+    poisoned = _non_constant_writes(gm.graph)
     for node in gm.graph.nodes:
         if node.op == "call_function" and is_stage_boundary(node.target):
             marker_positions.append(len(fx_nodes))
@@ -502,10 +582,11 @@ def to_ir(gm: torch.fx.GraphModule, placeholders: Sequence[PlaceholderInfo],
             module_fqn = _subgraph_module_fqn(gm, node, module_ids) or _module_fqn(
                 node, module_ids)
             all_const = all(kinds[i] == K.CONSTANT for i in inputs)
-            pure = not (_is_random(node) or _is_global_state(node) or node.op == "call_module"
-                        or (node.op == "call_function" and node.target in
-                            torch.fx.node._side_effectful_functions))
-            kind = K.CONSTANT if all_const and pure else K.COMPUTE
+            pure = _is_pure(node)
+            # A tensor sharing memory with one that a non-Constant in-place write
+            # changes is not a Constant: a stage rebuilding it would miss the write.
+            written = bool(poisoned.intersection(node.meta.get(_ALIAS_OF, ())))
+            kind = K.CONSTANT if all_const and pure and not written else K.COMPUTE
             if kind == K.COMPUTE:
                 cost = 0.0 if _is_global_state(node) else node_cost(node)
                 if module_fqn not in module_fqns:
