@@ -16,6 +16,15 @@ import torch.nn.functional as F
 import torch_mpmd as mpmd
 
 
+class TwoLinear(nn.Module):
+    """Base of the small error-case models: two d x d layers ``a`` and ``b``."""
+
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        self.a = nn.Linear(d, d)
+        self.b = nn.Linear(d, d)
+
+
 class MLP(nn.Module):
     """``depth`` blocks of Linear+GELU; with ``markers`` a stage ends after each block."""
 
@@ -160,13 +169,8 @@ class MultiInputAttention(nn.Module):
         return {"logits": logits, "pooled": x.mean(dim=1)}
 
 
-class DataDependentBranch(nn.Module):
+class DataDependentBranch(TwoLinear):
     """A stage boundary inside data-dependent control flow: Dynamo cannot capture it."""
-
-    def __init__(self, d: int = 8) -> None:
-        super().__init__()
-        self.a = nn.Linear(d, d)
-        self.b = nn.Linear(d, d)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.a(x)
@@ -176,13 +180,8 @@ class DataDependentBranch(nn.Module):
         return self.b(x)
 
 
-class AdjacentMarkers(nn.Module):
+class AdjacentMarkers(TwoLinear):
     """Two markers with nothing between them: an empty stage."""
-
-    def __init__(self, d: int = 8) -> None:
-        super().__init__()
-        self.a = nn.Linear(d, d)
-        self.b = nn.Linear(d, d)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.a(x)
@@ -226,13 +225,8 @@ class UnevenLayers(nn.Module):
 x = torch.full((8,), 10.0)
 
 
-class GlobalTensorAndInput(nn.Module):
+class GlobalTensorAndInput(TwoLinear):
     """Reads a global tensor `x` and an argument `x_` (both strip to "x")."""
-
-    def __init__(self, d: int = 8) -> None:
-        super().__init__()
-        self.a = nn.Linear(d, d)
-        self.b = nn.Linear(d, d)
 
     def forward(self, x_: torch.Tensor) -> torch.Tensor:
         h = self.a(x_)
@@ -240,14 +234,9 @@ class GlobalTensorAndInput(nn.Module):
         return self.b(h) + x
 
 
-class ReusedArgumentName(nn.Module):
+class ReusedArgumentName(TwoLinear):
     """Rebinds an argument name (`mask`) to a value that crosses the boundary,
     while the original argument is read after it too (as in Hugging Face code)."""
-
-    def __init__(self, d: int = 8) -> None:
-        super().__init__()
-        self.a = nn.Linear(d, d)
-        self.b = nn.Linear(d, d)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         m2 = mask
@@ -256,13 +245,8 @@ class ReusedArgumentName(nn.Module):
         return self.b(mask) + m2
 
 
-class OptionalArguments(nn.Module):
+class OptionalArguments(TwoLinear):
     """An optional tensor argument and a float argument with defaults."""
-
-    def __init__(self, d: int = 8) -> None:
-        super().__init__()
-        self.a = nn.Linear(d, d)
-        self.b = nn.Linear(d, d)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None,
                 scale: float = 1.0) -> torch.Tensor:
@@ -274,13 +258,8 @@ class OptionalArguments(nn.Module):
         return self.b(h)
 
 
-class BoundaryInCond(nn.Module):
+class BoundaryInCond(TwoLinear):
     """A stage boundary inside a torch.cond branch."""
-
-    def __init__(self, d: int = 8) -> None:
-        super().__init__()
-        self.a = nn.Linear(d, d)
-        self.b = nn.Linear(d, d)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         def true_fn(x):
