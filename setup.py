@@ -1,4 +1,4 @@
-"""Build torch_mpmd: setuptools hands the one extension to CMake.
+"""Build torch_mpmd: setuptools hands the extensions to one CMake build.
 
     pip install --no-build-isolation -e .
 
@@ -24,9 +24,17 @@ class CMakeExtension(Extension):
 
 
 class CMakeBuild(build_ext):
+    """One CMake configure+build makes every extension (_C and _runtime) in the
+    package directory; setuptools then copies each declared one in place."""
+
+    _built = False
+
     def build_extension(self, ext: Extension) -> None:
         import torch.utils.cpp_extension
 
+        if CMakeBuild._built:
+            return
+        CMakeBuild._built = True
         out_dir = Path(self.get_ext_fullpath(ext.name)).resolve().parent
         build_dir = ROOT / "build" / "cmake"
         build_dir.mkdir(parents=True, exist_ok=True)
@@ -53,7 +61,7 @@ setup(
     description="MPMD pipeline parallelism for PyTorch with a C++ core",
     packages=find_packages(include=["torch_mpmd", "torch_mpmd.*"]),
     package_data={"torch_mpmd": ["_C.pyi", "py.typed"]},
-    ext_modules=[CMakeExtension("torch_mpmd._C")],
+    ext_modules=[CMakeExtension("torch_mpmd._C"), CMakeExtension("torch_mpmd._runtime")],
     cmdclass={"build_ext": CMakeBuild},
     python_requires=">=3.10",
     install_requires=["torch==2.13.0"],

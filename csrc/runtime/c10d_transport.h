@@ -1,0 +1,57 @@
+// C10dTransport: the production Transport over c10d process groups
+// (gloo on CPU, NCCL on GPU, through the same code).
+//
+// Each value is one tensor sent with its own send/recv call (gloo moves one
+// contiguous tensor per call). Receives allocate their tensors from the specs
+// known at capture (shape, dtype, per stage edge and direction), so start-up
+// needs no dry run and a sender whose tensor differs from its spec fails with
+// an error naming both, before anything is sent.
+//
+// NOTE [Direction groups]: NCCL p2p matches by order on one communicator per
+// rank pair, shared by both directions; the lowering orders each direction on
+// its own (NOTE [Channel order]). So transfers a -> b with a < b go through
+// `up`, the others through `down`: each communicator then carries one
+// direction only. For gloo, which matches by (peer, tag) in FIFO order per
+// direction, `up` and `down` may be the same group.
+#pragma once
+
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
+#include <map>
+#include <tuple>
+#include <vector>
+
+#include "runtime/transport.h"
+
+namespace mpmd::runtime {
+
+// Specs of the values of one stage edge and direction: meta (or any) tensors
+// whose shape and dtype the transferred tensors have.
+using EdgeKey = std::tuple<int, int, bool>;  // (producer, consumer, backward)
+using EdgeSpecs = std::map<EdgeKey, std::vector<at::Tensor>>;
+
+class C10dTransport : public Transport {
+ public:
+  // Ranks are group-local ranks of `up` and `down` (same ranks in both).
+  // Received tensors are allocated on `device`.
+  C10dTransport(c10::intrusive_ptr<c10d::ProcessGroup> up,
+                c10::intrusive_ptr<c10d::ProcessGroup> down, EdgeSpecs specs, at::Device device,
+                int tag = 0);
+
+  std::unique_ptr<PendingTransfer> send(int peer, const TransferKey& key, Values values) override;
+  std::unique_ptr<PendingTransfer> recv(int peer, const TransferKey& key) override;
+
+  int rank() const { return rank_; }
+
+ private:
+  const std::vector<at::Tensor>& specsOf(const TransferKey& key, int peer) const;
+  c10d::ProcessGroup& groupFor(int from, int to) const { return from < to ? *up_ : *down_; }
+
+  c10::intrusive_ptr<c10d::ProcessGroup> up_, down_;
+  EdgeSpecs specs_;
+  at::Device device_;
+  int tag_;
+  int rank_;
+};
+
+}  // namespace mpmd::runtime
