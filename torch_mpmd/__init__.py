@@ -2,7 +2,8 @@
 
 Importing the package does not import torch; ``torch_mpmd.schedules`` needs
 only the compiled ``torch_mpmd._C`` extension. The torch-dependent names
-(``stage_boundary``, ``split_model``, ``SplitModel``, ``CaptureError``) are
+(``pipeline``, ``Pipeline``, ``PipelineError``, ``Replicate``,
+``stage_boundary``, ``split_model``, ``SplitModel``, ``CaptureError``) are
 imported on first access.
 """
 
@@ -19,10 +20,14 @@ _LAZY = {
     "split_model": "torch_mpmd.stage",
     "SplitModel": "torch_mpmd.stage",
     "CaptureError": "torch_mpmd.capture",
+    "pipeline": "torch_mpmd.api",
+    "Pipeline": "torch_mpmd.api",
+    "PipelineError": "torch_mpmd.runtime",
+    "Replicate": "torch_mpmd.microbatch",
 }
 
-__all__ = ["__version__", "schedules", "stage_boundary", "split_model", "SplitModel",
-           "CaptureError"]
+__all__ = ["__version__", "schedules", "pipeline", "Pipeline", "PipelineError", "Replicate",
+           "stage_boundary", "split_model", "SplitModel", "CaptureError"]
 
 
 def __getattr__(name: str) -> Any:

@@ -86,9 +86,9 @@ class StageSignature:
 
 def partition(ir: GraphIR, *, split_points: Sequence[str] | None = None,
               num_stages: int | None = None, known_modules: Sequence[str] | None = None,
-              what: str = "the model") -> Any:
+              what: str = "the model", default_num_stages: int = 1) -> Any:
     """The plan for ``ir``: from its markers, else ``split_points``, else
-    ``num_stages`` balanced by cost (1 when neither is given)."""
+    ``num_stages`` (or ``default_num_stages``) balanced by cost."""
     if num_stages is not None and (not isinstance(num_stages, int) or num_stages < 1):
         raise ValueError(f"num_stages must be a positive int, got {num_stages!r}")
     try:
@@ -112,7 +112,7 @@ def partition(ir: GraphIR, *, split_points: Sequence[str] | None = None,
             plan = _C.partition_at_nodes(ir.graph, starts)
             source = f"split_points={list(split_points)!r}"
         else:
-            return _C.partition_balanced(ir.graph, num_stages or 1)
+            return _C.partition_balanced(ir.graph, num_stages or default_num_stages)
     except ValueError as e:
         raise ValueError(f"cannot split {what} into stages: {e}") from None
     if num_stages is not None and num_stages != plan.num_stages:
@@ -466,13 +466,14 @@ def _same_constant(a: Any, b: Any) -> bool:
 
 def split_model(module: torch.nn.Module, *example_args: Any,
                 split_points: Sequence[str] | None = None, num_stages: int | None = None,
-                **example_kwargs: Any) -> SplitModel:
+                default_num_stages: int = 1, **example_kwargs: Any) -> SplitModel:
     """Capture ``module(*example_args, **example_kwargs)`` and split it into stages.
 
     Markers (``stage_boundary()``) in the model fix the stages; else
     ``split_points`` (module FQNs where a new stage begins); else ``num_stages``
-    stages balanced by estimated cost. ``num_stages`` given together with
-    markers or split points must agree with them.
+    stages balanced by estimated cost (``default_num_stages`` when
+    ``num_stages`` is None). ``num_stages`` given together with markers or
+    split points must agree with them.
     """
     captured = capture(module, example_args, example_kwargs)
     gm = captured.gm
@@ -481,7 +482,8 @@ def split_model(module: torch.nn.Module, *example_args: Any,
     ir = to_ir(gm, captured.placeholders, captured.module_ids)
     name = type(module).__name__
     plan = partition(ir, split_points=split_points, num_stages=num_stages,
-                     known_modules=captured.module_fqns, what=name)
+                     known_modules=captured.module_fqns, what=name,
+                     default_num_stages=default_num_stages)
     stages, signatures = build_stages(gm, ir, plan, captured.placeholders, captured.tensors,
                                       grad_enabled_at_capture=captured.grad_enabled)
     return SplitModel(captured, ir, plan, stages, signatures, name)

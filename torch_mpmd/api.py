@@ -1,0 +1,340 @@
+"""The public pipeline API: ``pipeline(...)`` and :class:`Pipeline` (DESIGN.md 1).
+
+A Pipeline is an ``nn.Module`` whose parameters and buffers are this rank's,
+under the original module's FQNs, and are the module's own tensors: optimizers
+and state-dict helpers work unchanged. Capture is lazy, like torch.compile:
+the first ``step`` or call captures the model with its first microbatch, splits
+it into stages, builds the schedule and the executor (runtime.py), and
+compares plans across ranks. Until then the Pipeline presents the whole
+module's parameters, so an optimizer built before the first step (as in the
+DESIGN.md example) still covers this rank's (the others never get gradients).
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.utils._pytree as pytree
+
+from torch_mpmd.backend import check_stage_count
+from torch_mpmd.microbatch import merge_microbatches, split_microbatches
+from torch_mpmd.runtime import V_SCHEDULES, PipelineError, RankRuntime
+from torch_mpmd.schedules import Schedule, names as schedule_names
+from torch_mpmd.stage import _set_path, split_model
+
+__all__ = ["pipeline", "Pipeline", "PipelineError"]
+
+
+def _positive_int(name: str, value: Any, *, optional: bool = False) -> int | None:
+    if value is None and optional:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name}={value!r} must be a positive int")
+    return value
+
+
+def _timeout(value: Any) -> datetime.timedelta:
+    if isinstance(value, datetime.timedelta):
+        td = value
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        td = datetime.timedelta(seconds=value)
+    else:
+        raise ValueError(f"timeout={value!r} must be seconds (a number) or a datetime.timedelta")
+    if td.total_seconds() <= 0:
+        raise ValueError(f"timeout={value!r} must be positive")
+    return td
+
+
+def _pp_group(group: Any) -> Any:
+    if group is not None:
+        return group
+    if dist.is_available() and dist.is_initialized():
+        return dist.group.WORLD
+    return None
+
+
+def _tensor_signature(args: Sequence[Any], kwargs: Mapping[str, Any]) -> tuple:
+    leaves = pytree.tree_leaves((tuple(args), dict(kwargs)))
+    return tuple((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else repr(x)
+                 for x in leaves)
+
+
+class Pipeline(torch.nn.Module):
+    """A model split into pipeline stages, this rank's part of it (see :func:`pipeline`)."""
+
+    def __init__(self, module: torch.nn.Module, *, loss_fn: Callable[..., torch.Tensor] | None,
+                 schedule: Any, num_microbatches: int, stages_per_rank: int | None,
+                 split_points: Sequence[str] | None, num_stages: int | None, group: Any,
+                 device: Any, timeout: datetime.timedelta, seed: int | None,
+                 lookahead: int) -> None:
+        super().__init__()
+        # Not registered as a submodule: parameters() must list this rank's only.
+        object.__setattr__(self, "_mpmd_module", module)
+        self._mpmd_loss_fn = loss_fn
+        self._mpmd_schedule = schedule
+        self.num_microbatches = num_microbatches
+        self._mpmd_stages_per_rank = stages_per_rank
+        self._mpmd_split_points = list(split_points) if split_points is not None else None
+        self._mpmd_num_stages = num_stages
+        self._mpmd_group = _pp_group(group)
+        self.pp_size = dist.get_world_size(self._mpmd_group) if self._mpmd_group else 1
+        self.rank = dist.get_rank(self._mpmd_group) if self._mpmd_group else 0
+        self.device = torch.device(device) if device is not None else _default_device(module)
+        self.timeout = timeout
+        self._mpmd_seed = seed
+        self._mpmd_lookahead = lookahead
+        self._mpmd_runtime: RankRuntime | None = None
+        self._mpmd_input_signature: tuple | None = None
+        self._mpmd_step = 0
+        self.last_step_stats: dict[str, Any] = {}
+        # Until capture: mirror the whole module's tree (see the module docstring).
+        self._modules = module._modules
+        self._parameters = module._parameters
+        self._buffers = module._buffers
+        self._non_persistent_buffers_set = module._non_persistent_buffers_set
+
+    # ------------------------------------------------------------ properties
+    @property
+    def module(self) -> torch.nn.Module:
+        """The wrapped module (all of it; its tensors are shared with the stages)."""
+        return self._mpmd_module
+
+    @property
+    def is_captured(self) -> bool:
+        return self._mpmd_runtime is not None
+
+    def _runtime(self) -> RankRuntime:
+        if self._mpmd_runtime is None:
+            raise RuntimeError("the pipeline has not captured the model yet: call step() or the "
+                               "pipeline once first")
+        return self._mpmd_runtime
+
+    @property
+    def num_stages(self) -> int:
+        return self._runtime().split.num_stages
+
+    @property
+    def local_stages(self) -> tuple[int, ...]:
+        return self._runtime().local_stages
+
+    @property
+    def schedule(self) -> Schedule:
+        """The lowered schedule every rank runs (this rank's row is its program)."""
+        return self._runtime().schedule
+
+    @property
+    def split(self) -> Any:
+        """The SplitModel: plan, stage modules (all stages) and signatures."""
+        return self._runtime().split
+
+    # ------------------------------------------------------------ capture
+    def _ensure_built(self, args0: tuple, kwargs0: dict) -> RankRuntime:
+        sig = _tensor_signature(args0, kwargs0)
+        if self._mpmd_runtime is not None and sig == self._mpmd_input_signature:
+            return self._mpmd_runtime
+        previous = self._mpmd_runtime
+        spr = self._mpmd_stages_per_rank
+        schedule = self._mpmd_schedule
+        if spr is None:
+            spr = 2 if isinstance(schedule, str) and schedule in V_SCHEDULES else 1
+        split = split_model(self._mpmd_module, *args0, split_points=self._mpmd_split_points,
+                            num_stages=self._mpmd_num_stages,
+                            default_num_stages=self.pp_size * spr, **kwargs0)
+        check_stage_count(split.num_stages, self.pp_size, self._mpmd_stages_per_rank,
+                          source="the stage_boundary() markers or split points"
+                          if (split.ir.num_markers or self._mpmd_split_points) else
+                          "num_stages")
+        settings = repr((type(self._mpmd_module).__name__, self.num_microbatches,
+                         schedule if isinstance(schedule, str) else type(schedule).__name__,
+                         split.num_stages, sig))
+        runtime = RankRuntime(split, schedule=schedule, num_microbatches=self.num_microbatches,
+                              group=self._mpmd_group, device=self.device, timeout=self.timeout,
+                              lookahead=self._mpmd_lookahead, settings=settings,
+                              seed=self._mpmd_seed)
+        if previous is not None:
+            old = sorted(n for n, _ in self.named_parameters())
+            new = sorted(self._local_tensors(runtime)[0])
+            if old != new:
+                raise ValueError(
+                    "the batch shape changed and the re-captured model places other parameters "
+                    f"on rank {self.rank} ({len(new)} instead of {len(old)}); use markers or "
+                    "split_points so stages do not depend on shapes, or keep the batch shape")
+        self._mpmd_runtime = runtime
+        self._mpmd_input_signature = sig
+        self._adopt_local_tensors(runtime)
+        return runtime
+
+    def _local_tensors(self, runtime: RankRuntime
+                       ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], set[str]]:
+        """This rank's parameters and buffers by FQN (aliases of tied weights
+        included), and the non-persistent buffer names."""
+        split = runtime.split
+        infos = {p.name: p for p in split.captured.placeholders if p.kind != "input"}
+        params: dict[str, torch.Tensor] = {}
+        buffers: dict[str, torch.Tensor] = {}
+        for s in runtime.local_stages:
+            sig = split.stage_signatures[s]
+            for fqn in sig.parameters:
+                params[fqn] = split.captured.tensors[fqn]
+            for fqn in sig.buffers:
+                buffers[fqn] = split.captured.tensors[fqn]
+        # Tensors no stage reads live with stage 0 so checkpoints stay complete.
+        if 0 in runtime.local_stages:
+            used = {p.fqn for p in split.plan.parameters}
+            for fqn, p in self._mpmd_module.named_parameters(remove_duplicate=False):
+                if fqn not in used and not any(fqn in i.aliases for i in infos.values()):
+                    params.setdefault(fqn, p)
+            for fqn, b in self._mpmd_module.named_buffers(remove_duplicate=False):
+                if fqn not in used and not any(fqn in i.aliases for i in infos.values()):
+                    buffers.setdefault(fqn, b)
+        for table in (params, buffers):
+            for fqn in list(table):
+                info = infos.get(fqn)
+                for alias in info.aliases if info is not None else ():
+                    table[alias] = table[fqn]
+        non_persistent = {fqn for fqn, info in infos.items() if not info.persistent}
+        for fqn, b in self._mpmd_module.named_buffers(remove_duplicate=False):
+            mod, _, leaf = fqn.rpartition(".")
+            owner = self._mpmd_module.get_submodule(mod) if mod else self._mpmd_module
+            if leaf in owner._non_persistent_buffers_set:
+                non_persistent.add(fqn)
+        return params, buffers, non_persistent
+
+    def _adopt_local_tensors(self, runtime: RankRuntime) -> None:
+        params, buffers, non_persistent = self._local_tensors(runtime)
+        self._modules = {}
+        self._parameters = {}
+        self._buffers = {}
+        self._non_persistent_buffers_set = set()
+        for fqn, p in params.items():
+            _set_path(self, fqn, p, "parameter")
+        for fqn, b in buffers.items():
+            _set_path(self, fqn, b, "buffer", persistent=fqn not in non_persistent)
+
+    # ------------------------------------------------------------ running
+    def step(self, *args: Any, target: Any = None, **kwargs: Any) -> torch.Tensor:
+        """Forward and backward of all microbatches per the schedule; accumulates
+        gradients into this rank's parameters; returns the mean loss on every rank."""
+        mbs = split_microbatches(args, kwargs, target, self.num_microbatches)
+        rt = self._ensure_built(mbs[0][0], mbs[0][1])
+        inputs = [rt.split._named_inputs(a, k) for a, k, _ in mbs]
+        rng = torch.get_rng_state()
+        rt.runner.begin_step(inputs, [t for _, _, t in mbs], self._mpmd_loss_fn, rt.seed,
+                             self._mpmd_step, training=True)
+        before = rt.tied_grads_before()
+        try:
+            rt.run(rt.executor)
+        finally:
+            torch.set_rng_state(rng)
+        rt.sum_tied_grads(before)
+        if rt.last_rank == self.rank:
+            losses = [rt.runner.losses[k] for k in range(self.num_microbatches)]
+            loss = torch.stack(losses).float().mean().to(self.device)
+        else:
+            loss = torch.zeros((), dtype=torch.float32, device=self.device)
+        rt.broadcast_from_last(loss)
+        rt.runner.end_step()
+        self._mpmd_step += 1
+        self.last_step_stats = dict(rt.executor.stats)
+        return loss
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Forward only (no autograd state kept); the output on every rank."""
+        mbs = split_microbatches(args, kwargs, None, self.num_microbatches)
+        rt = self._ensure_built(mbs[0][0], mbs[0][1])
+        inputs = [rt.split._named_inputs(a, k) for a, k, _ in mbs]
+        rng = torch.get_rng_state()
+        rt.runner.begin_step(inputs, [], None, rt.seed, self._mpmd_step, training=False)
+        try:
+            rt.run(rt.forward_executor)
+        finally:
+            torch.set_rng_state(rng)
+        outputs = []
+        for k in range(self.num_microbatches):
+            flat = self._broadcast_outputs(rt, rt.runner.outputs.get(k))
+            outputs.append(rt.split.captured.rebuild_output(flat, inputs[k]))
+        rt.runner.end_step()
+        return merge_microbatches(outputs)
+
+    def _broadcast_outputs(self, rt: RankRuntime, flat: tuple | None) -> tuple:
+        """The last stage's flat outputs of one microbatch, on every rank."""
+        out_node = rt.split.ir.fx_nodes[-1]
+        specs = out_node.args[0] if isinstance(out_node.args[0], (tuple, list)) else [
+            out_node.args[0]]
+        result = []
+        for i, spec in enumerate(specs):
+            meta = spec.meta.get("example_value") if isinstance(spec, torch.fx.Node) else spec
+            if isinstance(meta, torch.Tensor):
+                t = (flat[i].detach().contiguous() if flat is not None else
+                     torch.empty(meta.shape, dtype=meta.dtype, device=self.device))
+                result.append(rt.broadcast_from_last(t))
+            elif isinstance(spec, torch.fx.Node):
+                raise PipelineError(f"model output {i} is a {type(meta).__name__} computed by "
+                                    "the graph; only tensor outputs can be returned to every "
+                                    "rank", rank=self.rank)
+            else:
+                result.append(spec)
+        return tuple(result)
+
+
+def _default_device(module: torch.nn.Module) -> torch.device:
+    for t in module.parameters():
+        if t.device.type != "meta":
+            return t.device
+    return torch.device("cpu")
+
+
+def pipeline(module: torch.nn.Module, *, loss_fn: Callable[..., torch.Tensor] | None = None,
+             schedule: str | Schedule = "1f1b", num_microbatches: int,
+             stages_per_rank: int | None = None, split_points: Sequence[str] | None = None,
+             num_stages: int | None = None, group: Any = None, mesh: Any = None,
+             device: Any = None, timeout: float | datetime.timedelta = 60.0,
+             seed: int | None = None, lookahead: int = 2) -> Pipeline:
+    """Wrap ``module`` for pipeline-parallel training over ``group`` (default: the
+    default process group; none initialized means one rank).
+
+    Stages come from ``stage_boundary()`` markers, else ``split_points``, else
+    ``pp_size * stages_per_rank`` (or ``num_stages``) stages balanced by cost;
+    the stage count must be a multiple of the pipeline size. ``schedule``: a
+    name (``torch_mpmd.schedules.names()``), a Schedule, or a text/CSV file.
+    ``timeout`` (seconds or timedelta) bounds every wait of a step;
+    ``lookahead`` is the number of receives posted ahead. Arguments are checked
+    here, before any communication; capture happens on the first call.
+    """
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(f"pipeline() takes an nn.Module, got {type(module).__name__}")
+    _positive_int("num_microbatches", num_microbatches)
+    _positive_int("stages_per_rank", stages_per_rank, optional=True)
+    _positive_int("num_stages", num_stages, optional=True)
+    _positive_int("lookahead", lookahead)
+    td = _timeout(timeout)
+    if mesh is not None:
+        raise ValueError("mesh= (pipeline x data parallel) is not supported by this version; "
+                         "pass group= for a pipeline-only process group")
+    if isinstance(schedule, str) and schedule not in schedule_names():
+        import os
+
+        if not os.path.isfile(schedule):
+            raise ValueError(f"unknown schedule {schedule!r}: use one of "
+                             f"{', '.join(schedule_names())}, a Schedule, or a text/CSV file")
+    if isinstance(schedule, str) and schedule in V_SCHEDULES and stages_per_rank not in (None, 2):
+        raise ValueError(f"schedule {schedule!r} places 2 stages per rank; got "
+                         f"stages_per_rank={stages_per_rank}")
+    if split_points is not None and (isinstance(split_points, str) or
+                                     not isinstance(split_points, Sequence)):
+        raise ValueError(f"split_points={split_points!r} must be a list of module FQNs")
+    grp = _pp_group(group)
+    pp = dist.get_world_size(grp) if grp is not None else 1
+    if num_stages is not None:
+        check_stage_count(num_stages, pp, stages_per_rank, source="num_stages")
+    if isinstance(schedule, Schedule) and schedule.num_ranks != pp:
+        raise ValueError(f"schedule '{schedule.name}' has {schedule.num_ranks} ranks, the "
+                         f"pipeline group has pp_size={pp}")
+    return Pipeline(module, loss_fn=loss_fn, schedule=schedule,
+                    num_microbatches=num_microbatches, stages_per_rank=stages_per_rank,
+                    split_points=split_points, num_stages=num_stages, group=grp, device=device,
+                    timeout=td, seed=seed, lookahead=lookahead)

@@ -1,0 +1,354 @@
+"""The StageRunner the C++ executor calls (csrc/runtime/stage_runner.h).
+
+One :class:`StageRunner` per rank runs that rank's stage modules: forward
+under autograd with every received value a fresh leaf, the full backward (B),
+and the zero-bubble split into input gradient (I) and weight gradient (W).
+Values cross the C++ boundary as lists of tensors per stage edge, in the order
+of the plan's cross-stage values (:class:`EdgeLayout`), which is also the
+order of the transport's tensor specs.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx
+
+from torch_mpmd.stage import StageSignature, StageValue
+
+__all__ = ["EdgeLayout", "StageRunner", "stage_seed"]
+
+_MASK63 = (1 << 63) - 1
+
+
+def stage_seed(base: int, step: int, stage: int, microbatch: int) -> int:
+    """The RNG seed of one (stage, microbatch) forward: the same under every
+    schedule and placement, so dropout masks do not depend on them."""
+    h = 0xCBF29CE484222325
+    for x in (base, step, stage, microbatch):
+        h = ((h ^ (x & _MASK63)) * 0x100000001B3) & 0xFFFFFFFFFFFFFFFF
+    return h & _MASK63
+
+
+def _requires_grad(value: Any) -> bool:
+    return (isinstance(value, torch.Tensor) and value.requires_grad and
+            (value.is_floating_point() or value.is_complex()))
+
+
+@dataclass
+class EdgeLayout:
+    """Which cross-stage values travel on each stage edge, and which carry gradients.
+
+    ``forward[(p, c)]``: the values of edge p -> c in plan order;
+    ``backward[(p, c)]``: the subset whose gradient goes back c -> p (values
+    that require grad at capture).
+    """
+
+    forward: dict[tuple[int, int], list[StageValue]] = field(default_factory=dict)
+    backward: dict[tuple[int, int], list[StageValue]] = field(default_factory=dict)
+    meta: dict[int, torch.Tensor] = field(default_factory=dict)  # node id -> example value
+
+    @classmethod
+    def build(cls, signatures: Sequence[StageSignature],
+              example_values: Mapping[int, Any]) -> "EdgeLayout":
+        layout = cls()
+        for sig in signatures:
+            for v in sig.sent:
+                example = example_values[v.node]
+                if not isinstance(example, torch.Tensor):
+                    raise ValueError(
+                        f"stage {v.producer_stage} sends {v.name!r} to stage(s) "
+                        f"{list(v.consumer_stages)}, a {type(example).__name__}, but only "
+                        "tensors can cross pipeline stages; move the stage boundary so that "
+                        "only tensors cross it")
+                layout.meta[v.node] = example
+                for c in v.consumer_stages:
+                    layout.forward.setdefault((sig.stage, c), []).append(v)
+                    if _requires_grad(example):
+                        layout.backward.setdefault((sig.stage, c), []).append(v)
+                    else:
+                        layout.backward.setdefault((sig.stage, c), [])
+        return layout
+
+    def edges(self) -> list[tuple[int, int]]:
+        return sorted(self.forward)
+
+    def specs(self, device: str = "meta") -> dict[tuple[int, int, bool], list[torch.Tensor]]:
+        """Transport specs: an empty tensor of each transferred value's shape and dtype."""
+        out: dict[tuple[int, int, bool], list[torch.Tensor]] = {}
+        for (p, c), values in self.forward.items():
+            for backward, vs in ((False, values), (True, self.backward[(p, c)])):
+                out[(p, c, backward)] = [
+                    torch.empty(self.meta[v.node].shape, dtype=self.meta[v.node].dtype,
+                                device=device) for v in vs]
+        return out
+
+
+_INPLACE_FUNCTIONS = {operator.setitem, operator.iadd, operator.isub, operator.imul,
+                      operator.itruediv}
+
+
+def _mutated_placeholders(gm: torch.fx.GraphModule) -> set[str]:
+    """Placeholders the stage graph writes in place (directly or through a view):
+    they are fed a clone, since a leaf requiring grad cannot be written and a
+    locally handed-off tensor belongs to the producing stage."""
+    family: dict[torch.fx.Node, str] = {}
+    mutated: set[str] = set()
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            family[node] = node.name
+            continue
+        args = [a for a in node.all_input_nodes if a in family]
+        name = getattr(node.target, "__name__", str(node.target))
+        inplace = (node.target in _INPLACE_FUNCTIONS or
+                   (name.endswith("_") and not name.endswith("__")) or
+                   node.kwargs.get("out") is not None)
+        if inplace and node.args and isinstance(node.args[0], torch.fx.Node) and \
+                node.args[0] in family:
+            mutated.add(family[node.args[0]])
+        if args and node.op in ("call_method", "call_function"):
+            family[node] = family[args[0]]  # conservatively: a possible view of it
+    return mutated
+
+
+@dataclass
+class _LocalStage:
+    module: torch.fx.GraphModule
+    signature: StageSignature
+    producers: list[int]
+    consumers: list[int]
+    received_index: dict[int, int]     # node id -> position in signature.received
+    sent_index: dict[int, int]         # node id -> position in signature.sent
+    clone_inputs: set[int]             # node ids fed a clone (written in place)
+    weights: list[torch.Tensor]        # parameters requiring grad (for W)
+
+
+@dataclass
+class _Saved:
+    leaves: list[torch.Tensor | None]  # per received value
+    roots: list[torch.Tensor]          # outputs to backprop from (loss on the last stage)
+    root_nodes: list[int]              # node id per root (-1 for the loss)
+
+
+class StageRunner:
+    """Runs this rank's stages for the executor; one training step per ``begin_step``."""
+
+    def __init__(self, modules: Mapping[int, torch.fx.GraphModule],
+                 signatures: Sequence[StageSignature], layout: EdgeLayout,
+                 producers: Sequence[Sequence[int]], consumers: Sequence[Sequence[int]],
+                 rebuild_output: Callable[[Sequence[Any], Mapping[str, Any]], Any]) -> None:
+        self.layout = layout
+        self.num_stages = len(signatures)
+        self.rebuild_output = rebuild_output
+        self.stages: dict[int, _LocalStage] = {}
+        for s, module in modules.items():
+            sig = signatures[s]
+            mutated = _mutated_placeholders(module)
+            placeholders = [n.name for n in module.graph.nodes if n.op == "placeholder"]
+            received_names = placeholders[len(sig.user_inputs):]
+            self.stages[s] = _LocalStage(
+                module=module, signature=sig, producers=list(producers[s]),
+                consumers=list(consumers[s]),
+                received_index={v.node: i for i, v in enumerate(sig.received)},
+                sent_index={v.node: i for i, v in enumerate(sig.sent)},
+                clone_inputs={v.node for v, name in zip(sig.received, received_names)
+                              if name in mutated},
+                weights=[p for p in module.parameters() if p.requires_grad])
+        self._saved: dict[tuple[int, int], _Saved] = {}
+        self.error: BaseException | None = None
+        self.begin_step([], [], None, 0, 0, training=True)
+
+    # ------------------------------------------------------------ per step
+    def begin_step(self, inputs: Sequence[Mapping[str, Any]], targets: Sequence[Any],
+                   loss_fn: Callable[..., torch.Tensor] | None, seed: int, step: int,
+                   *, training: bool, output_grads: Sequence[Sequence[Any]] | None = None
+                   ) -> None:
+        """Set the microbatches of the next ``Executor.run``.
+
+        ``training``: keep autograd state for backward. ``output_grads``
+        (compile path): gradients of the last stage's flat outputs per
+        microbatch, replacing the loss as the start of backward.
+        """
+        self.inputs = list(inputs)
+        self.targets = list(targets)
+        self.loss_fn = loss_fn
+        self.seed = seed
+        self.step = step
+        self.training = training
+        self.output_grads = output_grads
+        self.num_microbatches = len(self.inputs)
+        self.losses: dict[int, torch.Tensor] = {}
+        self.outputs: dict[int, tuple] = {}
+        self.error = None
+
+    def end_step(self) -> None:
+        """Drop what a step left behind (after an error, or forward-only runs)."""
+        self._saved.clear()
+
+    # ------------------------------------------------------------ executor API
+    def forward(self, stage: int, mb: int, inputs: list[list[torch.Tensor]]
+                ) -> list[list[torch.Tensor]]:
+        try:
+            return self._forward(stage, mb, inputs)
+        except BaseException as e:
+            self.error = e
+            raise
+
+    def backward(self, stage: int, mb: int, grads: list[list[torch.Tensor]],
+                 input_only: bool) -> list[list[torch.Tensor]]:
+        try:
+            return self._backward(stage, mb, grads, input_only)
+        except BaseException as e:
+            self.error = e
+            raise
+
+    def backward_weight(self, stage: int, mb: int) -> None:
+        try:
+            self._backward_weight(stage, mb)
+        except BaseException as e:
+            self.error = e
+            raise
+
+    def reduce_grad(self, stage: int) -> None:
+        """Hook for data-parallel reduction; tied weights are summed after the step."""
+
+    # ------------------------------------------------------------ internals
+    def _forward(self, stage: int, mb: int, inputs: list[list[torch.Tensor]]
+                 ) -> list[list[torch.Tensor]]:
+        st = self.stages[stage]
+        sig = st.signature
+        received: list[Any] = [None] * len(sig.received)
+        leaves: list[torch.Tensor | None] = [None] * len(sig.received)
+        for p, tensors in zip(st.producers, inputs):
+            values = self.layout.forward[(p, stage)]
+            grad_nodes = {v.node for v in self.layout.backward[(p, stage)]}
+            for v, t in zip(values, tensors):
+                leaf = t.detach()
+                if v.node in st.clone_inputs:
+                    leaf = leaf.clone()
+                if self.training and v.node in grad_nodes:
+                    leaf.requires_grad_(True)
+                    leaves[st.received_index[v.node]] = leaf
+                received[st.received_index[v.node]] = leaf
+        args = [self.inputs[mb][name] for name in sig.user_inputs] + received
+        torch.manual_seed(stage_seed(self.seed, self.step, stage, mb))
+        with torch.set_grad_enabled(self.training):
+            result = st.module(*args)
+        sent = list(result[:len(sig.sent)])
+        roots: list[torch.Tensor] = []
+        root_nodes: list[int] = []
+        if stage == self.num_stages - 1:
+            flat = tuple(result[len(sig.sent):])
+            if self.output_grads is not None:
+                roots, root_nodes = self._output_roots(flat, mb)
+                self.outputs[mb] = tuple(o.detach() if isinstance(o, torch.Tensor) else o
+                                         for o in flat)
+            elif self.training:
+                loss = self._loss(flat, mb)
+                self.losses[mb] = loss.detach()
+                roots, root_nodes = [loss / self.num_microbatches], [-1]
+            else:
+                self.outputs[mb] = flat
+        elif self.training:
+            for v, t in zip(sig.sent, sent):
+                if _requires_grad(t):
+                    roots.append(t)
+                    root_nodes.append(v.node)
+        if self.training:
+            self._saved[(stage, mb)] = _Saved(leaves, roots, root_nodes)
+        return [[sent[st.sent_index[v.node]] for v in self.layout.forward[(stage, c)]]
+                for c in st.consumers]
+
+    def _output_roots(self, flat: tuple, mb: int) -> tuple[list[torch.Tensor], list[int]]:
+        roots, nodes = [], []
+        for i, o in enumerate(flat):
+            if _requires_grad(o) and self.output_grads[mb][i] is not None:
+                roots.append(o)
+                nodes.append(-2 - i)  # output i
+        return roots, nodes
+
+    def _loss(self, flat: tuple, mb: int) -> torch.Tensor:
+        output = self.rebuild_output(flat, self.inputs[mb])
+        if self.loss_fn is None:
+            loss = output
+            if not (isinstance(loss, torch.Tensor) and loss.numel() == 1):
+                raise ValueError(
+                    "pipeline(loss_fn=None) needs the model to return its loss as a scalar "
+                    f"tensor; it returned {type(output).__name__}"
+                    + (f" of shape {tuple(output.shape)}" if isinstance(output, torch.Tensor)
+                       else "") + "; pass loss_fn=")
+            return loss.reshape(())
+        loss = self.loss_fn(output, self.targets[mb])
+        if not (isinstance(loss, torch.Tensor) and loss.numel() == 1):
+            raise ValueError(f"loss_fn must return a scalar tensor, it returned "
+                             f"{type(loss).__name__}"
+                             + (f" of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor)
+                                else ""))
+        return loss.reshape(())
+
+    def _root_grads(self, stage: int, mb: int, saved: _Saved,
+                    grads: list[list[torch.Tensor]]) -> list[torch.Tensor | None]:
+        st = self.stages[stage]
+        if stage == self.num_stages - 1:
+            if self.output_grads is None:
+                return [None]  # the loss: autograd starts from 1
+            return [self.output_grads[mb][-2 - n] for n in saved.root_nodes]
+        total: dict[int, torch.Tensor] = {}
+        for c, tensors in zip(st.consumers, grads):
+            for v, g in zip(self.layout.backward[(stage, c)], tensors):
+                total[v.node] = g if v.node not in total else total[v.node] + g
+        return [total.get(n) for n in saved.root_nodes]
+
+    def _input_grads(self, stage: int, saved: _Saved,
+                     grads: Sequence[torch.Tensor | None]) -> list[list[torch.Tensor]]:
+        st = self.stages[stage]
+        out = []
+        for p in st.producers:
+            row = []
+            for v in self.layout.backward[(p, stage)]:
+                g = grads[st.received_index[v.node]]
+                if g is None:  # the value did not reach the roots: a zero gradient
+                    meta = self.layout.meta[v.node]
+                    leaf = saved.leaves[st.received_index[v.node]]
+                    g = torch.zeros(meta.shape, dtype=meta.dtype,
+                                    device=leaf.device if leaf is not None else None)
+                row.append(g)
+            out.append(row)
+        return out
+
+    def _backward(self, stage: int, mb: int, grads: list[list[torch.Tensor]],
+                  input_only: bool) -> list[list[torch.Tensor]]:
+        saved = self._saved[(stage, mb)] if input_only else self._saved.pop((stage, mb))
+        root_grads = self._root_grads(stage, mb, saved, grads)
+        pairs = [(r, g) for r, g in zip(saved.roots, root_grads)
+                 if g is not None or r.dim() == 0]
+        roots = [r for r, _ in pairs]
+        root_grads = [g for _, g in pairs]
+        leaves = [leaf for leaf in saved.leaves if leaf is not None]
+        input_grads: list[torch.Tensor | None] = [None] * len(saved.leaves)
+        if roots and input_only:
+            if leaves:
+                got = torch.autograd.grad(roots, leaves, root_grads, retain_graph=True,
+                                          allow_unused=True)
+                it = iter(got)
+                input_grads = [next(it) if leaf is not None else None for leaf in saved.leaves]
+        elif roots:
+            torch.autograd.backward(roots, root_grads)
+            input_grads = [leaf.grad if leaf is not None else None for leaf in saved.leaves]
+        result = self._input_grads(stage, saved, input_grads)
+        if input_only:  # keep only what W needs: the roots and their gradients
+            saved.roots, saved.root_nodes = roots, [-1] * len(roots)
+            saved.leaves = root_grads  # type: ignore[assignment]
+        return result
+
+    def _backward_weight(self, stage: int, mb: int) -> None:
+        saved = self._saved.pop((stage, mb))
+        weights = self.stages[stage].weights
+        if saved.roots and weights:
+            # NOTE: W walks the retained graph again from the stage outputs,
+            # restricted to the weights; I computed the input gradients only.
+            torch.autograd.backward(saved.roots, saved.leaves, inputs=weights)

@@ -1,0 +1,266 @@
+"""What one rank builds from a capture: schedule, runner, transport, executor.
+
+:class:`RankRuntime` is the per-capture state of a :class:`~torch_mpmd.Pipeline`
+(api.py): the split model, the lowered schedule, this rank's stages, the
+C++ executor over the c10d transport, the process groups of tied weights.
+It also holds the collective steps around an executor run: the start-up
+handshake (plan hashes), the sum of tied-weight gradients and the broadcast
+of the loss and outputs from the last stage's rank.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from torch_mpmd import _runtime
+from torch_mpmd.runner import EdgeLayout, StageRunner
+from torch_mpmd.schedules import Schedule, get_schedule, names as schedule_names
+from torch_mpmd.stage import SplitModel
+
+__all__ = ["PipelineError", "RankRuntime", "resolve_schedule", "forward_only_text",
+           "V_SCHEDULES"]
+
+V_SCHEDULES = ("zbv", "dualpipev")
+_FORWARD_KINDS = ("F", "SEND_F", "RECV_F")
+_BACKWARD_KINDS = ("B", "I", "W", "SEND_B", "RECV_B", "REDUCE_GRAD")
+
+
+class PipelineError(RuntimeError):
+    """A pipeline step failed on this rank: a peer died or timed out, a transfer
+    failed, or a stage raised. ``rank``, ``action`` (text form, e.g.
+    ``"1RECV_F3"``) and ``peer`` (-1 when none) say where; the message also
+    lists this rank's program with the failing step marked."""
+
+    def __init__(self, message: str, rank: int = -1, action: str = "", peer: int = -1) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.action = action
+        self.peer = peer
+
+
+def _action_kind(token: str) -> str:
+    body = token.split("->")[0].split("<-")[0]
+    i = 0
+    while i < len(body) and body[i].isdigit():
+        i += 1
+    j = len(body)
+    while j > i and body[j - 1].isdigit():
+        j -= 1
+    return body[i:j]
+
+
+def _filtered_text(schedule: Schedule, kinds: Sequence[str], name: str) -> str:
+    lines = [f"# schedule {name}"]
+    for edge in schedule.edges:
+        if edge[1] != edge[0] + 1:
+            lines.append(f"# edge {edge[0]} {edge[1]}")
+    for rank, row in enumerate(schedule.actions):
+        lines.append(f"{rank}: " + " ".join(t for t in row if _action_kind(t) in kinds))
+    return "\n".join(lines) + "\n"
+
+
+def forward_only_text(schedule: Schedule) -> str:
+    """The forward part (F, SEND_F, RECV_F) of a lowered schedule, as text. A
+    subsequence of a valid program keeps every channel's order (NOTE [Channel
+    order]) and forwards depend only on forwards, so it is valid too."""
+    return _filtered_text(schedule, _FORWARD_KINDS, f"{schedule.name}-forward")
+
+
+def backward_only_text(schedule: Schedule) -> str:
+    """The backward part of a lowered schedule (see forward_only_text)."""
+    return _filtered_text(schedule, _BACKWARD_KINDS, f"{schedule.name}-backward")
+
+
+def resolve_schedule(schedule: Any, *, pp_size: int, num_stages: int, num_microbatches: int,
+                     edges: Sequence[tuple[int, int]]) -> Schedule:
+    """The lowered, validated schedule for the plan: from a name, a Schedule, or
+    a text/CSV file. Errors name the values that do not fit."""
+    spr = num_stages // pp_size
+    if isinstance(schedule, str) and schedule in schedule_names():
+        if schedule in V_SCHEDULES and spr != 2:
+            raise ValueError(f"schedule {schedule!r} places 2 stages per rank (V shape); the "
+                             f"model has {num_stages} stages on pp_size={pp_size} ranks "
+                             f"({spr} per rank)")
+        sched = get_schedule(schedule, num_ranks=pp_size, num_microbatches=num_microbatches,
+                             stages_per_rank=spr)
+    elif isinstance(schedule, Schedule):
+        sched = schedule
+    elif isinstance(schedule, (str, os.PathLike)) and os.path.isfile(schedule):
+        path = os.fspath(schedule)
+        if path.endswith(".csv"):
+            sched = Schedule.from_csv(path)
+        else:
+            with open(path, encoding="utf-8") as f:
+                sched = Schedule.from_text(f.read())
+    else:
+        raise ValueError(f"schedule={schedule!r} is neither a schedule name "
+                         f"({', '.join(schedule_names())}), a Schedule, nor an existing "
+                         "text/CSV file")
+    if (sched.num_ranks, sched.num_stages, sched.num_microbatches) != (
+            pp_size, num_stages, num_microbatches):
+        raise ValueError(
+            f"schedule '{sched.name}' has {sched.num_ranks} ranks, {sched.num_stages} stages and "
+            f"{sched.num_microbatches} microbatches; the pipeline has pp_size={pp_size}, "
+            f"{num_stages} stages and num_microbatches={num_microbatches}")
+    if sched.is_lowered:
+        if sorted(sched.edges) != sorted(edges):
+            raise ValueError(f"lowered schedule '{sched.name}' has stage edges {sched.edges}, "
+                             f"the model's plan has {sorted(edges)}; pass it compute-only")
+    else:
+        sched = sched.with_edges(sorted(edges)).lower()
+    sched.validate()
+    return sched
+
+
+def _int64(x: int) -> int:
+    x &= 0xFFFFFFFFFFFFFFFF
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+class RankRuntime:
+    """Everything one rank builds from one capture (see the module docstring)."""
+
+    def __init__(self, split: SplitModel, *, schedule: Any, num_microbatches: int,
+                 group: Any, device: torch.device, timeout: datetime.timedelta,
+                 lookahead: int, settings: str, seed: int | None) -> None:
+        self.split = split
+        self.group = group
+        self.device = device
+        self.timeout_s = timeout.total_seconds()
+        self.lookahead = lookahead
+        self.pp_size = dist.get_world_size(group) if group is not None else 1
+        self.rank = dist.get_rank(group) if group is not None else 0
+        num_stages = split.num_stages
+        example = {v.node: split.ir.fx_nodes[v.node].meta.get("example_value")
+                   for sig in split.stage_signatures for v in sig.sent}
+        self.layout = EdgeLayout.build(split.stage_signatures, example)
+        self.schedule = resolve_schedule(schedule, pp_size=self.pp_size, num_stages=num_stages,
+                                         num_microbatches=num_microbatches,
+                                         edges=self.layout.edges())
+        self.stage_to_rank = list(self.schedule.stage_to_rank)
+        self.local_stages = tuple(s for s in range(num_stages) if self.stage_to_rank[s] == self.rank)
+        producers = [[] for _ in range(num_stages)]
+        consumers = [[] for _ in range(num_stages)]
+        for p, c in self.layout.edges():
+            producers[c].append(p)
+            consumers[p].append(c)
+        self.runner = StageRunner({s: split.stages[s] for s in self.local_stages},
+                                  split.stage_signatures, self.layout, producers, consumers,
+                                  split.captured.rebuild_output)
+        self.transport = self._transport() if self.pp_size > 1 else None
+        self.seed = self._handshake(settings, seed)
+        self.executor = self._executor(self.schedule.to_text())
+        self._forward_executor: Any = None
+        self.tied_groups = self._tied_groups()
+
+    # ------------------------------------------------------------ construction
+    def _transport(self) -> Any:
+        backend = dist.get_backend(self.group)
+        up = down = self.group
+        if backend == "nccl":  # NOTE [Direction groups] in csrc/runtime/c10d_transport.h
+            ranks = dist.get_process_group_ranks(self.group)
+            up, down = dist.new_group(ranks), dist.new_group(ranks)
+        return _runtime.C10dTransport(up.group_name, down.group_name, self.layout.specs(),
+                                      str(self.device))
+
+    def _executor(self, text: str) -> Any:
+        return _runtime.Executor(text, self.rank, self.runner, self.transport,
+                                 lookahead=self.lookahead, timeout_s=self.timeout_s)
+
+    def _handshake(self, settings: str, seed: int | None) -> int:
+        """Compare plan and settings across ranks before any transfer; agree on a seed."""
+        digest = hashlib.sha256(f"{settings}|{self.schedule.to_text()}".encode()).digest()
+        mine = [_int64(self.split.plan.hash), _int64(int.from_bytes(digest[:8], "little")),
+                _int64(seed if seed is not None else torch.initial_seed())]
+        if self.pp_size == 1:
+            return mine[2]
+        t = torch.tensor(mine, dtype=torch.int64, device=self.device)
+        everyone = [torch.empty_like(t) for _ in range(self.pp_size)]
+        dist.all_gather(everyone, t, group=self.group)
+        rows = [e.tolist() for e in everyone]
+        for what, col in (("partition plan", 0), ("pipeline settings or schedule", 1)):
+            values = {r: rows[r][col] & 0xFFFFFFFFFFFFFFFF for r in range(self.pp_size)}
+            if len(set(values.values())) > 1:
+                listing = ", ".join(f"rank {r}: {v:016x}" for r, v in values.items())
+                raise PipelineError(
+                    f"the ranks disagree on the {what} (hashes {listing}); every rank must "
+                    "build the same model and call pipeline() with the same arguments and the "
+                    "same input shapes", rank=self.rank)
+        return rows[0][2]  # rank 0's seed
+
+    def _tied_groups(self) -> list[tuple[Any, list[torch.nn.Parameter]]]:
+        """Per set of ranks sharing parameters: (process group, this rank's shared params).
+        Created in the same order on every rank (new_group is collective)."""
+        by_ranks: dict[tuple[int, ...], list[str]] = {}
+        for p in self.split.plan.parameters:
+            ranks = tuple(sorted({self.stage_to_rank[s] for s in p.stages}))
+            if len(ranks) > 1 and self.split.captured.placeholders and \
+                    isinstance(self.split.captured.tensors.get(p.fqn), torch.nn.Parameter):
+                by_ranks.setdefault(ranks, []).append(p.fqn)
+        groups = []
+        global_ranks = (dist.get_process_group_ranks(self.group) if self.group is not None
+                        else [0])
+        for ranks in sorted(by_ranks):
+            if len(ranks) == self.pp_size:
+                pg = self.group
+            else:
+                pg = dist.new_group([global_ranks[r] for r in ranks])
+            if self.rank in ranks:
+                params = [self.split.captured.tensors[f] for f in sorted(by_ranks[ranks])]
+                groups.append((pg, params))
+        return groups
+
+    # ------------------------------------------------------------ stepping
+    @property
+    def forward_executor(self) -> Any:
+        if self._forward_executor is None:
+            self._forward_executor = self._executor(forward_only_text(self.schedule))
+        return self._forward_executor
+
+    def run(self, executor: Any) -> None:
+        """One executor run; failures become PipelineError (cause: the stage's
+        own exception when a stage raised)."""
+        try:
+            executor.run()
+        except _runtime.ExecutorError as e:
+            cause = self.runner.error
+            self.runner.end_step()
+            raise PipelineError(str(e), rank=e.rank, action=e.action, peer=e.peer) from cause
+
+    def tied_grads_before(self) -> list[list[torch.Tensor | None]]:
+        return [[p.grad.clone() if p.grad is not None else None for p in params]
+                for _, params in self.tied_groups]
+
+    def sum_tied_grads(self, before: list[list[torch.Tensor | None]]) -> None:
+        """Sum this step's gradient of each tied parameter over the ranks holding it
+        (gradients accumulated in earlier steps are already summed: only the
+        step's increment is reduced)."""
+        for (pg, params), prev in zip(self.tied_groups, before):
+            deltas = []
+            for p, old in zip(params, prev):
+                g = p.grad if p.grad is not None else torch.zeros_like(p)
+                deltas.append(g - old if old is not None else g)
+            flat = torch.cat([d.reshape(-1) for d in deltas])
+            dist.all_reduce(flat, group=pg)
+            offset = 0
+            for p, old, d in zip(params, prev, deltas):
+                inc = flat[offset:offset + d.numel()].view_as(p)
+                offset += d.numel()
+                p.grad = inc.clone() if old is None else old + inc
+
+    @property
+    def last_rank(self) -> int:
+        return self.stage_to_rank[-1]
+
+    def broadcast_from_last(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.pp_size > 1:
+            src = dist.get_global_rank(self.group, self.last_rank)
+            dist.broadcast(tensor, src=src, group=self.group)
+        return tensor
