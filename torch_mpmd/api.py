@@ -23,7 +23,7 @@ import torch.utils._pytree as pytree
 from torch_mpmd.backend import check_stage_count
 from torch_mpmd.microbatch import merge_microbatches, split_microbatches
 from torch_mpmd.runtime import V_SCHEDULES, PipelineError, RankRuntime
-from torch_mpmd.schedules import Schedule, names as schedule_names
+from torch_mpmd.schedules import Schedule, get_schedule, names as schedule_names
 from torch_mpmd.stage import _set_path, split_model
 
 __all__ = ["pipeline", "Pipeline", "PipelineError"]
@@ -329,8 +329,31 @@ def pipeline(module: torch.nn.Module, *, loss_fn: Callable[..., torch.Tensor] | 
         raise ValueError(f"split_points={split_points!r} must be a list of module FQNs")
     grp = _pp_group(group)
     pp = dist.get_world_size(grp) if grp is not None else 1
-    if num_stages is not None:
-        check_stage_count(num_stages, pp, stages_per_rank, source="num_stages")
+    # What can be checked before capture is checked here, before any rank
+    # communicates: stage counts known from the arguments, and the schedule's
+    # own constraints (microbatches per rank, stages per rank).
+    known_stages, source = num_stages, "num_stages"
+    if split_points is not None:
+        known_stages, source = len(split_points) + 1, f"split_points={list(split_points)!r}"
+    if num_stages is not None and split_points is not None and num_stages != known_stages:
+        raise ValueError(f"num_stages={num_stages} disagrees with {source}, which give "
+                         f"{known_stages} stages")
+    spr = stages_per_rank
+    if known_stages is not None:
+        spr = check_stage_count(known_stages, pp, stages_per_rank, source=source)
+    elif spr is None and isinstance(schedule, str) and schedule in V_SCHEDULES:
+        spr = 2
+    if spr is not None and isinstance(schedule, str) and schedule in schedule_names():
+        if schedule in V_SCHEDULES and spr != 2:
+            raise ValueError(f"schedule {schedule!r} places 2 stages per rank; {source} give "
+                             f"{known_stages} stages on pp_size={pp} ranks ({spr} per rank)")
+        try:
+            get_schedule(schedule, num_ranks=pp, num_microbatches=num_microbatches,
+                         stages_per_rank=spr)
+        except ValueError as e:
+            where = (f" ({source} give {known_stages} stages on pp_size={pp} ranks)"
+                     if known_stages is not None else "")
+            raise ValueError(f"schedule {schedule!r}{where}: {e}") from None
     if isinstance(schedule, Schedule) and schedule.num_ranks != pp:
         raise ValueError(f"schedule '{schedule.name}' has {schedule.num_ranks} ranks, the "
                          f"pipeline group has pp_size={pp}")
