@@ -22,7 +22,7 @@ import torch.utils._pytree as pytree
 
 from torch_mpmd.backend import check_stage_count
 from torch_mpmd.microbatch import merge_microbatches, split_microbatches
-from torch_mpmd.runtime import V_SCHEDULES, PipelineError, RankRuntime
+from torch_mpmd.runtime import V_SCHEDULES, PipelineError, RankRuntime, StagedModel
 from torch_mpmd.schedules import Schedule, get_schedule, names as schedule_names
 from torch_mpmd.stage import _set_path, split_model
 
@@ -88,6 +88,7 @@ class Pipeline(torch.nn.Module):
         self._mpmd_seed = seed
         self._mpmd_lookahead = lookahead
         self._mpmd_runtime: RankRuntime | None = None
+        self._mpmd_split: Any = None
         self._mpmd_input_signature: tuple | None = None
         self._mpmd_step = 0
         self.last_step_stats: dict[str, Any] = {}
@@ -115,7 +116,7 @@ class Pipeline(torch.nn.Module):
 
     @property
     def num_stages(self) -> int:
-        return self._runtime().split.num_stages
+        return self._runtime().model.num_stages
 
     @property
     def local_stages(self) -> tuple[int, ...]:
@@ -129,7 +130,7 @@ class Pipeline(torch.nn.Module):
     @property
     def split(self) -> Any:
         """The SplitModel: plan, stage modules (all stages) and signatures."""
-        return self._runtime().split
+        return self._mpmd_split
 
     # ------------------------------------------------------------ capture
     def _ensure_built(self, args0: tuple, kwargs0: dict) -> RankRuntime:
@@ -151,28 +152,28 @@ class Pipeline(torch.nn.Module):
         settings = repr((type(self._mpmd_module).__name__, self.num_microbatches,
                          schedule if isinstance(schedule, str) else type(schedule).__name__,
                          split.num_stages, sig))
-        runtime = RankRuntime(split, schedule=schedule, num_microbatches=self.num_microbatches,
+        runtime = RankRuntime(StagedModel.from_split(split), schedule=schedule, num_microbatches=self.num_microbatches,
                               group=self._mpmd_group, device=self.device, timeout=self.timeout,
                               lookahead=self._mpmd_lookahead, settings=settings,
                               seed=self._mpmd_seed)
         if previous is not None:
             old = sorted(n for n, _ in self.named_parameters())
-            new = sorted(self._local_tensors(runtime)[0])
+            new = sorted(self._local_tensors(runtime, split)[0])
             if old != new:
                 raise ValueError(
                     "the batch shape changed and the re-captured model places other parameters "
                     f"on rank {self.rank} ({len(new)} instead of {len(old)}); use markers or "
                     "split_points so stages do not depend on shapes, or keep the batch shape")
         self._mpmd_runtime = runtime
+        self._mpmd_split = split
         self._mpmd_input_signature = sig
-        self._adopt_local_tensors(runtime)
+        self._adopt_local_tensors(runtime, split)
         return runtime
 
-    def _local_tensors(self, runtime: RankRuntime
+    def _local_tensors(self, runtime: RankRuntime, split: Any
                        ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], set[str]]:
         """This rank's parameters and buffers by FQN (aliases of tied weights
         included), and the non-persistent buffer names."""
-        split = runtime.split
         infos = {p.name: p for p in split.captured.placeholders if p.kind != "input"}
         params: dict[str, torch.Tensor] = {}
         buffers: dict[str, torch.Tensor] = {}
@@ -204,8 +205,8 @@ class Pipeline(torch.nn.Module):
                 non_persistent.add(fqn)
         return params, buffers, non_persistent
 
-    def _adopt_local_tensors(self, runtime: RankRuntime) -> None:
-        params, buffers, non_persistent = self._local_tensors(runtime)
+    def _adopt_local_tensors(self, runtime: RankRuntime, split: Any) -> None:
+        params, buffers, non_persistent = self._local_tensors(runtime, split)
         self._modules = {}
         self._parameters = {}
         self._buffers = {}
@@ -221,7 +222,7 @@ class Pipeline(torch.nn.Module):
         gradients into this rank's parameters; returns the mean loss on every rank."""
         mbs = split_microbatches(args, kwargs, target, self.num_microbatches)
         rt = self._ensure_built(mbs[0][0], mbs[0][1])
-        inputs = [rt.split._named_inputs(a, k) for a, k, _ in mbs]
+        inputs = [self._mpmd_split._named_inputs(a, k) for a, k, _ in mbs]
         rng = torch.get_rng_state()
         rt.runner.begin_step(inputs, [t for _, _, t in mbs], self._mpmd_loss_fn, rt.seed,
                              self._mpmd_step, training=True)
@@ -246,7 +247,7 @@ class Pipeline(torch.nn.Module):
         """Forward only (no autograd state kept); the output on every rank."""
         mbs = split_microbatches(args, kwargs, None, self.num_microbatches)
         rt = self._ensure_built(mbs[0][0], mbs[0][1])
-        inputs = [rt.split._named_inputs(a, k) for a, k, _ in mbs]
+        inputs = [self._mpmd_split._named_inputs(a, k) for a, k, _ in mbs]
         rng = torch.get_rng_state()
         rt.runner.begin_step(inputs, [], None, rt.seed, self._mpmd_step, training=False)
         try:
@@ -256,13 +257,13 @@ class Pipeline(torch.nn.Module):
         outputs = []
         for k in range(self.num_microbatches):
             flat = self._broadcast_outputs(rt, rt.runner.outputs.get(k))
-            outputs.append(rt.split.captured.rebuild_output(flat, inputs[k]))
+            outputs.append(self._mpmd_split.captured.rebuild_output(flat, inputs[k]))
         rt.runner.end_step()
         return merge_microbatches(outputs)
 
     def _broadcast_outputs(self, rt: RankRuntime, flat: tuple | None) -> tuple:
         """The last stage's flat outputs of one microbatch, on every rank."""
-        out_node = rt.split.ir.fx_nodes[-1]
+        out_node = self._mpmd_split.ir.fx_nodes[-1]
         specs = out_node.args[0] if isinstance(out_node.args[0], (tuple, list)) else [
             out_node.args[0]]
         result = []

@@ -13,19 +13,21 @@ from __future__ import annotations
 import datetime
 import hashlib
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.fx
 
 from torch_mpmd import _runtime
 from torch_mpmd.runner import EdgeLayout, StageRunner
 from torch_mpmd.schedules import Schedule, get_schedule, names as schedule_names
-from torch_mpmd.stage import SplitModel
+from torch_mpmd.stage import SplitModel, StageSignature
 
-__all__ = ["PipelineError", "RankRuntime", "resolve_schedule", "forward_only_text",
-           "V_SCHEDULES"]
+__all__ = ["PipelineError", "RankRuntime", "StagedModel", "resolve_schedule",
+           "forward_only_text", "backward_only_text", "V_SCHEDULES"]
 
 V_SCHEDULES = ("zbv", "dualpipev")
 _FORWARD_KINDS = ("F", "SEND_F", "RECV_F")
@@ -124,40 +126,63 @@ def _int64(x: int) -> int:
     return x - (1 << 64) if x >= 1 << 63 else x
 
 
+@dataclass
+class StagedModel:
+    """The pieces of a split model a rank runtime needs (from a SplitModel, or
+    from the backend's partition of a Dynamo graph)."""
+
+    stages: list[torch.fx.GraphModule]            # every stage's module
+    signatures: list[StageSignature]
+    plan: Any                                     # the C++ PartitionPlan
+    example_values: dict[int, Any]                # sent value node -> example (microbatch)
+    tensors: dict[str, torch.Tensor]              # parameter/buffer FQN -> the model's tensor
+    rebuild_output: Callable[[Sequence[Any], Mapping[str, Any]], Any]
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    @classmethod
+    def from_split(cls, split: SplitModel) -> "StagedModel":
+        example = {v.node: split.ir.fx_nodes[v.node].meta.get("example_value")
+                   for sig in split.stage_signatures for v in sig.sent}
+        return cls(split.stages, split.stage_signatures, split.plan, example,
+                   split.captured.tensors, split.captured.rebuild_output)
+
+
 class RankRuntime:
     """Everything one rank builds from one capture (see the module docstring)."""
 
-    def __init__(self, split: SplitModel, *, schedule: Any, num_microbatches: int,
+    def __init__(self, model: StagedModel, *, schedule: Any, num_microbatches: int,
                  group: Any, device: torch.device, timeout: datetime.timedelta,
                  lookahead: int, settings: str, seed: int | None) -> None:
-        self.split = split
+        self.model = model
         self.group = group
         self.device = device
         self.timeout_s = timeout.total_seconds()
         self.lookahead = lookahead
         self.pp_size = dist.get_world_size(group) if group is not None else 1
         self.rank = dist.get_rank(group) if group is not None else 0
-        num_stages = split.num_stages
-        example = {v.node: split.ir.fx_nodes[v.node].meta.get("example_value")
-                   for sig in split.stage_signatures for v in sig.sent}
-        self.layout = EdgeLayout.build(split.stage_signatures, example)
+        num_stages = model.num_stages
+        self.layout = EdgeLayout.build(model.signatures, model.example_values)
         self.schedule = resolve_schedule(schedule, pp_size=self.pp_size, num_stages=num_stages,
                                          num_microbatches=num_microbatches,
                                          edges=self.layout.edges())
         self.stage_to_rank = list(self.schedule.stage_to_rank)
         self.local_stages = tuple(s for s in range(num_stages) if self.stage_to_rank[s] == self.rank)
-        producers = [[] for _ in range(num_stages)]
-        consumers = [[] for _ in range(num_stages)]
+        producers: list[list[int]] = [[] for _ in range(num_stages)]
+        consumers: list[list[int]] = [[] for _ in range(num_stages)]
         for p, c in self.layout.edges():
             producers[c].append(p)
             consumers[p].append(c)
-        self.runner = StageRunner({s: split.stages[s] for s in self.local_stages},
-                                  split.stage_signatures, self.layout, producers, consumers,
-                                  split.captured.rebuild_output)
+        self.runner = StageRunner({s: model.stages[s] for s in self.local_stages},
+                                  model.signatures, self.layout, producers, consumers,
+                                  model.rebuild_output)
         self.transport = self._transport() if self.pp_size > 1 else None
         self.seed = self._handshake(settings, seed)
         self.executor = self._executor(self.schedule.to_text())
         self._forward_executor: Any = None
+        self._backward_executor: Any = None
         self.tied_groups = self._tied_groups()
 
     # ------------------------------------------------------------ construction
@@ -177,7 +202,7 @@ class RankRuntime:
     def _handshake(self, settings: str, seed: int | None) -> int:
         """Compare plan and settings across ranks before any transfer; agree on a seed."""
         digest = hashlib.sha256(f"{settings}|{self.schedule.to_text()}".encode()).digest()
-        mine = [_int64(self.split.plan.hash), _int64(int.from_bytes(digest[:8], "little")),
+        mine = [_int64(self.model.plan.hash), _int64(int.from_bytes(digest[:8], "little")),
                 _int64(seed if seed is not None else torch.initial_seed())]
         if self.pp_size == 1:
             return mine[2]
@@ -199,10 +224,9 @@ class RankRuntime:
         """Per set of ranks sharing parameters: (process group, this rank's shared params).
         Created in the same order on every rank (new_group is collective)."""
         by_ranks: dict[tuple[int, ...], list[str]] = {}
-        for p in self.split.plan.parameters:
+        for p in self.model.plan.parameters:
             ranks = tuple(sorted({self.stage_to_rank[s] for s in p.stages}))
-            if len(ranks) > 1 and self.split.captured.placeholders and \
-                    isinstance(self.split.captured.tensors.get(p.fqn), torch.nn.Parameter):
+            if len(ranks) > 1 and isinstance(self.model.tensors.get(p.fqn), torch.nn.Parameter):
                 by_ranks.setdefault(ranks, []).append(p.fqn)
         groups = []
         global_ranks = (dist.get_process_group_ranks(self.group) if self.group is not None
@@ -213,16 +237,24 @@ class RankRuntime:
             else:
                 pg = dist.new_group([global_ranks[r] for r in ranks])
             if self.rank in ranks:
-                params = [self.split.captured.tensors[f] for f in sorted(by_ranks[ranks])]
+                params = [self.model.tensors[f] for f in sorted(by_ranks[ranks])]
                 groups.append((pg, params))
         return groups
 
     # ------------------------------------------------------------ stepping
     @property
     def forward_executor(self) -> Any:
+        """Runs the forward part of the schedule only (inference, compile path)."""
         if self._forward_executor is None:
             self._forward_executor = self._executor(forward_only_text(self.schedule))
         return self._forward_executor
+
+    @property
+    def backward_executor(self) -> Any:
+        """Runs the backward part only, after forward_executor (compile path)."""
+        if self._backward_executor is None:
+            self._backward_executor = self._executor(backward_only_text(self.schedule))
+        return self._backward_executor
 
     def run(self, executor: Any) -> None:
         """One executor run; failures become PipelineError (cause: the stage's
