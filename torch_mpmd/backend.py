@@ -9,7 +9,9 @@ on the duplicate name).
 
 With no process group (or a world size of 1) every stage runs in this process,
 in order, under autograd: the output is the model's and ``backward()`` gives
-the model's gradients. The multi-rank runtime belongs to the executor.
+the model's gradients. Over several ranks the stages run as a GPipe pipeline
+(compiled.py): every rank returns the full output, and ``backward()`` (called
+on every rank) fills each rank's local-stage parameter gradients.
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ from torch_mpmd.stage import _set_path, build_stages, partition, run_stages
 
 __all__ = ["mpmd_backend", "BACKEND_OPTIONS", "check_stage_count"]
 
-BACKEND_OPTIONS = ("split_points", "num_stages", "num_microbatches", "stages_per_rank")
+BACKEND_OPTIONS = ("split_points", "num_stages", "num_microbatches", "stages_per_rank",
+                   "timeout")
 """Keys ``options`` may hold; any other key is a ValueError naming it."""
 
 
@@ -147,6 +150,31 @@ def _check_whole_graph(gm: torch.fx.GraphModule) -> None:
         "Compile with fullgraph=True to see the reason of every break.")
 
 
+def _pipelined(gm: torch.fx.GraphModule, stages: list, signatures: list, plan: Any,
+               tensors: dict[str, torch.Tensor], example_inputs: Sequence[Any],
+               input_index: Mapping[str, int], opts: Mapping[str, Any]) -> Any:
+    """The callable for world size > 1: a GPipe pipeline over the default group."""
+    from torch_mpmd.api import _timeout
+    from torch_mpmd.compiled import CompiledPipeline
+
+    out_node = next(n for n in gm.graph.nodes if n.op == "output")
+    outs = out_node.args[0] if isinstance(out_node.args[0], (tuple, list)) else [out_node.args[0]]
+    examples = [o.meta.get("example_value") if isinstance(o, torch.fx.Node) else o for o in outs]
+    pipe = CompiledPipeline(
+        stages, signatures, plan, tensors, examples,
+        {name: example_inputs[i] for name, i in input_index.items()},
+        num_microbatches=opts.get("num_microbatches") or 1,
+        timeout=_timeout(opts.get("timeout", 60.0)))
+
+    def run(*args: Any) -> tuple:
+        return pipe({name: args[i] for name, i in input_index.items()})
+
+    run.pipeline = pipe  # type: ignore[attr-defined]
+    run.stages = stages  # type: ignore[attr-defined]
+    run.plan = plan  # type: ignore[attr-defined]
+    return run
+
+
 def mpmd_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
                  options: Mapping[str, Any] | None = None) -> Any:
     """Dynamo backend: partition ``gm`` into stages and return a callable running them.
@@ -158,11 +186,6 @@ def mpmd_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
     """
     opts = _check_options(options)
     world = _world_size()
-    if world > 1:
-        raise NotImplementedError(
-            f"torch.compile(backend='mpmd') over {world} ranks needs the pipeline executor, "
-            "which this build does not have yet; run it in one process (no process group or "
-            "world size 1)")
     num_stages = opts.get("num_stages")
     spr = opts.get("stages_per_rank")
     if spr is not None:
@@ -186,6 +209,9 @@ def mpmd_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
 
     input_index = {info.name: i for i, info in enumerate(placeholders) if info.kind == "input"}
     tensor_index = [(i, info) for i, info in enumerate(placeholders) if info.kind != "input"]
+    if world > 1:
+        return _pipelined(gm, stages, signatures, plan, tensors, example_inputs, input_index,
+                          opts)
 
     def run(*args: Any) -> tuple:
         for i, info in tensor_index:

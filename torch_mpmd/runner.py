@@ -165,13 +165,13 @@ class StageRunner:
     # ------------------------------------------------------------ per step
     def begin_step(self, inputs: Sequence[Mapping[str, Any]], targets: Sequence[Any],
                    loss_fn: Callable[..., torch.Tensor] | None, seed: int, step: int,
-                   *, training: bool, output_grads: Sequence[Sequence[Any]] | None = None
-                   ) -> None:
+                   *, training: bool, outputs_as_roots: bool = False) -> None:
         """Set the microbatches of the next ``Executor.run``.
 
-        ``training``: keep autograd state for backward. ``output_grads``
-        (compile path): gradients of the last stage's flat outputs per
-        microbatch, replacing the loss as the start of backward.
+        ``training``: keep autograd state for backward. ``outputs_as_roots``
+        (compile path): backward starts from the last stage's flat outputs,
+        with the gradients set in ``output_grads`` before the backward run,
+        instead of from the loss.
         """
         self.inputs = list(inputs)
         self.targets = list(targets)
@@ -179,7 +179,8 @@ class StageRunner:
         self.seed = seed
         self.step = step
         self.training = training
-        self.output_grads = output_grads
+        self.outputs_as_roots = outputs_as_roots
+        self.output_grads: list[Sequence[torch.Tensor | None]] = []
         self.num_microbatches = len(self.inputs)
         self.losses: dict[int, torch.Tensor] = {}
         self.outputs: dict[int, tuple] = {}
@@ -243,8 +244,11 @@ class StageRunner:
         root_nodes: list[int] = []
         if stage == self.num_stages - 1:
             flat = tuple(result[len(sig.sent):])
-            if self.output_grads is not None:
-                roots, root_nodes = self._output_roots(flat, mb)
+            if self.outputs_as_roots:
+                for i, o in enumerate(flat):
+                    if _requires_grad(o):
+                        roots.append(o)
+                        root_nodes.append(-2 - i)  # flat output i
                 self.outputs[mb] = tuple(o.detach() if isinstance(o, torch.Tensor) else o
                                          for o in flat)
             elif self.training:
@@ -262,14 +266,6 @@ class StageRunner:
             self._saved[(stage, mb)] = _Saved(leaves, roots, root_nodes)
         return [[sent[st.sent_index[v.node]] for v in self.layout.forward[(stage, c)]]
                 for c in st.consumers]
-
-    def _output_roots(self, flat: tuple, mb: int) -> tuple[list[torch.Tensor], list[int]]:
-        roots, nodes = [], []
-        for i, o in enumerate(flat):
-            if _requires_grad(o) and self.output_grads[mb][i] is not None:
-                roots.append(o)
-                nodes.append(-2 - i)  # output i
-        return roots, nodes
 
     def _loss(self, flat: tuple, mb: int) -> torch.Tensor:
         output = self.rebuild_output(flat, self.inputs[mb])
@@ -294,7 +290,7 @@ class StageRunner:
                     grads: list[list[torch.Tensor]]) -> list[torch.Tensor | None]:
         st = self.stages[stage]
         if stage == self.num_stages - 1:
-            if self.output_grads is None:
+            if not self.outputs_as_roots:
                 return [None]  # the loss: autograd starts from 1
             return [self.output_grads[mb][-2 - n] for n in saved.root_nodes]
         total: dict[int, torch.Tensor] = {}
@@ -324,8 +320,8 @@ class StageRunner:
                   input_only: bool) -> list[list[torch.Tensor]]:
         saved = self._saved[(stage, mb)] if input_only else self._saved.pop((stage, mb))
         root_grads = self._root_grads(stage, mb, saved, grads)
-        pairs = [(r, g) for r, g in zip(saved.roots, root_grads)
-                 if g is not None or r.dim() == 0]
+        pairs = [(r, g) for r, g, n in zip(saved.roots, root_grads, saved.root_nodes)
+                 if g is not None or n == -1]  # -1: the loss, whose gradient is implicit
         roots = [r for r, _ in pairs]
         root_grads = [g for _, g in pairs]
         leaves = [leaf for leaf in saved.leaves if leaf is not None]
