@@ -1,0 +1,283 @@
+"""Train a small character-level GPT with torch_mpmd pipeline parallelism.
+
+Run it (from the repository root, on a fresh machine; sets up, then trains on 2 ranks):
+
+    bash scripts/run_example.sh
+
+or, once set up:
+
+    torchrun --standalone --nproc-per-node 2 examples/train_gpt.py
+    torchrun --standalone --nproc-per-node 2 examples/train_gpt.py --schedule zbv
+    python examples/train_gpt.py                      # one process: every stage local
+
+Options: --schedule {gpipe,1f1b,interleaved_1f1b,looped_bfs,zero_bubble,zbv,dualpipev}
+(default 1f1b), --microbatches 8, --steps 60, --lr, --batch-size, --seed, --layers,
+--stages-per-rank (default 2 for interleaved_1f1b, looped_bfs, zbv and dualpipev, else 1),
+--device cpu.
+
+The model is examples/gpt_model.py's GPT (token embedding tied to the
+unembedding, so the first and last stage share one weight); the corpus is a
+few KB of English embedded in examples/corpus.py. Every rank builds the same
+model from the same seed and reads the same batches; the pipeline splits the
+model at split_points=["blocks.K", ...], each rank runs only its own stages,
+and `pipe.step` returns the same mean loss on every rank. Rank 0 prints a
+progress line, the first and last loss, and a short sample; the run exits
+non-zero if the loss did not fall.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, _HERE)  # gpt_model, corpus
+sys.path.append(os.path.dirname(_HERE))  # the checkout's torch_mpmd, if it is not installed
+
+import torch_mpmd as mpmd  # noqa: E402
+from corpus import TEXT  # noqa: E402
+from gpt_model import GPT, GPTConfig  # noqa: E402
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "zero_bubble", "zbv", "dualpipev")
+# Schedules that place more than one stage on each rank (V: exactly 2).
+MULTI_STAGE = {"interleaved_1f1b": 2, "looped_bfs": 2, "zbv": 2, "dualpipev": 2}
+MIN_LOSS_DROP = 0.05  # nats; the check at the end that the run trained
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--schedule", default="1f1b", choices=SCHEDULES)
+    p.add_argument("--microbatches", type=int, default=8)
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--batch-size", type=int, default=16, help="global batch, split into microbatches")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--d-model", type=int, default=64)
+    p.add_argument("--block-size", type=int, default=32, help="context length in characters")
+    p.add_argument("--stages-per-rank", type=int, default=None,
+                   help="default: 2 for interleaved_1f1b, looped_bfs, zbv, dualpipev; else 1")
+    p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    p.add_argument("--sample-chars", type=int, default=100, help="characters to sample at the end (0: none)")
+    args = p.parse_args()
+    if args.stages_per_rank is None:
+        args.stages_per_rank = MULTI_STAGE.get(args.schedule, 1)
+    if args.batch_size % args.microbatches:
+        p.error(f"--batch-size {args.batch_size} is not divisible by --microbatches {args.microbatches}")
+    return args
+
+
+# ---------------------------------------------------------------- data
+
+class CharData:
+    """The embedded corpus as character ids, and a deterministic batch sampler.
+
+    Every rank seeds the sampler identically, so all ranks read the same
+    batches without communicating.
+    """
+
+    def __init__(self, text: str, block_size: int, seed: int) -> None:
+        self.chars = sorted(set(text))
+        self.stoi = {c: i for i, c in enumerate(self.chars)}
+        self.ids = torch.tensor([self.stoi[c] for c in text], dtype=torch.long)
+        self.block_size = block_size
+        self.gen = torch.Generator().manual_seed(seed)
+        if len(self.ids) <= block_size + 1:
+            raise ValueError(f"corpus of {len(self.ids)} chars is too short for block size {block_size}")
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.chars)
+
+    def batch(self, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(inputs, targets), each (batch_size, block_size); targets are inputs shifted by one."""
+        offsets = torch.randint(0, len(self.ids) - self.block_size - 1, (batch_size,), generator=self.gen)
+        x = torch.stack([self.ids[o:o + self.block_size] for o in offsets.tolist()])
+        y = torch.stack([self.ids[o + 1:o + 1 + self.block_size] for o in offsets.tolist()])
+        return x, y
+
+    def decode(self, ids) -> str:
+        return "".join(self.chars[i] for i in ids)
+
+
+# ---------------------------------------------------------------- model
+
+def build_model(cfg: GPTConfig, seed: int) -> GPT:
+    """The same GPT on every rank (same seed), with a GPT-2 style small init.
+
+    nn.Embedding's default N(0, 1) init, tied to the unembedding, would make
+    the first logits huge (initial loss ~40); std 0.02 starts near ln(vocab).
+    """
+    torch.manual_seed(seed)
+    model = GPT(cfg)
+    for module in model.modules():
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, std=0.02)
+            if getattr(module, "bias", None) is not None:
+                nn.init.zeros_(module.bias)
+    return model
+
+
+def split_points(n_layer: int, num_stages: int) -> list[str] | None:
+    """Module FQNs where stages 1..num_stages-1 begin: blocks spread evenly over the stages.
+
+    Stage 0 also holds the embeddings, the last stage ln_f and the (tied) head.
+    """
+    if num_stages > n_layer:
+        raise SystemExit(f"--layers {n_layer} is too few for {num_stages} stages "
+                         f"(pipeline size x stages per rank); use --layers {num_stages} or more")
+    points = [f"blocks.{(i * n_layer) // num_stages}" for i in range(1, num_stages)]
+    return points or None
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-character cross entropy; logits (b, t, vocab), targets (b, t)."""
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+# ---------------------------------------------------------------- output
+
+class Progress:
+    """A hand-written progress line on rank 0: `\\r` updates, a newline every `every` steps."""
+
+    def __init__(self, total: int, label: str, every: int = 10, width: int = 24) -> None:
+        self.total, self.label, self.every, self.width = total, label, every, width
+
+    def update(self, step: int, loss: float, tokens_per_s: float) -> None:
+        filled = self.width * step // self.total
+        bar = "#" * filled + "." * (self.width - filled)
+        line = (f"\r[{bar}] step {step:>{len(str(self.total))}}/{self.total}  loss {loss:6.3f}  "
+                f"{tokens_per_s:8.0f} tok/s  {self.label}")
+        end = "\n" if step % self.every == 0 or step == self.total else ""
+        print(line, end=end, flush=True)
+
+
+@torch.no_grad()
+def sample(pipe, data: CharData, batch_size: int, n_chars: int, seed: int,
+           device: torch.device) -> tuple[str, str]:
+    """(prompt, n_chars generated after it), with forward-only `pipe(x)`.
+
+    Every rank must make the same calls with the same inputs, so the prompt
+    and the sampling generator are the same everywhere (and the logits come
+    back on every rank). The window stays at block_size and the batch at
+    batch_size, the shapes the pipeline was captured with; row 0 is used.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    context = data.ids[: data.block_size].tolist()
+    out = []
+    for _ in range(n_chars):
+        x = torch.tensor(context[-data.block_size:], dtype=torch.long, device=device)
+        logits = pipe(x.expand(batch_size, -1).contiguous())
+        probs = torch.softmax(logits[0, -1].float().cpu() / 0.8, dim=-1)
+        nxt = int(torch.multinomial(probs, 1, generator=gen))
+        context.append(nxt)
+        out.append(nxt)
+    return data.decode(context[: data.block_size]), data.decode(out)
+
+
+# ---------------------------------------------------------------- main
+
+def main() -> int:
+    args = parse_args()
+    torch.set_num_threads(1)  # ranks share the CPU cores
+
+    device = torch.device(args.device)
+    distributed = "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+    if distributed:
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    rank = dist.get_rank() if distributed else 0
+    pp = dist.get_world_size() if distributed else 1
+    is_main = rank == 0
+
+    data = CharData(TEXT, args.block_size, args.seed)
+    cfg = GPTConfig(vocab_size=data.vocab_size, block_size=args.block_size, n_layer=args.layers,
+                    n_head=4, d_model=args.d_model)
+    model = build_model(cfg, args.seed).to(device)
+    num_stages = pp * args.stages_per_rank
+    points = split_points(args.layers, num_stages)
+    n_params = sum(p.numel() for p in model.parameters())
+
+    pipe = mpmd.pipeline(model, loss_fn=lm_loss, schedule=args.schedule,
+                         num_microbatches=args.microbatches, stages_per_rank=args.stages_per_rank,
+                         split_points=points, device=device, seed=args.seed)
+    # Before the first step (capture) this is the whole model's parameters;
+    # those that end up on other ranks' stages never get a .grad here, and
+    # AdamW skips parameters without one.
+    opt = torch.optim.AdamW(pipe.parameters(), lr=args.lr)
+
+    if is_main:
+        print(f"GPT: {args.layers} layers, d_model {args.d_model}, vocab {data.vocab_size}, "
+              f"{n_params / 1e3:.1f}K params; corpus {len(data.ids)} chars")
+        print(f"pipeline: {args.schedule}, pp={pp}, {num_stages} stages "
+              f"({args.stages_per_rank} per rank), split_points={points}, "
+              f"{args.microbatches} microbatches of {args.batch_size // args.microbatches}, "
+              f"device {device}")
+
+    label = f"{args.schedule} pp={pp}"
+    progress = Progress(args.steps, label)
+    tokens_per_step = args.batch_size * args.block_size
+    losses: list[float] = []
+    timed_tokens, timed_seconds = 0, 0.0
+    t_start = time.perf_counter()
+    for step in range(1, args.steps + 1):
+        x, y = data.batch(args.batch_size)
+        t0 = time.perf_counter()
+        loss = pipe.step(x.to(device), target=y.to(device))
+        opt.step()
+        opt.zero_grad()
+        dt = time.perf_counter() - t0
+        losses.append(float(loss))
+        if step > 1:  # the first step includes capture and partitioning
+            timed_tokens += tokens_per_step
+            timed_seconds += dt
+        if is_main:
+            tps = timed_tokens / timed_seconds if timed_seconds else tokens_per_step / dt
+            progress.update(step, losses[-1], tps)
+            if step == 1:  # captured now: the stages are known
+                print(f"\nrank 0 runs stages {pipe.local_stages} of {pipe.num_stages}"
+                      f" (capture + first step {dt:.1f}s)")
+    wall = time.perf_counter() - t_start
+
+    # Smoke check that the run trained: the mean of the last (up to 5) losses,
+    # step 1 excluded, must be MIN_LOSS_DROP below the first (batch-to-batch
+    # noise at a fixed model is ~0.01).
+    first, last = losses[0], losses[-1]
+    tail = losses[max(1, len(losses) - 5):] or losses
+    last_mean = sum(tail) / len(tail)
+    fell = math.isfinite(last_mean) and last_mean < first - MIN_LOSS_DROP
+    if is_main:
+        tps = timed_tokens / timed_seconds if timed_seconds else float("nan")
+        print(f"done: {args.steps} steps in {wall:.1f}s, {tps:.0f} tok/s after the first step "
+              f"({args.schedule}, pp={pp})")
+        print(f"loss: first {first:.3f}, last {last:.3f} (mean of last {len(tail)}: {last_mean:.3f})")
+
+    if args.sample_chars > 0 and fell:
+        t0 = time.perf_counter()
+        prompt, generated = sample(pipe, data, args.batch_size, args.sample_chars, args.seed, device)
+        if is_main:
+            print(f"sample ({len(generated)} chars after the prompt {prompt!r}, forward-only, "
+                  f"{time.perf_counter() - t0:.1f}s):\n{prompt}{generated}")
+
+    if distributed:
+        dist.destroy_process_group()
+    if not fell:
+        if is_main:
+            print(f"FAILED: the loss did not fall by {MIN_LOSS_DROP} (first {first:.3f}, mean of the "
+                  f"last {len(tail)} {last_mean:.3f})", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
