@@ -272,7 +272,7 @@ class Pipeline(torch.nn.Module):
             if isinstance(meta, torch.Tensor):
                 t = (flat[i].detach().contiguous() if flat is not None else
                      torch.empty(meta.shape, dtype=meta.dtype, device=self.device))
-                result.append(rt.broadcast_from_last(t))
+                result.append(rt.broadcast_from_last(t, f"model output {i}"))
             elif isinstance(spec, torch.fx.Node):
                 raise PipelineError(f"model output {i} is a {type(meta).__name__} computed by "
                                     "the graph; only tensor outputs can be returned to every "

@@ -132,7 +132,7 @@ class CompiledPipeline:
                 out = (torch.cat(parts) if self.m > 1 else parts[0]).contiguous()
             else:
                 out = torch.empty(ex.shape, dtype=ex.dtype, device=self.device)
-            outputs.append(rt.broadcast_from_last(out))
+            outputs.append(rt.broadcast_from_last(out, f"output {i}"))
         if not training:
             rt.runner.end_step()
         return outputs

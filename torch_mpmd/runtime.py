@@ -208,7 +208,8 @@ class RankRuntime:
             return mine[2]
         t = torch.tensor(mine, dtype=torch.int64, device=self.device)
         everyone = [torch.empty_like(t) for _ in range(self.pp_size)]
-        dist.all_gather(everyone, t, group=self.group)
+        self.wait(dist.all_gather(everyone, t, group=self.group, async_op=True),
+                  "the start-up comparison of plans (all_gather)")
         rows = [e.tolist() for e in everyone]
         for what, col in (("partition plan", 0), ("pipeline settings or schedule", 1)):
             values = {r: rows[r][col] & 0xFFFFFFFFFFFFFFFF for r in range(self.pp_size)}
@@ -280,7 +281,8 @@ class RankRuntime:
                 g = p.grad if p.grad is not None else torch.zeros_like(p)
                 deltas.append(g - old if old is not None else g)
             flat = torch.cat([d.reshape(-1) for d in deltas])
-            dist.all_reduce(flat, group=pg)
+            self.wait(dist.all_reduce(flat, group=pg, async_op=True),
+                      f"the sum of tied parameter gradients ({len(params)} tensors, all_reduce)")
             offset = 0
             for p, old, d in zip(params, prev, deltas):
                 inc = flat[offset:offset + d.numel()].view_as(p)
@@ -291,8 +293,22 @@ class RankRuntime:
     def last_rank(self) -> int:
         return self.stage_to_rank[-1]
 
-    def broadcast_from_last(self, tensor: torch.Tensor) -> torch.Tensor:
+    def broadcast_from_last(self, tensor: torch.Tensor, what: str = "the loss") -> torch.Tensor:
         if self.pp_size > 1:
             src = dist.get_global_rank(self.group, self.last_rank)
-            dist.broadcast(tensor, src=src, group=self.group)
+            self.wait(dist.broadcast(tensor, src=src, group=self.group, async_op=True),
+                      f"the broadcast of {what} from rank {self.last_rank}")
         return tensor
+
+    def wait(self, work: Any, what: str) -> None:
+        """Wait for a collective within the pipeline timeout (the process
+        group's own timeout can be much longer): a dead peer is an error, not
+        a hang."""
+        try:
+            ok = work.wait(timeout=datetime.timedelta(seconds=self.timeout_s))
+        except Exception as e:  # noqa: BLE001  (c10d raises RuntimeError subclasses)
+            raise PipelineError(f"rank {self.rank}: {what} failed within the {self.timeout_s:g} "
+                                f"s timeout: {str(e)[:500]}", rank=self.rank) from e
+        if ok is False:
+            raise PipelineError(f"rank {self.rank}: {what} timed out after "
+                                f"{self.timeout_s:g} s", rank=self.rank)
