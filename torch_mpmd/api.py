@@ -157,7 +157,7 @@ class Pipeline(torch.nn.Module):
                               lookahead=self._mpmd_lookahead, settings=settings,
                               seed=self._mpmd_seed)
         if previous is not None:
-            old = sorted(n for n, _ in self.named_parameters())
+            old = sorted(n for n, _ in self.named_parameters(remove_duplicate=False))
             new = sorted(self._local_tensors(runtime, split)[0])
             if old != new:
                 raise ValueError(

@@ -1,0 +1,160 @@
+"""Pipeline API in one process (world size 1: every stage local): parameters
+and state dicts under original FQNs, re-capture on a new batch shape,
+Replicate, loss_fn=None, schedules from objects and files, forward-only calls."""
+
+import copy
+import datetime
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.testing import assert_close
+
+import models
+import torch_mpmd as mpmd
+from torch_mpmd import schedules
+
+TOL = dict(rtol=1e-5, atol=1e-6)
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def gpt_and_batch(batch: int = 8):
+    torch.manual_seed(0)
+    model = models.CharGPT(vocab=32, d=16, n_layer=2, n_head=2, block_size=8)
+    x = torch.randint(0, 32, (batch, 8))
+    y = torch.randint(0, 32, (batch, 8))
+    return model, x, y
+
+
+def lm_loss(logits, target):
+    return F.cross_entropy(logits.flatten(0, 1), target.flatten())
+
+
+def reference_grads(model, x, y):
+    ref = copy.deepcopy(model)
+    loss = lm_loss(ref(x), y)
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in ref.named_parameters()}
+
+
+def test_parameters_are_the_modules_own_tensors_before_and_after_capture():
+    model, x, y = gpt_and_batch()
+    pipe = mpmd.pipeline(model, loss_fn=lm_loss, num_microbatches=2, split_points=["blocks.1"],
+                         schedule="gpipe", stages_per_rank=2)
+    own = dict(model.named_parameters())
+    assert dict(pipe.named_parameters()) == own  # before capture: the whole module
+    pipe.step(x, target=y)
+    after = dict(pipe.named_parameters())
+    assert after.keys() == own.keys()
+    assert all(after[n] is own[n] for n in own)
+    assert pipe.state_dict().keys() == model.state_dict().keys()  # tied alias lm_head.weight too
+
+
+def test_load_state_dict_writes_into_the_stages():
+    model, x, y = gpt_and_batch()
+    pipe = mpmd.pipeline(model, loss_fn=lm_loss, num_microbatches=2)
+    pipe.step(x, target=y)
+    other, _, _ = gpt_and_batch()
+    for p in other.parameters():
+        torch.nn.init.normal_(p)
+    pipe.load_state_dict(other.state_dict())
+    with torch.no_grad():
+        assert_close(pipe(x), other(x), **TOL)
+
+
+def test_new_batch_shape_is_recaptured_and_still_matches_reference():
+    model, x, y = gpt_and_batch()
+    pipe = mpmd.pipeline(model, loss_fn=lm_loss, num_microbatches=2, split_points=["blocks.1"],
+                         schedule="interleaved_1f1b")
+    pipe.step(x, target=y)
+    first = pipe.schedule
+    x2, y2 = x[:4], y[:4]
+    model.zero_grad()
+    loss = pipe.step(x2, target=y2)
+    ref_loss, ref = reference_grads(model, x2, y2)
+    assert_close(loss, ref_loss, **TOL)
+    for n, p in pipe.named_parameters():
+        assert_close(p.grad, ref[n], **TOL, msg=n)
+    assert pipe.schedule is not first
+
+
+def test_replicated_argument_goes_whole_to_every_microbatch():
+    class Scaled(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = torch.nn.Linear(4, 4)
+            self.b = torch.nn.Linear(4, 1)
+
+        def forward(self, x, scale):
+            return self.b(torch.tanh(self.a(x)) * scale)
+
+    torch.manual_seed(0)
+    model = Scaled()
+    x, scale, y = torch.randn(8, 4), torch.randn(4), torch.randn(8, 1)
+    pipe = mpmd.pipeline(copy.deepcopy(model), loss_fn=F.mse_loss, num_microbatches=4,
+                         split_points=["b"], schedule="gpipe", stages_per_rank=2)
+    loss = pipe.step(x, mpmd.Replicate(scale), target=y)
+    assert_close(loss, F.mse_loss(model(x, scale), y), **TOL)
+    with pytest.raises(ValueError, match="0-dim tensor"):
+        pipe.step(x, torch.tensor(2.0), target=y)
+
+
+def test_loss_fn_none_takes_the_models_scalar_output():
+    class WithLoss(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = torch.nn.Linear(4, 4)
+            self.b = torch.nn.Linear(4, 1)
+
+        def forward(self, x, y):
+            return F.mse_loss(self.b(torch.relu(self.a(x))), y)
+
+    torch.manual_seed(0)
+    model = WithLoss()
+    x, y = torch.randn(8, 4), torch.randn(8, 1)
+    pipe = mpmd.pipeline(copy.deepcopy(model), num_microbatches=2, split_points=["b"],
+                         schedule="gpipe", stages_per_rank=2)
+    assert_close(pipe.step(x, y), model(x, y), **TOL)
+    bad = mpmd.pipeline(models.MLP(d=4, depth=2, markers=False), num_microbatches=2)
+    with pytest.raises(mpmd.PipelineError, match="loss as a scalar") as info:
+        bad.step(torch.randn(8, 4))
+    assert isinstance(info.value.__cause__, ValueError)
+
+
+def test_schedule_object_and_text_file_give_the_named_schedules_result(tmp_path):
+    model, x, y = gpt_and_batch()
+    ref_loss, ref = reference_grads(model, x, y)
+    sched = schedules.get_schedule("zbv", num_ranks=1, num_microbatches=4,
+                                   stages_per_rank=2)
+    path = tmp_path / "zbv.txt"
+    path.write_text(sched.to_text())
+    for given in (sched, str(path)):
+        m = copy.deepcopy(model)
+        pipe = mpmd.pipeline(m, loss_fn=lm_loss, schedule=given, num_microbatches=4,
+                             split_points=["blocks.1"], timeout=datetime.timedelta(seconds=30))
+        assert_close(pipe.step(x, target=y), ref_loss, **TOL)
+        for n, p in pipe.named_parameters():
+            assert_close(p.grad, ref[n], **TOL, msg=n)
+
+
+def test_forward_only_call_returns_the_models_output():
+    model, x, _ = gpt_and_batch()
+    pipe = mpmd.pipeline(copy.deepcopy(model), loss_fn=lm_loss, num_microbatches=4,
+                         split_points=["blocks.1"], schedule="zbv")
+    with torch.no_grad():
+        assert_close(pipe(x), model(x), **TOL)
+
+
+def test_executor_stats_count_live_forwards_within_the_schedules_bound():
+    model, x, y = gpt_and_batch()
+    pipe = mpmd.pipeline(model, loss_fn=lm_loss, num_microbatches=8, split_points=["blocks.1"],
+                         schedule="gpipe", stages_per_rank=2)
+    pipe.step(x, target=y)
+    assert pipe.last_step_stats["steps"] == 1
+    assert pipe.last_step_stats["peak_live_forwards"] == pipe.schedule.simulate().peak_activations[0]
