@@ -341,3 +341,39 @@ class ViewOfValueBeforeWrite(nn.Module):
         mpmd.stage_boundary()
         h.mul_(2)
         return self.b(h) + v.sum()
+
+
+class SkipChain(nn.Module):
+    """``depth`` Linear+tanh layers with no markers (stages come from split points
+    ``layers.k``): the first layer's output skips to the middle layer and to the
+    head, so it crosses several stage boundaries whatever the stage count."""
+
+    def __init__(self, d: int = 16, depth: int = 8) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(d, d) for _ in range(depth))
+        self.head = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = h0 = x
+        for i, layer in enumerate(self.layers):  # no slicing: Dynamo traces this fast
+            h = torch.tanh(layer(h))
+            if i == 0:
+                h0 = h
+            elif i == len(self.layers) // 2:
+                h = h * h0
+        return self.head(h) + h0
+
+
+class DropoutMLP(nn.Module):
+    """Dropout on both sides of a marker: two stages whose outputs depend on the RNG."""
+
+    def __init__(self, d: int = 16, p: float = 0.5) -> None:
+        super().__init__()
+        self.a = nn.Linear(d, d)
+        self.b = nn.Linear(d, d)
+        self.drop = nn.Dropout(p)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.drop(torch.relu(self.a(x)))
+        mpmd.stage_boundary()
+        return self.b(self.drop(h))

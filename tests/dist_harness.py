@@ -1,0 +1,232 @@
+"""Launch N fresh Python processes as gloo ranks on 127.0.0.1 and collect their results.
+
+    from dist_harness import run_ranks
+    run = run_ranks(2, "pipeline_worker:grid", cases, timeout=120)
+    run.results[0]      # what rank 0's function returned (JSON round-tripped)
+
+Each rank is ``sys.executable`` running this file as a script with ``RANK``,
+``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR=127.0.0.1``, ``MASTER_PORT`` (a
+free port) and ``OMP_NUM_THREADS=1`` set, and ``tests/`` plus the repository
+root on ``PYTHONPATH``. It initializes gloo (unless ``init_process_group=False``:
+then there is no process group at all, the world-size-1 degenerate case), calls
+``target`` = ``"module:function"`` with the JSON-serializable ``args``, and
+writes the JSON return value to a per-rank result file. A worker may also call
+``partial_result(value)`` as it goes: if the rank then dies or hangs, that value
+is what the parent reports for it (with ``complete[rank] = False``).
+
+The parent waits with one hard overall timeout; on expiry it kills every rank
+(each runs in its own session, so its children die too) and, with
+``check=True`` (the default), fails with every rank's exit code and stderr tail.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import importlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+TESTS_DIR = Path(__file__).resolve().parent
+REPO_ROOT = TESTS_DIR.parent
+STDERR_TAIL = 4000  # characters of each rank's stderr kept in failure messages
+
+
+@dataclasses.dataclass
+class RunResult:
+    """What a launch produced, one entry per rank."""
+
+    world_size: int
+    results: list[Any]          # return value (or last partial_result, or None)
+    complete: list[bool]        # True when the function returned and its result was written
+    returncodes: list[int | None]
+    stdout: list[str]
+    stderr: list[str]
+    elapsed: float              # seconds from launch to the last rank ending (or the kill)
+    timed_out: bool
+
+    def failed_ranks(self) -> list[int]:
+        return [r for r in range(self.world_size)
+                if self.returncodes[r] != 0 or not self.complete[r]]
+
+    def describe(self, ranks: list[int] | None = None) -> str:
+        """Exit codes of all ranks and the stderr tail of ``ranks`` (default: the failed ones)."""
+        ranks = self.failed_ranks() if ranks is None else ranks
+        lines = [f"world_size={self.world_size} elapsed={self.elapsed:.1f}s "
+                 f"timed_out={self.timed_out} exit codes={self.returncodes}"]
+        for r in ranks:
+            lines.append(f"----- rank {r} (exit {self.returncodes[r]}, "
+                         f"complete={self.complete[r]}) stderr tail -----")
+            lines.append(tail(self.stderr[r]) or "<empty>")
+        return "\n".join(lines)
+
+    def check(self) -> RunResult:
+        """Raise AssertionError naming every failing rank with its stderr tail."""
+        if self.timed_out or self.failed_ranks():
+            raise AssertionError("distributed launch failed: " + self.describe())
+        return self
+
+
+def tail(text: str, n: int = STDERR_TAIL) -> str:
+    return text if len(text) <= n else "..." + text[-n:]
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (bind to port 0)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    if proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # the rank's own session: only what we started
+    except (ProcessLookupError, PermissionError):
+        proc.kill()
+
+
+def run_ranks(world_size: int, target: str, *args: Any, timeout: float = 120.0,
+              pg_timeout: float = 60.0, init_process_group: bool = True,
+              failure_grace: float | None = 20.0, env: dict[str, str] | None = None,
+              check: bool = True) -> RunResult:
+    """Run ``target`` ("module:function" importable from tests/) on ``world_size`` ranks.
+
+    ``timeout``: hard limit for the whole launch, after which every rank is killed.
+    ``pg_timeout``: the process group timeout (seconds) given to init_process_group.
+    ``failure_grace``: once some rank has exited non-zero, the others get this many
+    seconds to finish before they are killed (None: wait for the overall timeout).
+    ``check``: raise AssertionError (with the failing ranks' stderr) unless every rank
+    exited 0 with a complete result.
+    """
+    if ":" not in target:
+        raise ValueError(f"target={target!r} must be 'module:function'")
+    if not init_process_group and world_size != 1:
+        raise ValueError("init_process_group=False needs world_size=1")
+    json.dumps(args)  # fail here, not in the children, on non-JSON arguments
+    workdir = Path(tempfile.mkdtemp(prefix="mpmd_ranks_"))
+    (workdir / "args.json").write_text(json.dumps(list(args)))
+    port = free_port()
+    base_env = dict(os.environ)
+    if sys.platform == "linux":  # gloo on loopback, whatever the hostname resolves to
+        base_env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    base_env.update(env or {})
+    pythonpath = [str(TESTS_DIR), str(REPO_ROOT)]
+    if base_env.get("PYTHONPATH"):
+        pythonpath.append(base_env["PYTHONPATH"])
+    base_env.update(
+        PYTHONPATH=os.pathsep.join(pythonpath), MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port), WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1",
+        PYTHONUNBUFFERED="1", HARNESS_TARGET=target, HARNESS_DIR=str(workdir),
+        HARNESS_PG_TIMEOUT=str(pg_timeout),
+        HARNESS_INIT_PG="1" if init_process_group else "0")
+    procs: list[subprocess.Popen] = []
+    files = []
+    start = time.monotonic()
+    try:
+        for rank in range(world_size):
+            rank_env = dict(base_env, RANK=str(rank), LOCAL_RANK=str(rank))
+            out = open(workdir / f"stdout{rank}.txt", "wb")
+            err = open(workdir / f"stderr{rank}.txt", "wb")
+            files += [out, err]
+            procs.append(subprocess.Popen(
+                [sys.executable, str(Path(__file__).resolve())], env=rank_env,
+                stdout=out, stderr=err, stdin=subprocess.DEVNULL, cwd=str(workdir),
+                start_new_session=True))
+        timed_out = False
+        first_failure: float | None = None
+        while True:
+            codes = [p.poll() for p in procs]
+            now = time.monotonic()
+            if all(c is not None for c in codes):
+                break
+            if first_failure is None and any(c not in (None, 0) for c in codes):
+                first_failure = now
+            if now - start > timeout:
+                timed_out = True
+                break
+            if (first_failure is not None and failure_grace is not None
+                    and now - first_failure > failure_grace):
+                break
+            time.sleep(0.05)
+        elapsed = time.monotonic() - start
+        for p in procs:
+            _kill(p)
+        for p in procs:
+            p.wait()
+    finally:
+        for p in procs:
+            _kill(p)
+        for f in files:
+            f.close()
+
+    results, complete, stdout, stderr = [], [], [], []
+    for rank in range(world_size):
+        final = workdir / f"result{rank}.json"
+        partial = workdir / f"partial{rank}.json"
+        if final.exists():
+            results.append(json.loads(final.read_text()))
+            complete.append(True)
+        else:
+            results.append(json.loads(partial.read_text()) if partial.exists() else None)
+            complete.append(False)
+        stdout.append((workdir / f"stdout{rank}.txt").read_text(errors="replace"))
+        stderr.append((workdir / f"stderr{rank}.txt").read_text(errors="replace"))
+    run = RunResult(world_size, results, complete, [p.returncode for p in procs],
+                    stdout, stderr, elapsed, timed_out)
+    for path in workdir.iterdir():
+        path.unlink()
+    workdir.rmdir()
+    return run.check() if check else run
+
+
+# ---------------------------------------------------------------- inside a rank
+
+def _write_json(path: Path, value: Any) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(value))
+    tmp.replace(path)  # atomic: the parent never reads half a file
+
+
+def partial_result(value: Any) -> None:
+    """Record ``value`` as this rank's result so far (reported if the rank never returns).
+
+    A no-op outside a harness rank, so worker functions also run in-process.
+    """
+    workdir = os.environ.get("HARNESS_DIR")
+    if workdir:
+        _write_json(Path(workdir) / f"partial{os.environ['RANK']}.json", value)
+
+
+def _rank_main() -> None:
+    rank = int(os.environ["RANK"])
+    workdir = Path(os.environ["HARNESS_DIR"])
+    module_name, func_name = os.environ["HARNESS_TARGET"].split(":")
+    args = json.loads((workdir / "args.json").read_text())
+    import torch.distributed as dist
+
+    if os.environ["HARNESS_INIT_PG"] == "1":
+        pg_timeout = datetime.timedelta(seconds=float(os.environ["HARNESS_PG_TIMEOUT"]))
+        dist.init_process_group("gloo", timeout=pg_timeout)
+    func = getattr(importlib.import_module(module_name), func_name)
+    value = func(*args)
+    _write_json(workdir / f"result{rank}.json", value)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    # Running this file as a script puts tests/ (its directory) first on sys.path,
+    # ahead of anything else; the target's module is then importable by name.
+    _rank_main()
