@@ -30,6 +30,7 @@ __all__ = ["PipelineError", "RankRuntime", "StagedModel", "resolve_schedule",
            "forward_only_text", "backward_only_text", "V_SCHEDULES"]
 
 V_SCHEDULES = ("zbv", "dualpipev")
+_STARTUP_TIMEOUT_S = 120.0  # least wait for the other ranks' captures at start-up
 _FORWARD_KINDS = ("F", "SEND_F", "RECV_F")
 _BACKWARD_KINDS = ("B", "I", "W", "SEND_B", "RECV_B", "REDUCE_GRAD")
 
@@ -208,8 +209,12 @@ class RankRuntime:
             return mine[2]
         t = torch.tensor(mine, dtype=torch.int64, device=self.device)
         everyone = [torch.empty_like(t) for _ in range(self.pp_size)]
+        # Ranks arrive after capturing, which takes seconds and varies by rank: the
+        # wait allows for that skew (a dead peer still fails at once: gloo reports
+        # the closed connection).
         self.wait(dist.all_gather(everyone, t, group=self.group, async_op=True),
-                  "the start-up comparison of plans (all_gather)")
+                  "the start-up comparison of plans (all_gather)",
+                  timeout_s=max(self.timeout_s, _STARTUP_TIMEOUT_S))
         rows = [e.tolist() for e in everyone]
         for what, col in (("partition plan", 0), ("pipeline settings or schedule", 1)):
             values = {r: rows[r][col] & 0xFFFFFFFFFFFFFFFF for r in range(self.pp_size)}
@@ -300,15 +305,16 @@ class RankRuntime:
                       f"the broadcast of {what} from rank {self.last_rank}")
         return tensor
 
-    def wait(self, work: Any, what: str) -> None:
+    def wait(self, work: Any, what: str, timeout_s: float | None = None) -> None:
         """Wait for a collective within the pipeline timeout (the process
         group's own timeout can be much longer): a dead peer is an error, not
         a hang."""
+        limit = timeout_s if timeout_s is not None else self.timeout_s
         try:
-            ok = work.wait(timeout=datetime.timedelta(seconds=self.timeout_s))
+            ok = work.wait(timeout=datetime.timedelta(seconds=limit))
         except Exception as e:  # noqa: BLE001  (c10d raises RuntimeError subclasses)
-            raise PipelineError(f"rank {self.rank}: {what} failed within the {self.timeout_s:g} "
-                                f"s timeout: {str(e)[:500]}", rank=self.rank) from e
+            raise PipelineError(f"rank {self.rank}: {what} failed within the {limit:g} s "
+                                f"timeout: {str(e)[:500]}", rank=self.rank) from e
         if ok is False:
-            raise PipelineError(f"rank {self.rank}: {what} timed out after "
-                                f"{self.timeout_s:g} s", rank=self.rank)
+            raise PipelineError(f"rank {self.rank}: {what} timed out after {limit:g} s",
+                                rank=self.rank)
