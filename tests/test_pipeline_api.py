@@ -158,3 +158,39 @@ def test_executor_stats_count_live_forwards_within_the_schedules_bound():
     pipe.step(x, target=y)
     assert pipe.last_step_stats["steps"] == 1
     assert pipe.last_step_stats["peak_live_forwards"] == pipe.schedule.simulate().peak_activations[0]
+
+
+def test_step_trace_covers_every_action_and_exports_chrome_json_and_png(tmp_path, monkeypatch):
+    import json
+
+    model, x, y = gpt_and_batch()
+    pipe = mpmd.pipeline(model, loss_fn=lm_loss, num_microbatches=4, split_points=["blocks.1"],
+                         schedule="zbv")
+    monkeypatch.setenv("MPMD_TRACE", str(tmp_path / "env.json"))
+    pipe.step(x, target=y)
+    stats = pipe.last_step_stats
+    assert 0.0 <= stats["bubble_fraction"] < 1.0 and stats["compute_s"] <= stats["span_s"]
+    assert set(stats["peak_activation_bytes"]) == {0, 1}
+    assert all(b > 0 for b in stats["peak_activation_bytes"].values())
+    (row,) = pipe.timelines()
+    assert [t for t, _, _ in row] == pipe.schedule.actions[0]
+    assert all(s <= e for _, s, e in row)
+    assert all(a[2] <= b[1] for a, b in zip(row, row[1:]))  # one action at a time, in order
+    events = json.loads((tmp_path / "env.json").read_text())["traceEvents"]
+    spans = [e for e in events if e["ph"] == "X"]
+    assert [e["name"] for e in spans] == pipe.schedule.actions[0]
+    assert {e["cat"] for e in spans} >= {"F", "I", "W"}
+    pipe.save_timeline(tmp_path / "timeline.png")
+    assert (tmp_path / "timeline.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_activation_bytes_follow_the_schedules_live_forwards():
+    model, x, y = gpt_and_batch()
+    peaks = {}
+    for name in ("gpipe", "1f1b"):
+        pipe = mpmd.pipeline(copy.deepcopy(model), loss_fn=lm_loss, num_microbatches=8,
+                             schedule=name)
+        pipe.step(x, target=y)
+        peaks[name] = pipe.last_step_stats["peak_activation_bytes"][0]
+    # One stage on one rank: GPipe holds all 8 forwards, 1F1B one at a time.
+    assert peaks["gpipe"] > 6 * peaks["1f1b"]

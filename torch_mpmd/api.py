@@ -13,6 +13,7 @@ DESIGN.md example) still covers this rank's (the others never get gradients).
 from __future__ import annotations
 
 import datetime
+import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -21,6 +22,7 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 
 from torch_mpmd.backend import check_stage_count
+from torch_mpmd import trace
 from torch_mpmd.microbatch import merge_microbatches, split_microbatches
 from torch_mpmd.runtime import V_SCHEDULES, PipelineError, RankRuntime, StagedModel
 from torch_mpmd.schedules import Schedule, get_schedule, names as schedule_names
@@ -92,6 +94,7 @@ class Pipeline(torch.nn.Module):
         self._mpmd_input_signature: tuple | None = None
         self._mpmd_step = 0
         self.last_step_stats: dict[str, Any] = {}
+        self._mpmd_last: tuple[Any, list] | None = None
         # Until capture: mirror the whole module's tree (see the module docstring).
         self._modules = module._modules
         self._parameters = module._parameters
@@ -240,8 +243,47 @@ class Pipeline(torch.nn.Module):
         rt.broadcast_from_last(loss)
         rt.runner.end_step()
         self._mpmd_step += 1
-        self.last_step_stats = dict(rt.executor.stats)
+        self._record_stats(rt, rt.executor)
+        if os.environ.get("MPMD_TRACE"):
+            self.save_trace(os.environ["MPMD_TRACE"])
         return loss
+
+    # ------------------------------------------------------------ what a step did
+    def _record_stats(self, rt: RankRuntime, executor: Any) -> None:
+        stats = executor.stats
+        row = trace.rank_timeline(executor.program, stats["trace"])
+        self._mpmd_last = (executor, stats["trace"])
+        self.last_step_stats = {
+            "steps": stats["steps"],
+            "peak_live_forwards": stats["peak_live_forwards"],
+            "peak_buffered": stats["peak_buffered"],
+            "peak_activation_bytes": dict(rt.runner.peak_bytes),
+            **trace.step_metrics(row),
+        }
+
+    def timelines(self) -> list[list[tuple[str, float, float]]]:
+        """Every rank's ``(action, start s, end s)`` of the last step, on every rank.
+        Collective: call it on every rank."""
+        rt = self._runtime()
+        if self._mpmd_last is None:
+            raise RuntimeError("no step has run yet: call step() or the pipeline first")
+        executor, events = self._mpmd_last
+        programs = self.schedule.actions if executor is rt.executor else _forward_programs(rt)
+        return trace.gather_timelines(executor.program, events, programs, rt.group)
+
+    def save_trace(self, path: str | os.PathLike) -> None:
+        """Write the last step of all ranks as a Chrome trace JSON (rank 0 writes).
+        Collective. Also done after every step when MPMD_TRACE=path is set."""
+        rows = self.timelines()
+        if self.rank == 0:
+            trace.write_chrome_trace(path, rows, title=f"torch_mpmd {self.schedule.name}")
+
+    def save_timeline(self, path: str | os.PathLike) -> None:
+        """Draw the last step's measured timeline above the simulated one into a
+        PNG (rank 0 writes; needs matplotlib). Collective."""
+        rows = self.timelines()
+        if self.rank == 0:
+            trace.save_measured_timeline(self.schedule, rows, path)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Forward only (no autograd state kept); the output on every rank."""
@@ -258,6 +300,7 @@ class Pipeline(torch.nn.Module):
         for k in range(self.num_microbatches):
             flat = self._broadcast_outputs(rt, rt.runner.outputs.get(k))
             outputs.append(self._mpmd_split.captured.rebuild_output(flat, inputs[k]))
+        self._record_stats(rt, rt.forward_executor)
         rt.runner.end_step()
         return merge_microbatches(outputs)
 
@@ -280,6 +323,16 @@ class Pipeline(torch.nn.Module):
             else:
                 result.append(spec)
         return tuple(result)
+
+
+def _forward_programs(rt: RankRuntime) -> list[list[str]]:
+    """All ranks' programs of the forward-only executor."""
+    from torch_mpmd.runtime import forward_only_text
+
+    text = forward_only_text(rt.schedule)
+    rows = [line.split(":", 1)[1].split() for line in text.splitlines()
+            if line and not line.startswith("#")]
+    return rows
 
 
 def _default_device(module: torch.nn.Module) -> torch.device:

@@ -10,6 +10,7 @@ order of the transport's tensor specs.
 
 from __future__ import annotations
 
+import contextlib
 import operator
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -40,6 +41,13 @@ def _seed_rng(seed: int) -> None:
     torch.default_generator.manual_seed(seed)
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.manual_seed(seed)
+
+
+def _label(name: str) -> Any:
+    """A torch.profiler label for one action; free when no profiler runs."""
+    if torch.autograd.profiler._is_profiler_enabled:
+        return torch.autograd.profiler.record_function(name)
+    return contextlib.nullcontext()
 
 
 def _requires_grad(value: Any) -> bool:
@@ -140,6 +148,7 @@ class _Saved:
     leaves: list[torch.Tensor | None]  # per received value
     roots: list[torch.Tensor]          # outputs to backprop from (loss on the last stage)
     root_nodes: list[int]              # node id per root (-1 for the loss)
+    saved_bytes: int = 0               # activations autograd saved for this forward
 
 
 class StageRunner:
@@ -166,7 +175,14 @@ class StageRunner:
                 clone_inputs={v.node for v, name in zip(sig.received, received_names)
                               if name in mutated},
                 weights=[p for p in module.parameters() if p.requires_grad])
+        self._param_storages = {s: {p.untyped_storage().data_ptr()
+                                    for p in list(st.module.parameters()) + list(st.module.buffers())}
+                                for s, st in self.stages.items()}
         self._saved: dict[tuple[int, int], _Saved] = {}
+        # Bytes of activations autograd holds per local stage, now and at peak
+        # (tensors saved for backward, parameters and buffers excluded).
+        self.live_bytes: dict[int, int] = {s: 0 for s in self.stages}
+        self.peak_bytes: dict[int, int] = {s: 0 for s in self.stages}
         self.error: BaseException | None = None
         self.begin_step([], [], None, 0, 0, training=True)
 
@@ -193,6 +209,8 @@ class StageRunner:
         self.losses: dict[int, torch.Tensor] = {}
         self.outputs: dict[int, tuple] = {}
         self.error = None
+        self.live_bytes = {s: 0 for s in self.stages}
+        self.peak_bytes = {s: 0 for s in self.stages}
 
     def end_step(self) -> None:
         """Drop what a step left behind (after an error, or forward-only runs)."""
@@ -245,7 +263,19 @@ class StageRunner:
                 received[st.received_index[v.node]] = leaf
         args = [self.inputs[mb][name] for name in sig.user_inputs] + received
         _seed_rng(stage_seed(self.seed, self.step, stage, mb))
-        with torch.set_grad_enabled(self.training):
+        storages: dict[int, int] = {}
+        params = self._param_storages[stage]
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            storage = t.untyped_storage()
+            ptr = storage.data_ptr()
+            if ptr not in params:
+                storages[ptr] = storage.nbytes()
+            return t
+
+        with torch.set_grad_enabled(self.training), \
+                torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+                _label(f"mpmd {stage}F{mb}"):
             result = st.module(*args)
         sent = list(result[:len(sig.sent)])
         roots: list[torch.Tensor] = []
@@ -271,7 +301,10 @@ class StageRunner:
                     roots.append(t)
                     root_nodes.append(v.node)
         if self.training:
-            self._saved[(stage, mb)] = _Saved(leaves, roots, root_nodes)
+            saved_bytes = sum(storages.values())
+            self._saved[(stage, mb)] = _Saved(leaves, roots, root_nodes, saved_bytes)
+            self.live_bytes[stage] += saved_bytes
+            self.peak_bytes[stage] = max(self.peak_bytes[stage], self.live_bytes[stage])
         return [[sent[st.sent_index[v.node]] for v in self.layout.forward[(stage, c)]]
                 for c in st.consumers]
 
@@ -327,12 +360,26 @@ class StageRunner:
     def _backward(self, stage: int, mb: int, grads: list[list[torch.Tensor]],
                   input_only: bool) -> list[list[torch.Tensor]]:
         saved = self._saved[(stage, mb)] if input_only else self._saved.pop((stage, mb))
+        if not input_only:
+            self.live_bytes[stage] -= saved.saved_bytes
         root_grads = self._root_grads(stage, mb, saved, grads)
         pairs = [(r, g) for r, g, n in zip(saved.roots, root_grads, saved.root_nodes)
                  if g is not None or n == -1]  # -1: the loss, whose gradient is implicit
         roots = [r for r, _ in pairs]
         root_grads = [g for _, g in pairs]
         leaves = [leaf for leaf in saved.leaves if leaf is not None]
+        with _label(f"mpmd {stage}{'I' if input_only else 'B'}{mb}"):
+            input_grads = self._run_backward(saved, roots, root_grads, leaves, input_only)
+        result = self._input_grads(stage, saved, input_grads)
+        if input_only:  # keep only what W needs: the roots and their gradients
+            saved.roots, saved.root_nodes = roots, [-1] * len(roots)
+            saved.leaves = root_grads  # type: ignore[assignment]
+        return result
+
+    @staticmethod
+    def _run_backward(saved: _Saved, roots: list[torch.Tensor],
+                      root_grads: list[torch.Tensor | None], leaves: list[torch.Tensor],
+                      input_only: bool) -> list[torch.Tensor | None]:
         input_grads: list[torch.Tensor | None] = [None] * len(saved.leaves)
         if roots and input_only:
             if leaves:
@@ -343,16 +390,14 @@ class StageRunner:
         elif roots:
             torch.autograd.backward(roots, root_grads)
             input_grads = [leaf.grad if leaf is not None else None for leaf in saved.leaves]
-        result = self._input_grads(stage, saved, input_grads)
-        if input_only:  # keep only what W needs: the roots and their gradients
-            saved.roots, saved.root_nodes = roots, [-1] * len(roots)
-            saved.leaves = root_grads  # type: ignore[assignment]
-        return result
+        return input_grads
 
     def _backward_weight(self, stage: int, mb: int) -> None:
         saved = self._saved.pop((stage, mb))
+        self.live_bytes[stage] -= saved.saved_bytes
         weights = self.stages[stage].weights
         if saved.roots and weights:
             # NOTE: W walks the retained graph again from the stage outputs,
             # restricted to the weights; I computed the input gradients only.
-            torch.autograd.backward(saved.roots, saved.leaves, inputs=weights)
+            with _label(f"mpmd {stage}W{mb}"):
+                torch.autograd.backward(saved.roots, saved.leaves, inputs=weights)

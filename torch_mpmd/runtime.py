@@ -197,8 +197,9 @@ class RankRuntime:
                                       str(self.device))
 
     def _executor(self, text: str) -> Any:
+        # Tracing is always on: two clock reads per action (trace.py).
         return _runtime.Executor(text, self.rank, self.runner, self.transport,
-                                 lookahead=self.lookahead, timeout_s=self.timeout_s)
+                                 lookahead=self.lookahead, timeout_s=self.timeout_s, trace=True)
 
     def _handshake(self, settings: str, seed: int | None) -> int:
         """Compare plan and settings across ranks before any transfer; agree on a seed."""

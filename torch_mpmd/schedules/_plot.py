@@ -41,22 +41,11 @@ def _import_matplotlib():  # type: ignore[no-untyped-def]
     return Figure, FigureCanvasAgg, Patch
 
 
-def save_timeline(
-    schedule: Schedule, result: SimulationResult, path: Union[str, "os.PathLike[str]"]
-) -> None:
-    """Draw ``result.timeline`` of ``schedule`` into the PNG file ``path``."""
-    if result.timeline is None:
-        raise ValueError("the result has no timeline; simulate with timeline=True")
-    Figure, FigureCanvasAgg, Patch = _import_matplotlib()
-    makespan = max(result.makespan, 1e-9)
-    ranks = len(result.timeline)
-    width_in = min(40.0, max(8.0, 0.35 * makespan + 1.5))
-    fig = Figure(figsize=(width_in, 0.9 + 0.55 * ranks), layout="constrained")
-    FigureCanvasAgg(fig)
-    ax = fig.add_subplot()
-    points_per_unit = (width_in - 1.5) * 72 / makespan
-    seen = []
-    for rank, row in enumerate(result.timeline):
+def draw_timeline(ax, rows, makespan: float, points_per_unit: float) -> list:  # type: ignore[no-untyped-def]
+    """Draw per-rank rows of ``(action, start, end)`` on ``ax`` (rank 0 on top);
+    returns the kinds drawn, in first-seen order (for a legend)."""
+    seen: list = []
+    for rank, row in enumerate(rows):
         for token, start, end in row:
             action = _C.parse_action(token)
             kind = _C.kind_name(action.kind)
@@ -72,8 +61,35 @@ def save_timeline(
                 ax.text((start + end) / 2, rank, label, ha="center", va="center",
                         fontsize=size, linespacing=0.9)
     ax.set_xlim(0, makespan)
-    ax.set_ylim(ranks - 0.5, -0.5)
-    ax.set_yticks(range(ranks), [f"rank {r}" for r in range(ranks)])
+    ax.set_ylim(len(rows) - 0.5, -0.5)
+    ax.set_yticks(range(len(rows)), [f"rank {r}" for r in range(len(rows))])
+    return seen
+
+
+def add_legend(fig, ax, kinds) -> None:  # type: ignore[no-untyped-def]
+    _, _, Patch = _import_matplotlib()
+    order = [k for k in KIND_COLOURS if k in kinds]
+    ax.legend(
+        handles=[Patch(facecolor=KIND_COLOURS[k], edgecolor="black", label=_KIND_LABELS[k])
+                 for k in order],
+        loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False,
+    )
+
+
+def save_timeline(
+    schedule: Schedule, result: SimulationResult, path: Union[str, "os.PathLike[str]"]
+) -> None:
+    """Draw ``result.timeline`` of ``schedule`` into the PNG file ``path``."""
+    if result.timeline is None:
+        raise ValueError("the result has no timeline; simulate with timeline=True")
+    Figure, FigureCanvasAgg, _ = _import_matplotlib()
+    makespan = max(result.makespan, 1e-9)
+    ranks = len(result.timeline)
+    width_in = min(40.0, max(8.0, 0.35 * makespan + 1.5))
+    fig = Figure(figsize=(width_in, 0.9 + 0.55 * ranks), layout="constrained")
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    seen = draw_timeline(ax, result.timeline, makespan, (width_in - 1.5) * 72 / makespan)
     ax.set_xlabel("time")
     mean_bubble = sum(result.bubble_fraction) / max(len(result.bubble_fraction), 1)
     ax.set_title(
@@ -81,10 +97,5 @@ def save_timeline(
         f"{schedule.num_microbatches} microbatches; makespan {result.makespan:g}, "
         f"mean bubble {mean_bubble:.1%}"
     )
-    order = [k for k in KIND_COLOURS if k in seen]
-    ax.legend(
-        handles=[Patch(facecolor=KIND_COLOURS[k], edgecolor="black", label=_KIND_LABELS[k])
-                 for k in order],
-        loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False,
-    )
+    add_legend(fig, ax, seen)
     fig.savefig(os.fspath(path), dpi=110)
