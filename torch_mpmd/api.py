@@ -39,6 +39,9 @@ def _positive_int(name: str, value: Any, *, optional: bool = False) -> int | Non
     return value
 
 
+_MAX_TIMEOUT_S = 1e7  # ~115 days; larger overflows the executor's clock arithmetic
+
+
 def _timeout(value: Any) -> datetime.timedelta:
     if isinstance(value, datetime.timedelta):
         td = value
@@ -46,8 +49,9 @@ def _timeout(value: Any) -> datetime.timedelta:
         td = datetime.timedelta(seconds=value)
     else:
         raise ValueError(f"timeout={value!r} must be seconds (a number) or a datetime.timedelta")
-    if td.total_seconds() <= 0:
-        raise ValueError(f"timeout={value!r} must be positive")
+    if not 0 < td.total_seconds() <= _MAX_TIMEOUT_S:
+        raise ValueError(f"timeout={value!r} must be positive and at most {_MAX_TIMEOUT_S:g} "
+                         "seconds")
     return td
 
 
@@ -91,6 +95,7 @@ class Pipeline(torch.nn.Module):
         self._mpmd_lookahead = lookahead
         self._mpmd_runtime: RankRuntime | None = None
         self._mpmd_split: Any = None
+        self._mpmd_captures: dict[tuple, tuple[RankRuntime, Any]] = {}
         self._mpmd_input_signature: tuple | None = None
         self._mpmd_step = 0
         self.last_step_stats: dict[str, Any] = {}
@@ -136,18 +141,39 @@ class Pipeline(torch.nn.Module):
         return self._mpmd_split
 
     # ------------------------------------------------------------ capture
+    def train(self, mode: bool = True) -> "Pipeline":
+        """Set train/eval mode on the wrapped module (the stages follow it: the
+        next call captures in the new mode, or reuses that mode's capture)."""
+        super().train(mode)
+        self._mpmd_module.train(mode)
+        return self
+
     def _ensure_built(self, args0: tuple, kwargs0: dict) -> RankRuntime:
-        sig = _tensor_signature(args0, kwargs0)
+        # Stages bake in the input shapes and every module's train/eval mode
+        # (dropout, BatchNorm): each combination has its own capture, kept so
+        # that alternating (training and validation batches) does not re-capture.
+        sig = (_tensor_signature(args0, kwargs0),
+               tuple(mod.training for mod in self._mpmd_module.modules()))
         if self._mpmd_runtime is not None and sig == self._mpmd_input_signature:
+            return self._mpmd_runtime
+        cached = self._mpmd_captures.get(sig)
+        if cached is not None:
+            self._mpmd_runtime, self._mpmd_split = cached
+            self._mpmd_input_signature = sig
+            self._adopt_local_tensors(*cached)
             return self._mpmd_runtime
         previous = self._mpmd_runtime
         spr = self._mpmd_stages_per_rank
         schedule = self._mpmd_schedule
         if spr is None:
             spr = 2 if isinstance(schedule, str) and schedule in V_SCHEDULES else 1
-        split = split_model(self._mpmd_module, *args0, split_points=self._mpmd_split_points,
-                            num_stages=self._mpmd_num_stages,
-                            default_num_stages=self.pp_size * spr, **kwargs0)
+        # Under grad mode whatever the caller's: which values carry gradients
+        # across stages is read from the capture (the runner sets the mode).
+        with torch.enable_grad():
+            split = split_model(self._mpmd_module, *args0,
+                                split_points=self._mpmd_split_points,
+                                num_stages=self._mpmd_num_stages,
+                                default_num_stages=self.pp_size * spr, **kwargs0)
         check_stage_count(split.num_stages, self.pp_size, self._mpmd_stages_per_rank,
                           source="the stage_boundary() markers or split points"
                           if (split.ir.num_markers or self._mpmd_split_points) else
@@ -170,6 +196,7 @@ class Pipeline(torch.nn.Module):
         self._mpmd_runtime = runtime
         self._mpmd_split = split
         self._mpmd_input_signature = sig
+        self._mpmd_captures[sig] = (runtime, split)
         self._adopt_local_tensors(runtime, split)
         return runtime
 
@@ -219,6 +246,19 @@ class Pipeline(torch.nn.Module):
         for fqn, b in buffers.items():
             _set_path(self, fqn, b, "buffer", persistent=fqn not in non_persistent)
 
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True,
+                        assign: bool = False) -> Any:
+        """Load this rank's entries of ``state_dict``: a full checkpoint of the
+        module works on every rank (keys of other ranks' stages are skipped);
+        with ``strict``, this rank's keys must all be there and keys the module
+        does not have are errors."""
+        if self.is_captured:
+            local = set(super().state_dict().keys())
+            model_keys = set(self._mpmd_module.state_dict().keys())
+            state_dict = {k: v for k, v in state_dict.items()
+                          if k in local or k not in model_keys}
+        return super().load_state_dict(state_dict, strict=strict, assign=assign)
+
     # ------------------------------------------------------------ running
     def step(self, *args: Any, target: Any = None, **kwargs: Any) -> torch.Tensor:
         """Forward and backward of all microbatches per the schedule; accumulates
@@ -226,14 +266,14 @@ class Pipeline(torch.nn.Module):
         mbs = split_microbatches(args, kwargs, target, self.num_microbatches)
         rt = self._ensure_built(mbs[0][0], mbs[0][1])
         inputs = [self._mpmd_split._named_inputs(a, k) for a, k, _ in mbs]
-        rng = torch.get_rng_state()
+        rng = _RngState(self.device)
         rt.runner.begin_step(inputs, [t for _, _, t in mbs], self._mpmd_loss_fn, rt.seed,
                              self._mpmd_step, training=True)
         before = rt.tied_grads_before()
         try:
             rt.run(rt.executor)
         finally:
-            torch.set_rng_state(rng)
+            rng.restore()
         rt.sum_tied_grads(before)
         if rt.last_rank == self.rank:
             losses = [rt.runner.losses[k] for k in range(self.num_microbatches)]
@@ -290,12 +330,12 @@ class Pipeline(torch.nn.Module):
         mbs = split_microbatches(args, kwargs, None, self.num_microbatches)
         rt = self._ensure_built(mbs[0][0], mbs[0][1])
         inputs = [self._mpmd_split._named_inputs(a, k) for a, k, _ in mbs]
-        rng = torch.get_rng_state()
+        rng = _RngState(self.device)
         rt.runner.begin_step(inputs, [], None, rt.seed, self._mpmd_step, training=False)
         try:
             rt.run(rt.forward_executor)
         finally:
-            torch.set_rng_state(rng)
+            rng.restore()
         outputs = []
         for k in range(self.num_microbatches):
             flat = self._broadcast_outputs(rt, rt.runner.outputs.get(k))
@@ -323,6 +363,21 @@ class Pipeline(torch.nn.Module):
             else:
                 result.append(spec)
         return tuple(result)
+
+
+class _RngState:
+    """The RNG state to put back after a step: stages reseed per (stage,
+    microbatch), which must not change the user's random stream."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cpu = torch.get_rng_state()
+        self.cuda = (torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
+        self.device = device
+
+    def restore(self) -> None:
+        torch.set_rng_state(self.cpu)
+        if self.cuda is not None:
+            torch.cuda.set_rng_state(self.cuda, self.device)
 
 
 def _forward_programs(rt: RankRuntime) -> list[list[str]]:

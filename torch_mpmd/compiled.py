@@ -51,11 +51,21 @@ class _PipelinedForward(torch.autograd.Function):
     def forward(ctx: Any, pipe: "CompiledPipeline", *params: torch.Tensor) -> Any:
         ctx.pipe = pipe
         outputs = pipe.run_forward()
+        ctx.generation = pipe._generation
         ctx.mark_non_differentiable(*[o for o in outputs if not o.is_floating_point()])
         return tuple(outputs)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> Any:
+        if ctx.generation != ctx.pipe._generation:
+            # The runner keeps one forward's state per (stage, microbatch): a later
+            # forward replaced this one's. Every rank sees the same calls, so every
+            # rank raises here, before any transfer.
+            raise RuntimeError(
+                "torch.compile(backend='mpmd') over several ranks keeps the pipeline state of "
+                "the latest forward only: call backward() on an output before the next "
+                "forward with grad enabled (run forwards you do not backpropagate under "
+                "torch.no_grad())")
         ctx.pipe.run_backward(grads)
         return (None,) * (1 + ctx.pipe.num_param_inputs)
 
@@ -107,6 +117,7 @@ class CompiledPipeline:
         self._inputs: list[dict[str, Any]] = []
         self._tied_before: Any = None
         self._step = 0
+        self._generation = 0  # training forwards so far; one backward per forward
 
     def __call__(self, inputs: Mapping[str, Any]) -> tuple:
         self._inputs = [k for _, k, _ in split_microbatches((), dict(inputs), None, self.m)]
@@ -116,10 +127,13 @@ class CompiledPipeline:
 
     def run_forward(self, training: bool = True) -> list[torch.Tensor]:
         rt = self.rt
+        rt.runner.end_step()  # a forward never backpropagated leaves state behind
         rt.runner.begin_step(self._inputs, [], None, rt.seed, self._step, training=training,
                              outputs_as_roots=training)
         self._step += 1
         rng = torch.get_rng_state()
+        if training:
+            self._generation += 1
         try:
             with torch.enable_grad() if training else torch.no_grad():
                 rt.run(rt.forward_executor)
@@ -142,6 +156,7 @@ class CompiledPipeline:
         chunks = [g.chunk(self.m) if g is not None else [None] * self.m for g in grads]
         rt.runner.output_grads = [[c[k] for c in chunks] for k in range(self.m)]
         before = rt.tied_grads_before()
+        self._generation += 1  # a second backward through the same output is refused too
         rt.run(rt.backward_executor)
         rt.sum_tied_grads(before)
         rt.runner.end_step()

@@ -104,29 +104,23 @@ class EdgeLayout:
         return out
 
 
-_INPLACE_FUNCTIONS = {operator.setitem, operator.iadd, operator.isub, operator.imul,
-                      operator.itruediv}
-
-
 def _mutated_placeholders(gm: torch.fx.GraphModule) -> set[str]:
     """Placeholders the stage graph writes in place (directly or through a view):
     they are fed a clone, since a leaf requiring grad cannot be written and a
     locally handed-off tensor belongs to the producing stage."""
+    from torch_mpmd.fx_to_ir import _mutated_arg
+
     family: dict[torch.fx.Node, str] = {}
     mutated: set[str] = set()
     for node in gm.graph.nodes:
         if node.op == "placeholder":
             family[node] = node.name
             continue
+        written = _mutated_arg(node)
+        if written is not None and written in family:
+            mutated.add(family[written])
         args = [a for a in node.all_input_nodes if a in family]
-        name = getattr(node.target, "__name__", str(node.target))
-        inplace = (node.target in _INPLACE_FUNCTIONS or
-                   (name.endswith("_") and not name.endswith("__")) or
-                   node.kwargs.get("out") is not None)
-        if inplace and node.args and isinstance(node.args[0], torch.fx.Node) and \
-                node.args[0] in family:
-            mutated.add(family[node.args[0]])
-        if args and node.op in ("call_method", "call_function"):
+        if args and node.op in ("call_method", "call_function", "call_module"):
             family[node] = family[args[0]]  # conservatively: a possible view of it
     return mutated
 
@@ -175,9 +169,7 @@ class StageRunner:
                 clone_inputs={v.node for v, name in zip(sig.received, received_names)
                               if name in mutated},
                 weights=[p for p in module.parameters() if p.requires_grad])
-        self._param_storages = {s: {p.untyped_storage().data_ptr()
-                                    for p in list(st.module.parameters()) + list(st.module.buffers())}
-                                for s, st in self.stages.items()}
+        self._param_storages: dict[int, set[int]] = {}
         self._saved: dict[tuple[int, int], _Saved] = {}
         # Bytes of activations autograd holds per local stage, now and at peak
         # (tensors saved for backward, parameters and buffers excluded).
@@ -211,6 +203,11 @@ class StageRunner:
         self.error = None
         self.live_bytes = {s: 0 for s in self.stages}
         self.peak_bytes = {s: 0 for s in self.stages}
+        # Per step: parameters may have moved (load_state_dict(assign=True), .to()).
+        self._param_storages = {
+            s: {t.untyped_storage().data_ptr()
+                for t in list(st.module.parameters()) + list(st.module.buffers())}
+            for s, st in self.stages.items()}
 
     def end_step(self) -> None:
         """Drop what a step left behind (after an error, or forward-only runs)."""
@@ -255,12 +252,14 @@ class StageRunner:
             grad_nodes = {v.node for v in self.layout.backward[(p, stage)]}
             for v, t in zip(values, tensors):
                 leaf = t.detach()
-                if v.node in st.clone_inputs:
-                    leaf = leaf.clone()
                 if self.training and v.node in grad_nodes:
                     leaf.requires_grad_(True)
                     leaves[st.received_index[v.node]] = leaf
-                received[st.received_index[v.node]] = leaf
+                arg = leaf
+                if v.node in st.clone_inputs:  # written in place: give the stage a copy
+                    with torch.set_grad_enabled(self.training):
+                        arg = leaf.clone()
+                received[st.received_index[v.node]] = arg
         args = [self.inputs[mb][name] for name in sig.user_inputs] + received
         _seed_rng(stage_seed(self.seed, self.step, stage, mb))
         storages: dict[int, int] = {}
@@ -271,7 +270,10 @@ class StageRunner:
             ptr = storage.data_ptr()
             if ptr not in params:
                 storages[ptr] = storage.nbytes()
-            return t
+            # Detached: returning the tensor itself would make a saved output
+            # refer to its own grad_fn, a cycle gc cannot break (leaks whatever
+            # part of the graph no backward frees).
+            return t.detach()
 
         with torch.set_grad_enabled(self.training), \
                 torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \

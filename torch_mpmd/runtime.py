@@ -233,7 +233,8 @@ class RankRuntime:
         by_ranks: dict[tuple[int, ...], list[str]] = {}
         for p in self.model.plan.parameters:
             ranks = tuple(sorted({self.stage_to_rank[s] for s in p.stages}))
-            if len(ranks) > 1 and isinstance(self.model.tensors.get(p.fqn), torch.nn.Parameter):
+            t = self.model.tensors.get(p.fqn)
+            if len(ranks) > 1 and isinstance(t, torch.nn.Parameter) and t.requires_grad:
                 by_ranks.setdefault(ranks, []).append(p.fqn)
         groups = []
         global_ranks = (dist.get_process_group_ranks(self.group) if self.group is not None
@@ -271,7 +272,11 @@ class RankRuntime:
         except _runtime.ExecutorError as e:
             cause = self.runner.error
             self.runner.end_step()
-            raise PipelineError(str(e), rank=e.rank, action=e.action, peer=e.peer) from cause
+            raise PipelineError(
+                f"{e}\nThe step's gradients are partial (call zero_grad() before another "
+                "step); after a failed or timed-out transfer the process group may be "
+                "unusable: restart the job (e.g. torchrun --max-restarts) rather than retry.",
+                rank=e.rank, action=e.action, peer=e.peer) from cause
 
     def tied_grads_before(self) -> list[list[torch.Tensor | None]]:
         return [[p.grad.clone() if p.grad is not None else None for p in params]

@@ -79,7 +79,8 @@ class Executor {
            ExecutorOptions options = {});
 
   // Runs the program once (one training step). Blocks; throws ExecutorError.
-  // After an error the executor is reset and may run again.
+  // After an error the executor is reset and may run again, if the transport
+  // still works (the in-memory one does; a c10d group may not after a timeout).
   void run();
 
   const Schedule& schedule() const { return schedule_; }

@@ -1,0 +1,120 @@
+"""2-rank workers for tests/test_pipeline_regressions.py (run by dist_harness)."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+import models
+import torch_mpmd as mpmd
+
+
+class BNNet(nn.Module):
+    """Dropout and BatchNorm on stage 1: outputs depend on train/eval mode."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.bn = nn.BatchNorm1d(8)
+        self.drop = nn.Dropout(0.5)
+        self.b = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.drop(self.bn(torch.relu(self.a(x)))))
+
+
+class InplaceOnReceived(nn.Module):
+    """Stage 1 writes the value it receives in place (`h += 1`, ReLU(inplace))."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+        self.act = nn.ReLU(inplace=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        mpmd.stage_boundary()
+        h += 1
+        return self.b(self.act(h))
+
+
+def _max_grad_diff(pipe: Any, ref: nn.Module) -> float:
+    want = dict(ref.named_parameters())
+    return max(float((p.grad - want[n].grad).abs().max()) for n, p in pipe.named_parameters())
+
+
+def regressions() -> dict[str, Any]:
+    rank = dist.get_rank()
+    out: dict[str, Any] = {}
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 8), torch.randn(8, 4)
+
+    # Train/eval mode switches re-capture (and the capture is kept per mode).
+    model = BNNet()
+    pipe = mpmd.pipeline(model, loss_fn=F.mse_loss, num_microbatches=2, split_points=["bn"])
+    pipe.step(x, target=y)
+    pipe.eval()
+    ref = copy.deepcopy(model).eval()
+    stats = model.bn.running_mean.clone()
+    with torch.no_grad():
+        got = pipe(x)
+        # BatchNorm lives on rank 1's stage: only its copy of the model has the
+        # trained running stats; rank 0 checks it received the same output.
+        out["eval_output_diff"] = float((got - ref(x)).abs().max()) if rank == 1 else 0.0
+        out["eval_output_sum"] = float(got.sum())
+    out["eval_changed_running_mean"] = bool((model.bn.running_mean != stats).any())
+    pipe.train()
+    pipe.step(x, target=y)
+    out["captures"] = len(pipe._mpmd_captures)
+
+    # A first call under no_grad must not lose gradients across stages.
+    torch.manual_seed(1)
+    model = InplaceOnReceived()
+    ref = copy.deepcopy(model)
+    pipe = mpmd.pipeline(model, loss_fn=F.mse_loss, num_microbatches=2)
+    with torch.no_grad():
+        pipe(x)
+    loss = pipe.step(x, target=torch.randn(8, 8).mul(0).add(1))
+    ref_loss = F.mse_loss(ref(x), torch.ones(8, 8))
+    ref_loss.backward()
+    out["inplace_loss_diff"] = float((loss - ref_loss).abs())
+    out["inplace_grad_diff"] = _max_grad_diff(pipe, ref)
+    out["no_grad_first_call_all_grads"] = all(p.grad is not None for p in pipe.parameters())
+
+    # Frozen tied weights stay without a gradient; a full checkpoint loads on every rank.
+    torch.manual_seed(2)
+    gpt = models.CharGPT(vocab=32, d=16, n_layer=2, n_head=2, block_size=8)
+    gpt.wte.weight.requires_grad_(False)
+    ids, tgt = torch.randint(0, 32, (8, 8)), torch.randint(0, 32, (8, 8))
+    pipe = mpmd.pipeline(gpt, loss_fn=lambda o, t: F.cross_entropy(o.flatten(0, 1),
+                                                                    t.flatten()),
+                         num_microbatches=2, split_points=["blocks.1"])
+    pipe.step(ids, target=tgt)
+    out["frozen_tied_grad_is_none"] = gpt.wte.weight.grad is None
+    full = {k: torch.zeros_like(v) for k, v in
+            models.CharGPT(vocab=32, d=16, n_layer=2, n_head=2, block_size=8).state_dict().items()}
+    pipe.load_state_dict(full)  # strict: this rank's keys are all there
+    out["full_checkpoint_loaded"] = all(float(v.abs().sum()) == 0 for v in pipe.state_dict().values())
+    try:
+        pipe.load_state_dict({**full, "not.a.key": torch.zeros(1)})
+        out["unknown_key_rejected"] = False
+    except RuntimeError as e:
+        out["unknown_key_rejected"] = "not.a.key" in str(e)
+
+    # torch.compile path: a second forward before backward is refused on every rank.
+    torch._dynamo.reset()
+    c = torch.compile(models.MLP(d=8, depth=2, markers=True), backend="mpmd")
+    o1, o2 = c(x), c(x)
+    try:
+        (o1.sum() + o2.sum()).backward()
+        out["compile_two_forwards"] = "no error"
+    except RuntimeError as e:
+        out["compile_two_forwards"] = str(e)
+    out["rank"] = rank
+    return out

@@ -1,0 +1,45 @@
+"""2-rank regressions found in review: train/eval switches, a first call under
+no_grad, in-place writes on received values, frozen tied weights, full
+checkpoints, repeated forwards on the compile path."""
+
+import pytest
+
+from dist_harness import run_ranks
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_ranks(2, "regression_worker:regressions", timeout=300).results
+
+
+def test_eval_mode_after_training_recaptures_and_matches_eval_forward(results):
+    for r in results:
+        assert r["eval_output_diff"] < 1e-5
+        assert not r["eval_changed_running_mean"]
+        assert r["captures"] == 2  # train and eval; switching back reuses the first
+    assert results[0]["eval_output_sum"] == results[1]["eval_output_sum"]
+
+
+def test_in_place_write_on_a_received_value_matches_eager(results):
+    for r in results:
+        assert r["inplace_loss_diff"] < 1e-6
+        assert r["inplace_grad_diff"] < 1e-6
+
+
+def test_first_call_under_no_grad_keeps_gradients_across_stages(results):
+    assert all(r["no_grad_first_call_all_grads"] for r in results)
+
+
+def test_frozen_tied_weight_gets_no_gradient(results):
+    assert all(r["frozen_tied_grad_is_none"] for r in results)
+
+
+def test_full_checkpoint_loads_on_every_rank_and_unknown_keys_are_errors(results):
+    for r in results:
+        assert r["full_checkpoint_loaded"]
+        assert r["unknown_key_rejected"]
+
+
+def test_compile_path_refuses_a_second_forward_before_backward(results):
+    for r in results:
+        assert "latest forward only" in r["compile_two_forwards"]
