@@ -38,7 +38,7 @@ class Tiny(nn.Module):
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--microbatches", type=int, default=64)
+    p.add_argument("--microbatches", type=int, default=32)
     p.add_argument("--rounds", type=int, default=20)
     args = p.parse_args()
     torch.set_num_threads(1)
