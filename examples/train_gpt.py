@@ -13,7 +13,7 @@ or, once set up:
 Options: --schedule {gpipe,1f1b,interleaved_1f1b,looped_bfs,zero_bubble,zbv,dualpipev}
 (default 1f1b), --microbatches 8, --steps 60, --lr, --batch-size, --seed, --layers,
 --stages-per-rank (default 2 for interleaved_1f1b, looped_bfs, zbv and dualpipev, else 1),
---device cpu.
+--device cpu, --out-dir out (the last step's Chrome trace and measured timeline PNG).
 
 The model is examples/gpt_model.py's GPT (token embedding tied to the
 unembedding, so the first and last stage share one weight); the corpus is a
@@ -58,6 +58,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--microbatches", type=int, default=8)
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--out-dir", default="out",
+                   help="where the last step's Chrome trace and timeline PNG go (default: out/)")
     p.add_argument("--batch-size", type=int, default=16, help="global batch, split into microbatches")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--layers", type=int, default=4)
@@ -248,6 +250,28 @@ def main() -> int:
                 print(f"\nrank 0 runs stages {pipe.local_stages} of {pipe.num_stages}"
                       f" (capture + first step {dt:.1f}s)")
     wall = time.perf_counter() - t_start
+
+    # What the last step did: every rank's measured bubble and activation
+    # memory, a Chrome trace and the measured timeline next to the simulated
+    # one (collectives: every rank calls them; rank 0 writes the files).
+    stats = pipe.last_step_stats
+    mine = torch.tensor([stats["bubble_fraction"], sum(stats["peak_activation_bytes"].values())],
+                        dtype=torch.float64)
+    everyone = [torch.zeros_like(mine) for _ in range(pp)]
+    if distributed:
+        dist.all_gather(everyone, mine)
+    else:
+        everyone = [mine]
+    os.makedirs(args.out_dir, exist_ok=True)
+    trace_path = os.path.join(args.out_dir, "train_gpt_trace.json")
+    png_path = os.path.join(args.out_dir, "train_gpt_timeline.png")
+    pipe.save_trace(trace_path)
+    pipe.save_timeline(png_path)
+    if is_main:
+        print("last step, per rank: bubble " +
+              ", ".join(f"{float(t[0]):.0%}" for t in everyone) +
+              "; peak activations " + ", ".join(f"{float(t[1]) / 2**20:.1f} MiB" for t in everyone))
+        print(f"trace: {trace_path} (chrome://tracing, ui.perfetto.dev); timeline: {png_path}")
 
     # Smoke check that the run trained: the mean of the last (up to 5) losses,
     # step 1 excluded, must be MIN_LOSS_DROP below the first (batch-to-batch
