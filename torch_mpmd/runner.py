@@ -43,6 +43,9 @@ def _seed_rng(seed: int) -> None:
         torch.cuda.manual_seed(seed)
 
 
+_ENGINE = torch.autograd.Variable._execution_engine
+
+
 def _label(name: str) -> Any:
     """A torch.profiler label for one action; free when no profiler runs."""
     if torch.autograd.profiler._is_profiler_enabled:
@@ -125,6 +128,43 @@ def _mutated_placeholders(gm: torch.fx.GraphModule) -> set[str]:
     return mutated
 
 
+def _weight_nodes(gm: torch.fx.GraphModule) -> list[tuple[torch.fx.Node, list[str]]] | None:
+    """Nodes that read trainable parameters directly, each with those
+    parameters' FQNs, in graph order; None when a parameter is read by more than
+    one node (see NOTE [Weight-gradient split])."""
+    params = {n: str(n.target) for n in gm.graph.nodes if n.op == "get_attr"
+              and isinstance(_attr(gm, str(n.target)), torch.nn.Parameter)
+              and _attr(gm, str(n.target)).requires_grad}
+    readers: dict[torch.fx.Node, list[str]] = {}
+    seen: set[str] = set()
+    for node in gm.graph.nodes:
+        used = [params[a] for a in node.all_input_nodes if a in params]
+        if not used:
+            continue
+        ex = node.meta.get("example_value", node.meta.get("val"))
+        if any(u in seen for u in used) or not isinstance(ex, torch.Tensor):
+            return None
+        seen.update(used)
+        readers[node] = used
+    if any(p not in seen for p in params.values()):
+        return None
+    return list(readers.items())
+
+
+def _attr(gm: torch.nn.Module, fqn: str) -> Any:
+    return operator.attrgetter(fqn)(gm)
+
+
+def _with_weight_outputs(gm: torch.fx.GraphModule, nodes: Sequence[torch.fx.Node]
+                         ) -> torch.fx.GraphModule:
+    """A copy of ``gm`` returning ``(*its outputs, *nodes)``."""
+    graph = torch.fx.Graph()
+    val_map: dict[torch.fx.Node, torch.fx.Node] = {}
+    out = graph.graph_copy(gm.graph, val_map)
+    graph.output((*out, *[val_map[n] for n in nodes]))
+    return torch.fx.GraphModule(gm, graph, class_name=f"{type(gm).__name__}WithWeightInputs")
+
+
 @dataclass
 class _LocalStage:
     module: torch.fx.GraphModule
@@ -135,6 +175,9 @@ class _LocalStage:
     sent_index: dict[int, int]         # node id -> position in signature.sent
     clone_inputs: set[int]             # node ids fed a clone (written in place)
     weights: list[torch.Tensor]        # parameters requiring grad (for W)
+    # NOTE [Weight-gradient split]: module returning the Z too, and per Z its params.
+    split_module: torch.fx.GraphModule | None = None
+    z_params: list[list[torch.Tensor]] = field(default_factory=list)
 
 
 @dataclass
@@ -143,6 +186,8 @@ class _Saved:
     roots: list[torch.Tensor]          # outputs to backprop from (loss on the last stage)
     root_nodes: list[int]              # node id per root (-1 for the loss)
     saved_bytes: int = 0               # activations autograd saved for this forward
+    zs: list[torch.Tensor] = field(default_factory=list)   # weight-node outputs (split only)
+    dzs: list[torch.Tensor | None] = field(default_factory=list)  # their gradients, from I
 
 
 class StageRunner:
@@ -151,7 +196,8 @@ class StageRunner:
     def __init__(self, modules: Mapping[int, torch.fx.GraphModule],
                  signatures: Sequence[StageSignature], layout: EdgeLayout,
                  producers: Sequence[Sequence[int]], consumers: Sequence[Sequence[int]],
-                 rebuild_output: Callable[[Sequence[Any], Mapping[str, Any]], Any]) -> None:
+                 rebuild_output: Callable[[Sequence[Any], Mapping[str, Any]], Any],
+                 *, split_backward: bool = False) -> None:
         self.layout = layout
         self.num_stages = len(signatures)
         self.rebuild_output = rebuild_output
@@ -169,6 +215,12 @@ class StageRunner:
                 clone_inputs={v.node for v, name in zip(sig.received, received_names)
                               if name in mutated},
                 weights=[p for p in module.parameters() if p.requires_grad])
+            readers = _weight_nodes(module) if split_backward else None
+            if readers:
+                self.stages[s].split_module = _with_weight_outputs(
+                    module, [n for n, _ in readers])
+                self.stages[s].z_params = [[_attr(module, f) for f in fqns]
+                                           for _, fqns in readers]
         self._param_storages: dict[int, set[int]] = {}
         self._saved: dict[tuple[int, int], _Saved] = {}
         # Bytes of activations autograd holds per local stage, now and at peak
@@ -278,7 +330,12 @@ class StageRunner:
         with torch.set_grad_enabled(self.training), \
                 torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
                 _label(f"mpmd {stage}F{mb}"):
-            result = st.module(*args)
+            split = self.training and st.split_module is not None
+            result = (st.split_module if split else st.module)(*args)
+        zs: list[torch.Tensor] = []
+        if split:
+            n_out = len(result) - len(st.z_params)
+            result, zs = result[:n_out], list(result[n_out:])
         sent = list(result[:len(sig.sent)])
         roots: list[torch.Tensor] = []
         root_nodes: list[int] = []
@@ -304,7 +361,7 @@ class StageRunner:
                     root_nodes.append(v.node)
         if self.training:
             saved_bytes = sum(storages.values())
-            self._saved[(stage, mb)] = _Saved(leaves, roots, root_nodes, saved_bytes)
+            self._saved[(stage, mb)] = _Saved(leaves, roots, root_nodes, saved_bytes, zs)
             self.live_bytes[stage] += saved_bytes
             self.peak_bytes[stage] = max(self.peak_bytes[stage], self.live_bytes[stage])
         return [[sent[st.sent_index[v.node]] for v in self.layout.forward[(stage, c)]]
@@ -371,12 +428,33 @@ class StageRunner:
         root_grads = [g for _, g in pairs]
         leaves = [leaf for leaf in saved.leaves if leaf is not None]
         with _label(f"mpmd {stage}{'I' if input_only else 'B'}{mb}"):
-            input_grads = self._run_backward(saved, roots, root_grads, leaves, input_only)
+            if input_only and saved.zs:
+                input_grads = self._input_and_weight_node_grads(saved, roots, root_grads)
+            else:
+                input_grads = self._run_backward(saved, roots, root_grads, leaves, input_only)
         result = self._input_grads(stage, saved, input_grads)
         if input_only:  # keep only what W needs: the roots and their gradients
             saved.roots, saved.root_nodes = roots, [-1] * len(roots)
             saved.leaves = root_grads  # type: ignore[assignment]
         return result
+
+    @staticmethod
+    def _input_and_weight_node_grads(saved: _Saved, roots: list[torch.Tensor],
+                                     root_grads: list[torch.Tensor | None]
+                                     ) -> list[torch.Tensor | None]:
+        """I with NOTE [Weight-gradient split]: gradients of the received values
+        (returned) and of every Z (kept in ``saved.dzs`` for W)."""
+        leaves = [leaf for leaf in saved.leaves if leaf is not None]
+        zs = [z for z in saved.zs if z.requires_grad]
+        if not roots or not (leaves or zs):
+            saved.zs, saved.dzs = [], []
+            return [None] * len(saved.leaves)
+        got = list(torch.autograd.grad(roots, leaves + zs, root_grads, retain_graph=True,
+                                       allow_unused=True))
+        it = iter(got[:len(leaves)])
+        dz = iter(got[len(leaves):])
+        saved.dzs = [next(dz) if z.requires_grad else None for z in saved.zs]
+        return [next(it) if leaf is not None else None for leaf in saved.leaves]
 
     @staticmethod
     def _run_backward(saved: _Saved, roots: list[torch.Tensor],
@@ -398,7 +476,15 @@ class StageRunner:
         saved = self._saved.pop((stage, mb))
         self.live_bytes[stage] -= saved.saved_bytes
         weights = self.stages[stage].weights
-        if saved.roots and weights:
+        if saved.dzs or (saved.zs and not saved.roots):
+            with _label(f"mpmd {stage}W{mb}"):
+                for z, dz, params in zip(saved.zs, saved.dzs, self.stages[stage].z_params):
+                    if dz is not None:
+                        # The engine directly (what backward(inputs=...) ends in):
+                        # accumulates into .grad, without the per-call Python checks
+                        # that cost more than a small layer's weight gradient.
+                        _ENGINE.run_backward((z,), (dz,), True, False, tuple(params), True, True)
+        elif saved.roots and weights:
             # NOTE: W walks the retained graph again from the stage outputs,
             # restricted to the weights; I computed the input gradients only.
             with _label(f"mpmd {stage}W{mb}"):

@@ -178,7 +178,8 @@ class RankRuntime:
             consumers[p].append(c)
         self.runner = StageRunner({s: model.stages[s] for s in self.local_stages},
                                   model.signatures, self.layout, producers, consumers,
-                                  model.rebuild_output)
+                                  model.rebuild_output,
+                                  split_backward=self.schedule._cpp.splits_backward)
         self.transport = self._transport() if self.pp_size > 1 else None
         self.seed = self._handshake(settings, seed)
         self.executor = self._executor(self.schedule.to_text())
