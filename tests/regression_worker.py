@@ -116,5 +116,15 @@ def regressions() -> dict[str, Any]:
         out["compile_two_forwards"] = "no error"
     except RuntimeError as e:
         out["compile_two_forwards"] = str(e)
+    # Ranks that split the model differently fail at start-up, naming the hashes.
+    torch.manual_seed(3)
+    mlp = models.MLP(d=8, depth=4, markers=False)
+    pipe = mpmd.pipeline(mlp, loss_fn=F.mse_loss, num_microbatches=2,
+                         split_points=["blocks.1" if rank == 0 else "blocks.2"])
+    try:
+        pipe.step(x, target=torch.zeros(8, 4))
+        out["plan_mismatch"] = "no error"
+    except mpmd.PipelineError as e:
+        out["plan_mismatch"] = str(e)
     out["rank"] = rank
     return out

@@ -1,6 +1,6 @@
 """2-rank regressions found in review: train/eval switches, a first call under
 no_grad, in-place writes on received values, frozen tied weights, full
-checkpoints, repeated forwards on the compile path."""
+checkpoints, repeated forwards on the compile path, ranks whose plans differ."""
 
 import pytest
 
@@ -43,3 +43,9 @@ def test_full_checkpoint_loads_on_every_rank_and_unknown_keys_are_errors(results
 def test_compile_path_refuses_a_second_forward_before_backward(results):
     for r in results:
         assert "latest forward only" in r["compile_two_forwards"]
+
+
+def test_ranks_with_different_plans_fail_at_start_up_naming_every_rank(results):
+    for r in results:
+        assert "disagree on the partition plan" in r["plan_mismatch"]
+        assert "rank 0:" in r["plan_mismatch"] and "rank 1:" in r["plan_mismatch"]
