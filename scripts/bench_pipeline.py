@@ -6,8 +6,9 @@
 processes (1 thread each): (a) a torch_mpmd step over both ranks, (b) rank 0
 stepping the whole model alone (the same microbatches, gradient accumulation)
 while rank 1 waits at a barrier. Prints median step times and their ratio,
-then, per schedule, the most forwards each rank held before their backward
-(executor stats) next to the simulator's peak for the same schedule.
+then the measured 1f1b bubble per rank against the simulator's with the
+measured stage costs, then, per schedule, the most forwards each rank held
+before their backward (executor stats) next to the simulator's peak.
 """
 
 from __future__ import annotations
@@ -84,6 +85,20 @@ def main() -> None:
         print(f"  torch_mpmd step   median {a * 1e3:8.1f} ms")
         print(f"  one process step  median {b * 1e3:8.1f} ms")
         print(f"  ratio (pipelined / one process): {a / b:.2f}  (speed-up {b / a:.2f}x)")
+
+    # Measured bubble of the last 1f1b step against the simulator's, fed the
+    # measured per-stage compute times (so only runtime and transfers differ).
+    rows = pipe.timelines()
+    if rank == 0:
+        from torch_mpmd.trace import simulate_measured, step_metrics
+
+        sim = simulate_measured(pipe.schedule, rows)
+        measured = [step_metrics(row)["bubble_fraction"] for row in rows]
+        print("  1f1b bubble per rank: measured "
+              + ", ".join(f"{b:.1%}" for b in measured) + "; simulated with the measured "
+              "stage costs " + ", ".join(f"{b:.1%}" for b in sim.bubble_fraction)
+              + "; ratio " + ", ".join(f"{a / b:.2f}" if b else "-"
+                                       for a, b in zip(measured, sim.bubble_fraction)))
 
     # Live activations: the executor's count against the simulator's peak.
     for name in ("gpipe", "1f1b", "zero_bubble"):

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["rank_timeline", "step_metrics", "gather_timelines", "chrome_trace",
-           "save_measured_timeline"]
+           "simulate_measured", "save_measured_timeline"]
 
 Row = list[tuple[str, float, float]]  # (action, start s, end s)
 
@@ -96,6 +96,23 @@ def write_chrome_trace(path: str | os.PathLike, rows: Sequence[Row], **kwargs: A
         json.dump(chrome_trace(rows, **kwargs), f)
 
 
+def simulate_measured(schedule: Any, rows: Sequence[Row]) -> Any:
+    """The simulator's run of ``schedule`` with each stage's measured median
+    F/B/I/W times (ms) from ``rows``, timeline included: what the schedule
+    would do with free communication and no runtime overhead."""
+    by_stage_kind: dict[int, dict[str, list[float]]] = {}
+    for row in rows:
+        for t, s, e in row:
+            if _kind(t) in _COMPUTE:
+                stage = int(t[:len(t) - len(t.lstrip("0123456789"))])
+                by_stage_kind.setdefault(stage, {}).setdefault(_kind(t), []).append(
+                    (e - s) * 1e3)
+    stage_costs = {st: {k: statistics.median(v) for k, v in kinds.items()}
+                   for st, kinds in by_stage_kind.items()}
+    return schedule.simulate(costs={k: 1e-3 for k in _COMPUTE}, stage_costs=stage_costs,
+                             timeline=True)
+
+
 def save_measured_timeline(schedule: Any, rows: Sequence[Row],
                            path: str | os.PathLike) -> None:
     """PNG: the measured timeline (ms) above the simulated one, whose compute
@@ -104,16 +121,7 @@ def save_measured_timeline(schedule: Any, rows: Sequence[Row],
 
     Figure, FigureCanvasAgg, _ = _import_matplotlib()
     ms_rows = [[(t, s * 1e3, e * 1e3) for t, s, e in row] for row in rows]
-    by_stage_kind: dict[int, dict[str, list[float]]] = {}
-    for row in ms_rows:
-        for t, s, e in row:
-            if _kind(t) in _COMPUTE:
-                stage = int(t[:len(t) - len(t.lstrip("0123456789"))])
-                by_stage_kind.setdefault(stage, {}).setdefault(_kind(t), []).append(e - s)
-    stage_costs = {st: {k: statistics.median(v) for k, v in kinds.items()}
-                   for st, kinds in by_stage_kind.items()}
-    sim = schedule.simulate(costs={k: 1e-3 for k in _COMPUTE}, stage_costs=stage_costs,
-                            timeline=True)
+    sim = simulate_measured(schedule, rows)
     measured_span = max((row[-1][2] for row in ms_rows if row), default=1e-9)
     span = max(measured_span, sim.makespan, 1e-9)
     width_in = min(40.0, max(10.0, 0.5 * schedule.num_microbatches * schedule.stages_per_rank
