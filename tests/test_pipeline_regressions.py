@@ -49,3 +49,23 @@ def test_ranks_with_different_plans_fail_at_start_up_naming_every_rank(results):
     for r in results:
         assert "disagree on the partition plan" in r["plan_mismatch"]
         assert "rank 0:" in r["plan_mismatch"] and "rank 1:" in r["plan_mismatch"]
+
+
+DP_SCHEDULES = ["1f1b", "zero_bubble", "interleaved_1f1b"]
+
+
+@pytest.fixture(scope="module")
+def dp_results():
+    return run_ranks(4, "regression_worker:data_parallel", DP_SCHEDULES, timeout=400).results
+
+
+@pytest.mark.parametrize("schedule", DP_SCHEDULES)
+def test_dp2_pp2_loss_and_grads_equal_one_process_on_the_global_batch(dp_results, schedule):
+    for r in dp_results:
+        got = r[schedule]
+        assert (got["dp_size"], got["pp_size"]) == (2, 2)
+        assert got["loss_diff"] < 1e-5 and got["loss2_diff"] < 1e-5, got
+        assert got["grad_diff"] < 1e-5, got
+    # Replicas hold the same stages: pp rank k of each replica has the same parameters.
+    assert dp_results[0][schedule]["params"] == dp_results[2][schedule]["params"]
+    assert dp_results[1][schedule]["params"] == dp_results[3][schedule]["params"]

@@ -23,6 +23,7 @@ import torch.utils._pytree as pytree
 
 from torch_mpmd.backend import check_stage_count
 from torch_mpmd import trace
+from torch_mpmd.data_parallel import mesh_groups
 from torch_mpmd.microbatch import merge_microbatches, split_microbatches
 from torch_mpmd.runtime import V_SCHEDULES, PipelineError, RankRuntime, StagedModel
 from torch_mpmd.schedules import Schedule, get_schedule, names as schedule_names
@@ -76,7 +77,8 @@ class Pipeline(torch.nn.Module):
                  schedule: Any, num_microbatches: int, stages_per_rank: int | None,
                  split_points: Sequence[str] | None, num_stages: int | None, group: Any,
                  device: Any, timeout: datetime.timedelta, seed: int | None,
-                 lookahead: int) -> None:
+                 lookahead: int, dp_group: Any = None,
+                 replicas: list[list[int]] | None = None) -> None:
         super().__init__()
         # Not registered as a submodule: parameters() must list this rank's only.
         object.__setattr__(self, "_mpmd_module", module)
@@ -93,6 +95,9 @@ class Pipeline(torch.nn.Module):
         self.timeout = timeout
         self._mpmd_seed = seed
         self._mpmd_lookahead = lookahead
+        self._mpmd_dp_group = dp_group
+        self._mpmd_replicas = replicas
+        self.dp_size = dist.get_world_size(dp_group) if dp_group is not None else 1
         self._mpmd_runtime: RankRuntime | None = None
         self._mpmd_split: Any = None
         self._mpmd_captures: dict[tuple, tuple[RankRuntime, Any]] = {}
@@ -184,7 +189,8 @@ class Pipeline(torch.nn.Module):
         runtime = RankRuntime(StagedModel.from_split(split), schedule=schedule, num_microbatches=self.num_microbatches,
                               group=self._mpmd_group, device=self.device, timeout=self.timeout,
                               lookahead=self._mpmd_lookahead, settings=settings,
-                              seed=self._mpmd_seed)
+                              seed=self._mpmd_seed, dp_group=self._mpmd_dp_group,
+                              replicas=self._mpmd_replicas)
         if previous is not None:
             old = sorted(n for n, _ in self.named_parameters(remove_duplicate=False))
             new = sorted(self._local_tensors(runtime, split)[0])
@@ -270,10 +276,14 @@ class Pipeline(torch.nn.Module):
         rt.runner.begin_step(inputs, [t for _, _, t in mbs], self._mpmd_loss_fn, rt.seed,
                              self._mpmd_step, training=True)
         before = rt.tied_grads_before()
+        if rt.dp is not None:
+            rt.dp.begin_step()
         try:
             rt.run(rt.executor)
         finally:
             rng.restore()
+        if rt.dp is not None:
+            rt.dp.end_step(rt.wait)
         rt.sum_tied_grads(before)
         if rt.last_rank == self.rank:
             losses = [rt.runner.losses[k] for k in range(self.num_microbatches)]
@@ -281,6 +291,10 @@ class Pipeline(torch.nn.Module):
         else:
             loss = torch.zeros((), dtype=torch.float32, device=self.device)
         rt.broadcast_from_last(loss)
+        if rt.dp is not None:  # the global mean: replicas step on equal-sized batches
+            rt.wait(dist.all_reduce(loss, group=rt.dp_group, async_op=True),
+                    "the data-parallel loss all_reduce")
+            loss /= self.dp_size
         rt.runner.end_step()
         self._mpmd_step += 1
         self._record_stats(rt, rt.executor)
@@ -410,7 +424,11 @@ def pipeline(module: torch.nn.Module, *, loss_fn: Callable[..., torch.Tensor] | 
     ``pp_size * stages_per_rank`` (or ``num_stages``) stages balanced by cost;
     the stage count must be a multiple of the pipeline size. ``schedule``: a
     name (``torch_mpmd.schedules.names()``), a Schedule, or a text/CSV file.
-    ``timeout`` (seconds or timedelta) bounds every wait of a step;
+    ``mesh``: a DeviceMesh with dimensions ("dp", "pp"): the pipeline runs over
+    "pp" and is replicated over "dp" (each replica steps on its own batch;
+    gradients are averaged over "dp" as each stage's backward ends, and the
+    returned loss is the global mean). ``timeout`` (seconds or timedelta)
+    bounds every wait of a step;
     ``lookahead`` is the number of receives posted ahead. Arguments are checked
     here, before any communication; capture happens on the first call.
     """
@@ -421,9 +439,11 @@ def pipeline(module: torch.nn.Module, *, loss_fn: Callable[..., torch.Tensor] | 
     _positive_int("num_stages", num_stages, optional=True)
     _positive_int("lookahead", lookahead)
     td = _timeout(timeout)
+    dp_group, replicas = None, None
     if mesh is not None:
-        raise ValueError("mesh= (pipeline x data parallel) is not supported by this version; "
-                         "pass group= for a pipeline-only process group")
+        if group is not None:
+            raise ValueError("pass either mesh= (dimensions 'dp' and 'pp') or group=, not both")
+        group, dp_group, replicas = mesh_groups(mesh)
     if isinstance(schedule, str) and schedule not in schedule_names():
         import os
 
@@ -469,4 +489,5 @@ def pipeline(module: torch.nn.Module, *, loss_fn: Callable[..., torch.Tensor] | 
     return Pipeline(module, loss_fn=loss_fn, schedule=schedule,
                     num_microbatches=num_microbatches, stages_per_rank=stages_per_rank,
                     split_points=split_points, num_stages=num_stages, group=grp, device=device,
-                    timeout=td, seed=seed, lookahead=lookahead)
+                    timeout=td, seed=seed, lookahead=lookahead, dp_group=dp_group,
+                    replicas=replicas)

@@ -223,6 +223,7 @@ class StageRunner:
                                            for _, fqns in readers]
         self._param_storages: dict[int, set[int]] = {}
         self._saved: dict[tuple[int, int], _Saved] = {}
+        self.on_reduce_grad: Callable[[int], None] | None = None
         # Bytes of activations autograd holds per local stage, now and at peak
         # (tensors saved for backward, parameters and buffers excluded).
         self.live_bytes: dict[int, int] = {s: 0 for s in self.stages}
@@ -290,7 +291,14 @@ class StageRunner:
             raise
 
     def reduce_grad(self, stage: int) -> None:
-        """Hook for data-parallel reduction; tied weights are summed after the step."""
+        """REDUCE_GRAD: the stage's backward is over; starts its data-parallel
+        reduction when there is one (tied weights are summed after the step)."""
+        if self.on_reduce_grad is not None:
+            try:
+                self.on_reduce_grad(stage)
+            except BaseException as e:
+                self.error = e
+                raise
 
     # ------------------------------------------------------------ internals
     def _forward(self, stage: int, mb: int, inputs: list[list[torch.Tensor]]

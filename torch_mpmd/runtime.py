@@ -22,6 +22,7 @@ import torch.distributed as dist
 import torch.fx
 
 from torch_mpmd import _runtime
+from torch_mpmd.data_parallel import DataParallel, new_replica_group
 from torch_mpmd.runner import EdgeLayout, StageRunner
 from torch_mpmd.schedules import Schedule, get_schedule, names as schedule_names
 from torch_mpmd.stage import SplitModel, StageSignature
@@ -156,9 +157,16 @@ class RankRuntime:
 
     def __init__(self, model: StagedModel, *, schedule: Any, num_microbatches: int,
                  group: Any, device: torch.device, timeout: datetime.timedelta,
-                 lookahead: int, settings: str, seed: int | None) -> None:
+                 lookahead: int, settings: str, seed: int | None,
+                 dp_group: Any = None, replicas: list[list[int]] | None = None) -> None:
         self.model = model
         self.group = group
+        self.dp_group = dp_group
+        # Global ranks of every pipeline replica by pp rank, and which one is ours.
+        self.replicas = replicas or [dist.get_process_group_ranks(group) if group is not None
+                                     else [0]]
+        me = dist.get_rank() if dist.is_initialized() else 0
+        self.replica = next(i for i, r in enumerate(self.replicas) if me in r)
         self.device = device
         self.timeout_s = timeout.total_seconds()
         self.lookahead = lookahead
@@ -186,14 +194,18 @@ class RankRuntime:
         self._forward_executor: Any = None
         self._backward_executor: Any = None
         self.tied_groups = self._tied_groups()
+        self.dp = self._data_parallel() if dp_group is not None else None
+        if self.dp is not None:
+            self.runner.on_reduce_grad = self.dp.reduce
 
     # ------------------------------------------------------------ construction
     def _transport(self) -> Any:
         backend = dist.get_backend(self.group)
         up = down = self.group
         if backend == "nccl":  # NOTE [Direction groups] in csrc/runtime/c10d_transport.h
-            ranks = dist.get_process_group_ranks(self.group)
-            up, down = dist.new_group(ranks), dist.new_group(ranks)
+            every = list(range(self.pp_size))
+            up = new_replica_group(every, self.replicas, self.replica)
+            down = new_replica_group(every, self.replicas, self.replica)
         return _runtime.C10dTransport(up.group_name, down.group_name, self.layout.specs(),
                                       str(self.device))
 
@@ -207,26 +219,36 @@ class RankRuntime:
         digest = hashlib.sha256(f"{settings}|{self.schedule.to_text()}".encode()).digest()
         mine = [_int64(self.model.plan.hash), _int64(int.from_bytes(digest[:8], "little")),
                 _int64(seed if seed is not None else torch.initial_seed())]
-        if self.pp_size == 1:
-            return mine[2]
+        seed_out = mine[2]
+        for group, label in ((self.group, "pp"), (self.dp_group, "dp")):
+            if group is None or dist.get_world_size(group) == 1:
+                continue
+            rows = self._compare(group, label, mine)
+            if label == "pp":
+                seed_out = rows[0][2]  # pp rank 0's seed
+        return seed_out
+
+    def _compare(self, group: Any, label: str, mine: list[int]) -> list[list[int]]:
+        size = dist.get_world_size(group)
         t = torch.tensor(mine, dtype=torch.int64, device=self.device)
-        everyone = [torch.empty_like(t) for _ in range(self.pp_size)]
+        everyone = [torch.empty_like(t) for _ in range(size)]
         # Ranks arrive after capturing, which takes seconds and varies by rank: the
         # wait allows for that skew (a dead peer still fails at once: gloo reports
         # the closed connection).
-        self.wait(dist.all_gather(everyone, t, group=self.group, async_op=True),
-                  "the start-up comparison of plans (all_gather)",
+        self.wait(dist.all_gather(everyone, t, group=group, async_op=True),
+                  f"the start-up comparison of plans over the {label} group (all_gather)",
                   timeout_s=max(self.timeout_s, _STARTUP_TIMEOUT_S))
         rows = [e.tolist() for e in everyone]
-        for what, col in (("partition plan", 0), ("pipeline settings or schedule", 1)):
-            values = {r: rows[r][col] & 0xFFFFFFFFFFFFFFFF for r in range(self.pp_size)}
+        cols = (("partition plan", 0), ("pipeline settings or schedule", 1))
+        for what, col in cols:
+            values = {r: rows[r][col] & 0xFFFFFFFFFFFFFFFF for r in range(size)}
             if len(set(values.values())) > 1:
-                listing = ", ".join(f"rank {r}: {v:016x}" for r, v in values.items())
+                listing = ", ".join(f"{label} rank {r}: {v:016x}" for r, v in values.items())
                 raise PipelineError(
                     f"the ranks disagree on the {what} (hashes {listing}); every rank must "
                     "build the same model and call pipeline() with the same arguments and the "
                     "same input shapes", rank=self.rank)
-        return rows[0][2]  # rank 0's seed
+        return rows
 
     def _tied_groups(self) -> list[tuple[Any, list[torch.nn.Parameter]]]:
         """Per set of ranks sharing parameters: (process group, this rank's shared params).
@@ -238,17 +260,22 @@ class RankRuntime:
             if len(ranks) > 1 and isinstance(t, torch.nn.Parameter) and t.requires_grad:
                 by_ranks.setdefault(ranks, []).append(p.fqn)
         groups = []
-        global_ranks = (dist.get_process_group_ranks(self.group) if self.group is not None
-                        else [0])
         for ranks in sorted(by_ranks):
             if len(ranks) == self.pp_size:
                 pg = self.group
             else:
-                pg = dist.new_group([global_ranks[r] for r in ranks])
+                pg = new_replica_group(ranks, self.replicas, self.replica)
             if self.rank in ranks:
                 params = [self.model.tensors[f] for f in sorted(by_ranks[ranks])]
                 groups.append((pg, params))
         return groups
+
+    def _data_parallel(self) -> DataParallel:
+        stage_params = {s: [p for p in self.model.stages[s].parameters() if p.requires_grad]
+                        for s in self.local_stages}
+        order = [int(t[:-len("REDUCE_GRAD")]) for t in self.schedule.actions[self.rank]
+                 if t.endswith("REDUCE_GRAD")]
+        return DataParallel(self.dp_group, stage_params, order, self.timeout_s)
 
     # ------------------------------------------------------------ stepping
     @property
