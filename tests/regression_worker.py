@@ -170,3 +170,44 @@ def data_parallel(schedules: list[str]) -> dict[str, Any]:
             "dp_size": pipe.dp_size, "pp_size": pipe.pp_size,
         }
     return out
+
+
+def checkpoints(directory: str, phase: str) -> dict[str, Any]:
+    """phase "train": 2 ranks, 1f1b, AdamW: 3 steps, save, 3 more steps (the
+    losses after the save are the reference trajectory). phase "resume": a fresh
+    pipeline of this launch's size loads the checkpoint and takes the 3 steps."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+
+    def lm(o: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(o.flatten(0, 1), t.flatten())
+
+    torch.manual_seed(0)
+    model = models.CharGPT(vocab=32, d=16, n_layer=4, n_head=2, block_size=8)
+    if phase == "resume":  # other weights: everything must come from the checkpoint
+        for p in model.parameters():
+            torch.nn.init.normal_(p)
+    gen = torch.Generator().manual_seed(1)
+    batches = [(torch.randint(0, 32, (8, 8), generator=gen),
+                torch.randint(0, 32, (8, 8), generator=gen)) for _ in range(6)]
+    splits = [f"blocks.{k}" for k in range(1, world)] if world > 1 else None
+    pipe = mpmd.pipeline(model, loss_fn=lm, schedule="1f1b", num_microbatches=2,
+                         split_points=splits)
+    pipe.step(*batches[0][:1], target=batches[0][1])  # capture: optimizer gets this rank's
+    model.zero_grad()
+    opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
+    losses = []
+    if phase == "train":
+        for x, y in batches[:3]:
+            pipe.step(x, target=y)
+            opt.step()
+            opt.zero_grad()
+        mpmd.checkpoint.save(pipe, opt, directory)
+        start = 3
+    else:
+        mpmd.checkpoint.load(pipe, opt, directory)
+        start = 3
+    for x, y in batches[start:]:
+        losses.append(float(pipe.step(x, target=y)))
+        opt.step()
+        opt.zero_grad()
+    return {"losses": losses, "world": world}

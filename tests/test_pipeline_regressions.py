@@ -69,3 +69,23 @@ def test_dp2_pp2_loss_and_grads_equal_one_process_on_the_global_batch(dp_results
     # Replicas hold the same stages: pp rank k of each replica has the same parameters.
     assert dp_results[0][schedule]["params"] == dp_results[2][schedule]["params"]
     assert dp_results[1][schedule]["params"] == dp_results[3][schedule]["params"]
+
+
+@pytest.fixture(scope="module")
+def checkpoint_runs(tmp_path_factory):
+    directory = str(tmp_path_factory.mktemp("ckpt"))
+    runs = {"pp2": run_ranks(2, "regression_worker:checkpoints", directory, "train",
+                             timeout=300).results}
+    runs["pp1"] = run_ranks(1, "regression_worker:checkpoints", directory, "resume",
+                            timeout=300, init_process_group=False).results
+    runs["pp4"] = run_ranks(4, "regression_worker:checkpoints", directory, "resume",
+                            timeout=300).results
+    return runs
+
+
+@pytest.mark.parametrize("resume_on", ["pp1", "pp4"])
+def test_checkpoint_from_pp2_resumes_the_loss_trajectory_exactly(checkpoint_runs, resume_on):
+    want = checkpoint_runs["pp2"][0]["losses"]
+    assert len(want) == 3
+    for r in checkpoint_runs[resume_on]:
+        assert r["losses"] == want  # CPU, deterministic: bit-identical

@@ -15,6 +15,8 @@ from torch_mpmd import schedules
 __version__ = "0.1.0"
 
 # Public name -> module that defines it; imported lazily (they need torch).
+_SUBMODULES = ("checkpoint",)  # imported on first access (they need torch)
+
 _LAZY = {
     "stage_boundary": "torch_mpmd.markers",
     "split_model": "torch_mpmd.stage",
@@ -26,11 +28,16 @@ _LAZY = {
     "Replicate": "torch_mpmd.microbatch",
 }
 
-__all__ = ["__version__", "schedules", "pipeline", "Pipeline", "PipelineError", "Replicate",
+__all__ = ["__version__", "schedules", "checkpoint", "pipeline", "Pipeline", "PipelineError",
+           "Replicate",
            "stage_boundary", "split_model", "SplitModel", "CaptureError"]
 
 
 def __getattr__(name: str) -> Any:
+    if name in _SUBMODULES:
+        value = importlib.import_module(f"torch_mpmd.{name}")
+        globals()[name] = value
+        return value
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'torch_mpmd' has no attribute {name!r}")
@@ -40,4 +47,4 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+    return sorted(set(globals()) | set(_LAZY) | set(_SUBMODULES))
