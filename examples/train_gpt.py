@@ -13,7 +13,9 @@ or, once set up:
 Options: --schedule {gpipe,1f1b,interleaved_1f1b,looped_bfs,zero_bubble,zbv,dualpipev}
 (default 1f1b), --microbatches 8, --steps 60, --lr, --batch-size, --seed, --layers,
 --stages-per-rank (default 2 for interleaved_1f1b, looped_bfs, zbv and dualpipev, else 1),
---device cpu, --out-dir out (the last step's Chrome trace and measured timeline PNG).
+--device cpu, --out-dir out (the last step's Chrome trace and measured timeline PNG),
+--dp 2 (pipeline replicas: torchrun 4 processes = dp 2 x pp 2), --checkpoint-dir ckpt
+(save at the end), --resume (start from its latest checkpoint; any pipeline size).
 
 The model is examples/gpt_model.py's GPT (token embedding tied to the
 unembedding, so the first and last stage share one weight); the corpus is a
@@ -68,6 +70,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--stages-per-rank", type=int, default=None,
                    help="default: 2 for interleaved_1f1b, looped_bfs, zbv, dualpipev; else 1")
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    p.add_argument("--dp", type=int, default=1,
+                   help="data-parallel replicas of the pipeline (world size = dp x pp)")
+    p.add_argument("--checkpoint-dir", default=None,
+                   help="save model and optimizer here at the end (torch.distributed.checkpoint)")
+    p.add_argument("--resume", action="store_true",
+                   help="start from the latest checkpoint in --checkpoint-dir")
     p.add_argument("--sample-chars", type=int, default=100, help="characters to sample at the end (0: none)")
     args = p.parse_args()
     if args.stages_per_rank is None:
@@ -199,10 +207,19 @@ def main() -> int:
     if distributed:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     rank = dist.get_rank() if distributed else 0
-    pp = dist.get_world_size() if distributed else 1
+    world = dist.get_world_size() if distributed else 1
+    if world % args.dp:
+        raise SystemExit(f"--dp {args.dp} does not divide the world size {world}")
+    pp = world // args.dp
+    mesh = None
+    if args.dp > 1:  # replicas of the pipeline, each on its own batches
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(device.type, (args.dp, pp), mesh_dim_names=("dp", "pp"))
+    dp_rank = mesh.get_local_rank("dp") if mesh is not None else 0
     is_main = rank == 0
 
-    data = CharData(TEXT, args.block_size, args.seed)
+    data = CharData(TEXT, args.block_size, args.seed + 1000 * dp_rank)
     cfg = GPTConfig(vocab_size=data.vocab_size, block_size=args.block_size, n_layer=args.layers,
                     n_head=4, d_model=args.d_model)
     model = build_model(cfg, args.seed).to(device)
@@ -212,16 +229,22 @@ def main() -> int:
 
     pipe = mpmd.pipeline(model, loss_fn=lm_loss, schedule=args.schedule,
                          num_microbatches=args.microbatches, stages_per_rank=args.stages_per_rank,
-                         split_points=points, device=device, seed=args.seed)
+                         split_points=points, device=device, seed=args.seed, mesh=mesh)
     # Before the first step (capture) this is the whole model's parameters;
     # those that end up on other ranks' stages never get a .grad here, and
     # AdamW skips parameters without one.
     opt = torch.optim.AdamW(pipe.parameters(), lr=args.lr)
+    if args.resume:
+        if not args.checkpoint_dir:
+            raise SystemExit("--resume needs --checkpoint-dir")
+        mpmd.checkpoint.load(pipe, opt, args.checkpoint_dir)
+        if is_main:
+            print(f"resumed from {mpmd.checkpoint.latest(args.checkpoint_dir)}")
 
     if is_main:
         print(f"GPT: {args.layers} layers, d_model {args.d_model}, vocab {data.vocab_size}, "
               f"{n_params / 1e3:.1f}K params; corpus {len(data.ids)} chars")
-        print(f"pipeline: {args.schedule}, pp={pp}, {num_stages} stages "
+        print(f"pipeline: {args.schedule}, pp={pp}, dp={args.dp}, {num_stages} stages "
               f"({args.stages_per_rank} per rank), split_points={points}, "
               f"{args.microbatches} microbatches of {args.batch_size // args.microbatches}, "
               f"device {device}")
@@ -257,7 +280,7 @@ def main() -> int:
     stats = pipe.last_step_stats
     mine = torch.tensor([stats["bubble_fraction"], sum(stats["peak_activation_bytes"].values())],
                         dtype=torch.float64)
-    everyone = [torch.zeros_like(mine) for _ in range(pp)]
+    everyone = [torch.zeros_like(mine) for _ in range(world)]
     if distributed:
         dist.all_gather(everyone, mine)
     else:
@@ -279,12 +302,20 @@ def main() -> int:
     first, last = losses[0], losses[-1]
     tail = losses[max(1, len(losses) - 5):] or losses
     last_mean = sum(tail) / len(tail)
-    fell = math.isfinite(last_mean) and last_mean < first - MIN_LOSS_DROP
+    # A resumed run starts from a trained model, where 10 steps need not gain
+    # MIN_LOSS_DROP: it only has to stay finite and not get worse.
+    fell = math.isfinite(last_mean) and (
+        last_mean < first - MIN_LOSS_DROP if not args.resume else last_mean < first + MIN_LOSS_DROP)
     if is_main:
         tps = timed_tokens / timed_seconds if timed_seconds else float("nan")
         print(f"done: {args.steps} steps in {wall:.1f}s, {tps:.0f} tok/s after the first step "
               f"({args.schedule}, pp={pp})")
         print(f"loss: first {first:.3f}, last {last:.3f} (mean of last {len(tail)}: {last_mean:.3f})")
+
+    if args.checkpoint_dir:
+        where = mpmd.checkpoint.save(pipe, opt, args.checkpoint_dir)
+        if is_main:
+            print(f"checkpoint: {where}")
 
     if args.sample_chars > 0 and fell:
         t0 = time.perf_counter()

@@ -10,6 +10,8 @@ unsplit module in one process. Every save goes to a new directory
 ``path/step_<k>``; only when all ranks have finished does rank 0 replace the
 small file ``path/latest`` (write, then atomic rename) to point at it, so a
 save interrupted part-way leaves the previous checkpoint the latest one, whole.
+An optimizer built before the first step (the whole module's parameters) is
+trimmed to this rank's parameters on save and on load after capture.
 """
 
 from __future__ import annotations
@@ -43,7 +45,22 @@ def _quiet() -> Iterator[None]:
         yield
 
 
+def _drop_other_ranks_parameters(module: torch.nn.Module, optimizer: Any) -> None:
+    """An optimizer built before the pipeline's capture holds the whole module's
+    parameters; those of other ranks' stages never get a gradient here and have
+    no FQN in this rank's state dict: drop them (and their state, if any)."""
+    if optimizer is None or not getattr(module, "is_captured", False):
+        return
+    local = {id(p) for p in module.parameters()}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if id(p) not in local:
+                optimizer.state.pop(p, None)
+        group["params"] = [p for p in group["params"] if id(p) in local]
+
+
 def _state(module: torch.nn.Module, optimizer: Any) -> dict[str, Any]:
+    _drop_other_ranks_parameters(module, optimizer)
     state: dict[str, Any] = {"model": module.state_dict()}
     if optimizer is not None:
         state["optim"] = get_optimizer_state_dict(module, optimizer)
