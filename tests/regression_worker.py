@@ -175,7 +175,8 @@ def data_parallel(schedules: list[str]) -> dict[str, Any]:
 def checkpoints(directory: str, phase: str) -> dict[str, Any]:
     """phase "train": 2 ranks, 1f1b, AdamW: 3 steps, save, 3 more steps (the
     losses after the save are the reference trajectory). phase "resume": a fresh
-    pipeline of this launch's size loads the checkpoint and takes the 3 steps."""
+    pipeline of this launch's size loads the checkpoint before its first step
+    (not captured yet: the whole module) and takes the 3 steps."""
     world = dist.get_world_size() if dist.is_initialized() else 1
 
     def lm(o: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
@@ -192,8 +193,8 @@ def checkpoints(directory: str, phase: str) -> dict[str, Any]:
     splits = [f"blocks.{k}" for k in range(1, world)] if world > 1 else None
     pipe = mpmd.pipeline(model, loss_fn=lm, schedule="1f1b", num_microbatches=2,
                          split_points=splits)
-    pipe.step(*batches[0][:1], target=batches[0][1])  # capture: optimizer gets this rank's
-    model.zero_grad()
+    # Built before the first step, as in DESIGN.md's example: it holds the whole
+    # module's parameters; the checkpoint trims it to this rank's.
     opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
     losses = []
     if phase == "train":
