@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 
 from torch_mpmd.backend import check_stage_count
-from torch_mpmd import trace
+from torch_mpmd import meta_init, trace
 from torch_mpmd.data_parallel import mesh_groups
 from torch_mpmd.microbatch import merge_microbatches, split_microbatches
 from torch_mpmd.runtime import V_SCHEDULES, PipelineError, RankRuntime, StagedModel
@@ -78,7 +78,8 @@ class Pipeline(torch.nn.Module):
                  split_points: Sequence[str] | None, num_stages: int | None, group: Any,
                  device: Any, timeout: datetime.timedelta, seed: int | None,
                  lookahead: int, dp_group: Any = None,
-                 replicas: list[list[int]] | None = None) -> None:
+                 replicas: list[list[int]] | None = None,
+                 init_fn: Callable[[torch.nn.Module], None] | None = None) -> None:
         super().__init__()
         # Not registered as a submodule: parameters() must list this rank's only.
         object.__setattr__(self, "_mpmd_module", module)
@@ -92,12 +93,17 @@ class Pipeline(torch.nn.Module):
         self.pp_size = dist.get_world_size(self._mpmd_group) if self._mpmd_group else 1
         self.rank = dist.get_rank(self._mpmd_group) if self._mpmd_group else 0
         self.device = torch.device(device) if device is not None else _default_device(module)
+        if self.device.type == "meta":
+            self.device = torch.device("cpu")
         self.timeout = timeout
         self._mpmd_seed = seed
         self._mpmd_lookahead = lookahead
         self._mpmd_dp_group = dp_group
         self._mpmd_replicas = replicas
         self.dp_size = dist.get_world_size(dp_group) if dp_group is not None else 1
+        self._mpmd_init_fn = init_fn
+        self._mpmd_meta = meta_init.has_meta_tensors(module)
+        self.parameter_bytes = 0  # this rank's materialized bytes (meta-device models)
         self._mpmd_runtime: RankRuntime | None = None
         self._mpmd_split: Any = None
         self._mpmd_captures: dict[tuple, tuple[RankRuntime, Any]] = {}
@@ -105,6 +111,9 @@ class Pipeline(torch.nn.Module):
         self._mpmd_step = 0
         self.last_step_stats: dict[str, Any] = {}
         self._mpmd_last: tuple[Any, list] | None = None
+        if self._mpmd_meta:  # now, so that an optimizer built before the first step
+            # holds the Parameters that this rank later materializes in place
+            meta_init.replace_with_standins(module, self.device)
         # Until capture: mirror the whole module's tree (see the module docstring).
         self._modules = module._modules
         self._parameters = module._parameters
@@ -204,6 +213,11 @@ class Pipeline(torch.nn.Module):
         self._mpmd_input_signature = sig
         self._mpmd_captures[sig] = (runtime, split)
         self._adopt_local_tensors(runtime, split)
+        if self._mpmd_meta and previous is None:
+            local = list(self.parameters()) + list(self.buffers())
+            self.parameter_bytes = meta_init.materialize(
+                self._mpmd_module, local, self._mpmd_init_fn, self.device)
+            meta_init.synchronize(runtime.tied_groups, runtime.dp_group, local)
         return runtime
 
     def _local_tensors(self, runtime: RankRuntime, split: Any
@@ -416,7 +430,8 @@ def pipeline(module: torch.nn.Module, *, loss_fn: Callable[..., torch.Tensor] | 
              stages_per_rank: int | None = None, split_points: Sequence[str] | None = None,
              num_stages: int | None = None, group: Any = None, mesh: Any = None,
              device: Any = None, timeout: float | datetime.timedelta = 60.0,
-             seed: int | None = None, lookahead: int = 2) -> Pipeline:
+             seed: int | None = None, lookahead: int = 2,
+             init_fn: Callable[[torch.nn.Module], None] | None = None) -> Pipeline:
     """Wrap ``module`` for pipeline-parallel training over ``group`` (default: the
     default process group; none initialized means one rank).
 
@@ -429,7 +444,10 @@ def pipeline(module: torch.nn.Module, *, loss_fn: Callable[..., torch.Tensor] | 
     gradients are averaged over "dp" as each stage's backward ends, and the
     returned loss is the global mean). ``timeout`` (seconds or timedelta)
     bounds every wait of a step;
-    ``lookahead`` is the number of receives posted ahead. Arguments are checked
+    ``lookahead`` is the number of receives posted ahead. A model built on the
+    meta device is captured without memory and only this rank's part is
+    materialized, initialized by ``init_fn(module)`` per submodule (default:
+    its ``reset_parameters()``; see meta_init.py). Arguments are checked
     here, before any communication; capture happens on the first call.
     """
     if not isinstance(module, torch.nn.Module):
@@ -490,4 +508,4 @@ def pipeline(module: torch.nn.Module, *, loss_fn: Callable[..., torch.Tensor] | 
                     num_microbatches=num_microbatches, stages_per_rank=stages_per_rank,
                     split_points=split_points, num_stages=num_stages, group=grp, device=device,
                     timeout=td, seed=seed, lookahead=lookahead, dp_group=dp_group,
-                    replicas=replicas)
+                    replicas=replicas, init_fn=init_fn)

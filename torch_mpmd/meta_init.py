@@ -1,0 +1,105 @@
+"""Meta-device models: capture without materializing, then build only this rank's part.
+
+A module whose parameters or buffers are on the meta device (built under
+``with torch.device("meta"):``) is captured and partitioned without memory:
+before capture every meta tensor is replaced by a stand-in on the pipeline's
+device that holds no memory (a zero scalar expanded to the shape, so Dynamo
+traces real devices). After partitioning, this rank's parameters and buffers
+get real storage (the same Parameter objects, so the stage modules and the
+optimizer see them) and are initialized module by module: the user's
+``init_fn(module)``, else the module's own ``reset_parameters()``. Weights tied
+across ranks are then made equal (broadcast from the lowest rank holding them),
+and data-parallel replicas copy their first replica. Other ranks' tensors stay
+stand-ins: per-rank parameter memory is about 1/pp of the model's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["has_meta_tensors", "replace_with_standins", "materialize", "is_standin",
+           "synchronize"]
+
+
+def has_meta_tensors(module: torch.nn.Module) -> bool:
+    return any(t.is_meta for t in list(module.parameters()) + list(module.buffers()))
+
+
+def is_standin(t: torch.Tensor) -> bool:
+    return t.numel() > 1 and t.dim() > 0 and all(s == 0 for s in t.stride())
+
+
+def _standin(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    return torch.zeros((), dtype=t.dtype, device=device).expand(t.shape)
+
+
+def replace_with_standins(module: torch.nn.Module, device: torch.device) -> None:
+    """Swap every meta parameter/buffer for a zero-memory stand-in (tied ones stay tied)."""
+    done: dict[int, torch.Tensor] = {}
+    for mod in module.modules():
+        for name, p in list(mod._parameters.items()):
+            if p is not None and p.is_meta:
+                if id(p) not in done:
+                    done[id(p)] = torch.nn.Parameter(_standin(p, device),
+                                                     requires_grad=p.requires_grad)
+                mod._parameters[name] = done[id(p)]
+        for name, b in list(mod._buffers.items()):
+            if b is not None and b.is_meta:
+                if id(b) not in done:
+                    done[id(b)] = _standin(b, device)
+                mod._buffers[name] = done[id(b)]
+
+
+def materialize(module: torch.nn.Module, local: Iterable[torch.Tensor],
+                init_fn: Callable[[torch.nn.Module], None] | None,
+                device: torch.device) -> int:
+    """Give this rank's stand-ins real storage and initialize their modules;
+    returns the bytes allocated. Raises ValueError naming a module that holds
+    this rank's tensors but cannot be initialized."""
+    fresh: set[int] = set()
+    allocated = 0
+    for t in local:
+        if is_standin(t) and id(t) not in fresh:
+            t.data = torch.empty(t.shape, dtype=t.dtype, device=device)
+            fresh.add(id(t))
+            allocated += t.numel() * t.element_size()
+    for name, mod in module.named_modules():
+        own = [t for t in list(mod._parameters.values()) + list(mod._buffers.values())
+               if t is not None]
+        mine = [t for t in own if id(t) in fresh]
+        if not mine:
+            continue
+        if any(is_standin(t) for t in own):
+            raise ValueError(
+                f"module {name or type(module).__name__!r} has tensors on this rank's stages "
+                "and on other ranks' stages, so it cannot be initialized here; move the stage "
+                "boundary, or build the model on a real device")
+        with torch.no_grad():
+            if init_fn is not None:
+                init_fn(mod)
+            elif hasattr(mod, "reset_parameters"):
+                mod.reset_parameters()
+            elif mod._parameters or any(id(b) in fresh for b in mod._buffers.values()):
+                raise ValueError(
+                    f"module {name or type(module).__name__!r} ({type(mod).__name__}) has no "
+                    "reset_parameters(); pass pipeline(..., init_fn=fn) to initialize the "
+                    "tensors of a meta-device model")
+    return allocated
+
+
+def synchronize(tied_groups: Iterable[tuple[Any, list[torch.Tensor]]], dp_group: Any,
+                local: Iterable[torch.Tensor]) -> None:
+    """Tied weights equal across pipeline ranks, replicas equal to their first."""
+    with torch.no_grad():
+        for pg, params in tied_groups:
+            src = dist.get_global_rank(pg, 0)
+            for p in params:
+                dist.broadcast(p.data, src=src, group=pg)
+        if dp_group is not None:
+            src = dist.get_global_rank(dp_group, 0)
+            for t in local:
+                dist.broadcast(t.data, src=src, group=dp_group)
