@@ -222,9 +222,10 @@ def _deterministic_init(mod: nn.Module) -> None:
                 t.copy_(torch.linspace(-0.2, 0.2, t.numel()).reshape(t.shape).cos() * 0.1)
 
 
-def meta_model() -> dict[str, Any]:
+def meta_model(dp: int = 1) -> dict[str, Any]:
     """A tied GPT built on the meta device: only this rank's stages get memory,
-    and training equals a real model initialized the same way."""
+    and training equals a real model initialized the same way (with dp > 1:
+    replicas of a dp x 2 mesh, each on its share of the batch)."""
     def lm(o: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(o.flatten(0, 1), t.flatten())
 
@@ -236,11 +237,19 @@ def meta_model() -> dict[str, Any]:
     total = sum(p.numel() * p.element_size() for p in ref.parameters())
     with torch.device("meta"):
         model = build()
+    mesh, share = None, slice(None)
+    if dp > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (dp, 2), mesh_dim_names=("dp", "pp"))
+        k = mesh.get_local_rank("dp")
+        share = slice(8 // dp * k, 8 // dp * (k + 1))
     pipe = mpmd.pipeline(model, loss_fn=lm, num_microbatches=2, split_points=["blocks.2"],
-                         init_fn=_deterministic_init)
+                         init_fn=_deterministic_init, mesh=mesh)
     gen = torch.Generator().manual_seed(0)
-    ids, tgt = torch.randint(0, 32, (8, 8), generator=gen), torch.randint(0, 32, (8, 8), generator=gen)
-    loss = pipe.step(ids, target=tgt)
+    ids = torch.randint(0, 32, (8, 8), generator=gen)
+    tgt = torch.randint(0, 32, (8, 8), generator=gen)
+    loss = pipe.step(ids[share], target=tgt[share])
     ref_loss = lm(ref(ids), tgt)
     ref_loss.backward()
     want = dict(ref.named_parameters())
