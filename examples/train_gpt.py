@@ -30,6 +30,7 @@ non-zero if the loss did not fall.
 from __future__ import annotations
 
 import argparse
+import gc
 import math
 import os
 import sys
@@ -324,6 +325,12 @@ def main() -> int:
             print(f"sample ({len(generated)} chars after the prompt {prompt!r}, forward-only, "
                   f"{time.perf_counter() - t0:.1f}s):\n{prompt}{generated}")
 
+    # Shut down in order: every rank done, then the pipeline (whose transport
+    # holds the process group) released, then the group destroyed.
+    if distributed:
+        dist.barrier()
+    del pipe, opt
+    gc.collect()
     if distributed:
         dist.destroy_process_group()
     if not fell:
