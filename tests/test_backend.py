@@ -14,12 +14,6 @@ from torch_mpmd.backend import BACKEND_OPTIONS, check_stage_count, mpmd_backend
 TOL = dict(rtol=1e-6, atol=1e-6)
 
 
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
-
 
 def spy_backend(record):
     """A backend that delegates to mpmd_backend and keeps what it returns."""

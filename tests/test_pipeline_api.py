@@ -17,12 +17,6 @@ from torch_mpmd import schedules
 TOL = dict(rtol=1e-5, atol=1e-6)
 
 
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
-
 
 def gpt_and_batch(batch: int = 8):
     torch.manual_seed(0)

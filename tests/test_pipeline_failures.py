@@ -18,12 +18,6 @@ PIPELINE_TIMEOUT = 5.0
 LAUNCH_TIMEOUT = 120.0  # the survivors must be done long before this
 
 
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
-
 
 # ------------------------------------------------------------------ a dead peer
 

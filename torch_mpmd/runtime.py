@@ -24,6 +24,7 @@ import torch.fx
 from torch_mpmd import _runtime
 from torch_mpmd.data_parallel import DataParallel, new_replica_group
 from torch_mpmd.runner import EdgeLayout, StageRunner
+from torch_mpmd.trace import action_kind
 from torch_mpmd.schedules import Schedule, get_schedule, names as schedule_names
 from torch_mpmd.stage import SplitModel, StageSignature
 
@@ -49,24 +50,13 @@ class PipelineError(RuntimeError):
         self.peer = peer
 
 
-def _action_kind(token: str) -> str:
-    body = token.split("->")[0].split("<-")[0]
-    i = 0
-    while i < len(body) and body[i].isdigit():
-        i += 1
-    j = len(body)
-    while j > i and body[j - 1].isdigit():
-        j -= 1
-    return body[i:j]
-
-
 def _filtered_text(schedule: Schedule, kinds: Sequence[str], name: str) -> str:
     lines = [f"# schedule {name}"]
     for edge in schedule.edges:
         if edge[1] != edge[0] + 1:
             lines.append(f"# edge {edge[0]} {edge[1]}")
     for rank, row in enumerate(schedule.actions):
-        lines.append(f"{rank}: " + " ".join(t for t in row if _action_kind(t) in kinds))
+        lines.append(f"{rank}: " + " ".join(t for t in row if action_kind(t) in kinds))
     return "\n".join(lines) + "\n"
 
 

@@ -31,7 +31,8 @@ Row = list[tuple[str, float, float]]  # (action, start s, end s)
 _COMPUTE = ("F", "B", "I", "W")
 
 
-def _kind(token: str) -> str:
+def action_kind(token: str) -> str:
+    """The kind of an action in text form: "F" for "2F0", "SEND_F" for "0SEND_F2->3"."""
     body = token.split("->")[0].split("<-")[0]
     return body.strip("0123456789")
 
@@ -50,7 +51,7 @@ def step_metrics(row: Row) -> dict[str, float]:
     if not row:
         return {"span_s": 0.0, "compute_s": 0.0, "bubble_fraction": 0.0}
     span = row[-1][2] - row[0][1]
-    compute = sum(e - s for t, s, e in row if _kind(t) in _COMPUTE)
+    compute = sum(e - s for t, s, e in row if action_kind(t) in _COMPUTE)
     return {"span_s": span, "compute_s": compute,
             "bubble_fraction": max(0.0, 1.0 - compute / span) if span > 0 else 0.0}
 
@@ -85,7 +86,7 @@ def chrome_trace(rows: Sequence[Row], *, title: str = "torch_mpmd step") -> dict
         events.append({"name": "process_name", "ph": "M", "pid": rank,
                        "args": {"name": f"rank {rank}"}})
         for token, start, end in row:
-            kind = _kind(token)
+            kind = action_kind(token)
             events.append({"name": token, "cat": kind, "ph": "X", "pid": rank, "tid": 0,
                            "ts": start * 1e6, "dur": max(end - start, 0.0) * 1e6})
     return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"title": title}}
@@ -103,9 +104,9 @@ def simulate_measured(schedule: Any, rows: Sequence[Row]) -> Any:
     by_stage_kind: dict[int, dict[str, list[float]]] = {}
     for row in rows:
         for t, s, e in row:
-            if _kind(t) in _COMPUTE:
+            if action_kind(t) in _COMPUTE:
                 stage = int(t[:len(t) - len(t.lstrip("0123456789"))])
-                by_stage_kind.setdefault(stage, {}).setdefault(_kind(t), []).append(
+                by_stage_kind.setdefault(stage, {}).setdefault(action_kind(t), []).append(
                     (e - s) * 1e3)
     stage_costs = {st: {k: statistics.median(v) for k, v in kinds.items()}
                    for st, kinds in by_stage_kind.items()}

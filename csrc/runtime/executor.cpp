@@ -126,22 +126,23 @@ void Executor::postReceivesFor(int64_t index) {
 }
 
 void Executor::reapSends(bool wait_all) {
-  size_t kept = 0;
-  for (auto& s : sends_) {
-    bool done;
+  // Sends complete roughly in posting order: poll from the oldest and stop at
+  // the first still in flight, so a SEND costs O(1) polls, not O(outstanding)
+  // (gloo's send work never reports completion before it is waited on).
+  size_t done = 0;
+  for (; done < sends_.size(); ++done) {
+    auto& s = sends_[done];
     try {
       if (wait_all) {
         s.transfer->wait(options_.timeout);
-        done = true;
-      } else {
-        done = s.transfer->poll();
+      } else if (!s.transfer->poll()) {
+        break;
       }
     } catch (const TransportError& e) {
       fail(s.action_index, e.what(), e.peer());
     }
-    if (!done) sends_[kept++] = std::move(s);
   }
-  sends_.resize(kept);
+  sends_.erase(sends_.begin(), sends_.begin() + static_cast<std::ptrdiff_t>(done));
 }
 
 void Executor::execute(int64_t index, const Action& a) {
