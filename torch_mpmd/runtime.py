@@ -10,9 +10,11 @@ of the loss and outputs from the last stage's rank.
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import hashlib
 import os
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -142,6 +144,21 @@ class StagedModel:
                    split.captured.tensors, split.captured.rebuild_output)
 
 
+# NOTE [Release at exit]: the C++ executors and transports hold references to
+# process groups. A runtime that is still alive when the interpreter finalizes
+# (a torch.compile'd pipeline in Dynamo's cache, a pipeline in a reference
+# cycle) would destroy its gloo group during finalization, which aborts the
+# process ("terminate called without an active exception"). So at exit, while
+# everything is alive, the runtimes drop their C++ objects.
+_LIVE: "weakref.WeakSet[RankRuntime]" = weakref.WeakSet()
+
+
+@atexit.register
+def _release_all() -> None:
+    for rt in list(_LIVE):
+        rt.release()
+
+
 class RankRuntime:
     """Everything one rank builds from one capture (see the module docstring)."""
 
@@ -184,6 +201,7 @@ class RankRuntime:
         self._forward_executor: Any = None
         self._backward_executor: Any = None
         self.tied_groups = self._tied_groups()
+        _LIVE.add(self)
         self.dp = self._data_parallel() if dp_group is not None else None
         if self.dp is not None:
             self.runner.on_reduce_grad = self.dp.reduce
@@ -266,6 +284,12 @@ class RankRuntime:
         order = [int(t[:-len("REDUCE_GRAD")]) for t in self.schedule.actions[self.rank]
                  if t.endswith("REDUCE_GRAD")]
         return DataParallel(self.dp_group, stage_params, order, self.timeout_s)
+
+    def release(self) -> None:
+        """Drop the executors and the transport (and with them the process-group
+        references they hold); the runtime cannot step afterwards."""
+        self.executor = self._forward_executor = self._backward_executor = None
+        self.transport = None
 
     # ------------------------------------------------------------ stepping
     @property
