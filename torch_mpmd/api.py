@@ -285,7 +285,7 @@ class Pipeline(torch.nn.Module):
         gradients into this rank's parameters; returns the mean loss on every rank."""
         mbs = split_microbatches(args, kwargs, target, self.num_microbatches)
         rt = self._ensure_built(mbs[0][0], mbs[0][1])
-        inputs = [self._mpmd_split._named_inputs(a, k) for a, k, _ in mbs]
+        inputs = self._mpmd_split.named_microbatches(args, kwargs, mbs)
         rng = _RngState(self.device)
         rt.runner.begin_step(inputs, [t for _, _, t in mbs], self._mpmd_loss_fn, rt.seed,
                              self._mpmd_step, training=True)
@@ -357,7 +357,7 @@ class Pipeline(torch.nn.Module):
         """Forward only (no autograd state kept); the output on every rank."""
         mbs = split_microbatches(args, kwargs, None, self.num_microbatches)
         rt = self._ensure_built(mbs[0][0], mbs[0][1])
-        inputs = [self._mpmd_split._named_inputs(a, k) for a, k, _ in mbs]
+        inputs = self._mpmd_split.named_microbatches(args, kwargs, mbs)
         rng = _RngState(self.device)
         rt.runner.begin_step(inputs, [], None, rt.seed, self._mpmd_step, training=False)
         try:

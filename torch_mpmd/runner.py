@@ -175,12 +175,17 @@ class _LocalStage:
     sent_index: dict[int, int]         # node id -> position in signature.sent
     clone_inputs: set[int]             # node ids fed a clone (written in place)
     weights: list[torch.Tensor]        # parameters requiring grad (for W)
+    # Per producer (in `producers` order), per value on that edge:
+    # (position in signature.received, gets a gradient, fed a clone).
+    receive_plan: list[list[tuple[int, bool, bool]]] = field(default_factory=list)
+    # Per consumer (in `consumers` order): positions in signature.sent to send.
+    send_plan: list[list[int]] = field(default_factory=list)
     # NOTE [Weight-gradient split]: module returning the Z too, and per Z its params.
     split_module: torch.fx.GraphModule | None = None
     z_params: list[list[torch.Tensor]] = field(default_factory=list)
 
 
-@dataclass
+@dataclass(slots=True)
 class _Saved:
     leaves: list[torch.Tensor | None]  # per received value
     roots: list[torch.Tensor]          # outputs to backprop from (loss on the last stage)
@@ -188,6 +193,43 @@ class _Saved:
     saved_bytes: int = 0               # activations autograd saved for this forward
     zs: list[torch.Tensor] = field(default_factory=list)   # weight-node outputs (split only)
     dzs: list[torch.Tensor | None] = field(default_factory=list)  # their gradients, from I
+
+
+class _ForwardContext:
+    """Grad mode, profiler label and (when measuring) saved-tensor hooks
+    around one stage forward: the slow path of StageRunner._forward."""
+
+    def __init__(self, label: str, training: bool, *, measure: bool) -> None:
+        self._stack = contextlib.ExitStack()
+        self._label = label
+        self._training = training
+        self._measure = measure
+        self._storages: dict[int, int] = {}
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        self._storages[storage.data_ptr()] = storage.nbytes()
+        # Detached: returning the tensor itself would make a saved output refer
+        # to its own grad_fn, a cycle gc cannot break (leaks whatever part of
+        # the graph no backward frees).
+        return t.detach()
+
+    def __enter__(self) -> "_ForwardContext":
+        self._stack.enter_context(torch.set_grad_enabled(self._training))
+        if self._measure:
+            self._stack.enter_context(
+                torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t))
+        self._stack.enter_context(_label(self._label))
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stack.close()
+
+    def saved_bytes(self, module: torch.nn.Module) -> int:
+        """Bytes of the tensors saved for backward, parameters and buffers excluded."""
+        own = {t.untyped_storage().data_ptr()
+               for t in list(module.parameters()) + list(module.buffers())}
+        return sum(n for ptr, n in self._storages.items() if ptr not in own)
 
 
 class StageRunner:
@@ -215,14 +257,23 @@ class StageRunner:
                 clone_inputs={v.node for v, name in zip(sig.received, received_names)
                               if name in mutated},
                 weights=[p for p in module.parameters() if p.requires_grad])
+            self.stages[s].receive_plan = self._receive_plan(s, layout)
+            self.stages[s].send_plan = [[self.stages[s].sent_index[v.node]
+                                         for v in layout.forward[(s, c)]]
+                                        for c in consumers[s]]
             readers = _weight_nodes(module) if split_backward else None
             if readers:
                 self.stages[s].split_module = _with_weight_outputs(
                     module, [n for n, _ in readers])
                 self.stages[s].z_params = [[_attr(module, f) for f in fqns]
                                            for _, fqns in readers]
-        self._param_storages: dict[int, set[int]] = {}
         self._saved: dict[tuple[int, int], _Saved] = {}
+        # NOTE [Saved-bytes accounting]: the bytes autograd saves for one forward
+        # of a stage, measured with saved-tensor hooks on the stage's first
+        # training forward (per graph: plain or split) and reused after. Every
+        # microbatch of a capture has the same shapes, so the figure is the same
+        # each time; the hooks cost a Python call per saved tensor.
+        self._bytes_per_forward: dict[tuple[int, bool], int] = {}
         self.on_reduce_grad: Callable[[int], None] | None = None
         # Bytes of activations autograd holds per local stage, now and at peak
         # (tensors saved for backward, parameters and buffers excluded).
@@ -256,11 +307,7 @@ class StageRunner:
         self.error = None
         self.live_bytes = {s: 0 for s in self.stages}
         self.peak_bytes = {s: 0 for s in self.stages}
-        # Per step: parameters may have moved (load_state_dict(assign=True), .to()).
-        self._param_storages = {
-            s: {t.untyped_storage().data_ptr()
-                for t in list(st.module.parameters()) + list(st.module.buffers())}
-            for s, st in self.stages.items()}
+        self._loss_grads: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
 
     def end_step(self) -> None:
         """Drop what a step left behind (after an error, or forward-only runs)."""
@@ -301,50 +348,56 @@ class StageRunner:
                 raise
 
     # ------------------------------------------------------------ internals
+    def _receive_plan(self, stage: int, layout: EdgeLayout) -> list[list[tuple[int, bool, bool]]]:
+        st = self.stages[stage]
+        plan = []
+        for p in st.producers:
+            grad_nodes = {v.node for v in layout.backward[(p, stage)]}
+            plan.append([(st.received_index[v.node], v.node in grad_nodes,
+                          v.node in st.clone_inputs) for v in layout.forward[(p, stage)]])
+        return plan
+
     def _forward(self, stage: int, mb: int, inputs: list[list[torch.Tensor]]
                  ) -> list[list[torch.Tensor]]:
         st = self.stages[stage]
         sig = st.signature
+        training = self.training
         received: list[Any] = [None] * len(sig.received)
         leaves: list[torch.Tensor | None] = [None] * len(sig.received)
-        for p, tensors in zip(st.producers, inputs):
-            values = self.layout.forward[(p, stage)]
-            grad_nodes = {v.node for v in self.layout.backward[(p, stage)]}
-            for v, t in zip(values, tensors):
+        for plan, tensors in zip(st.receive_plan, inputs):
+            for (slot, grad, clone), t in zip(plan, tensors):
                 leaf = t.detach()
-                if self.training and v.node in grad_nodes:
+                if training and grad:
                     leaf.requires_grad_(True)
-                    leaves[st.received_index[v.node]] = leaf
-                arg = leaf
-                if v.node in st.clone_inputs:  # written in place: give the stage a copy
-                    with torch.set_grad_enabled(self.training):
-                        arg = leaf.clone()
-                received[st.received_index[v.node]] = arg
-        args = [self.inputs[mb][name] for name in sig.user_inputs] + received
+                    leaves[slot] = leaf
+                if clone:  # written in place: give the stage a copy
+                    with torch.set_grad_enabled(training):
+                        received[slot] = leaf.clone()
+                else:
+                    received[slot] = leaf
+        mb_inputs = self.inputs[mb]
+        args = [mb_inputs[name] for name in sig.user_inputs] + received
         _seed_rng(stage_seed(self.seed, self.step, stage, mb))
-        storages: dict[int, int] = {}
-        params = self._param_storages[stage]
-
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            storage = t.untyped_storage()
-            ptr = storage.data_ptr()
-            if ptr not in params:
-                storages[ptr] = storage.nbytes()
-            # Detached: returning the tensor itself would make a saved output
-            # refer to its own grad_fn, a cycle gc cannot break (leaks whatever
-            # part of the graph no backward frees).
-            return t.detach()
-
-        with torch.set_grad_enabled(self.training), \
-                torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
-                _label(f"mpmd {stage}F{mb}"):
-            split = self.training and st.split_module is not None
-            result = (st.split_module if split else st.module)(*args)
+        split = training and st.split_module is not None
+        module = st.split_module if split else st.module
+        measured = self._bytes_per_forward.get((stage, split)) if training else 0
+        if (measured is not None and torch.is_grad_enabled() == training and
+                not torch.autograd.profiler._is_profiler_enabled):
+            # The common case, kept lean: NOTE [Saved-bytes accounting].
+            # .forward: the stage is our own GraphModule, no module hooks to run.
+            result = module.forward(*args)
+        else:
+            with _ForwardContext(f"mpmd {stage}F{mb}", training,
+                                 measure=measured is None) as ctx:
+                result = module.forward(*args)
+            if measured is None:
+                measured = ctx.saved_bytes(st.module)
+                self._bytes_per_forward[(stage, split)] = measured
         zs: list[torch.Tensor] = []
         if split:
             n_out = len(result) - len(st.z_params)
             result, zs = result[:n_out], list(result[n_out:])
-        sent = list(result[:len(sig.sent)])
+        sent = result[:len(sig.sent)]
         roots: list[torch.Tensor] = []
         root_nodes: list[int] = []
         if stage == self.num_stages - 1:
@@ -356,24 +409,24 @@ class StageRunner:
                         root_nodes.append(-2 - i)  # flat output i
                 self.outputs[mb] = tuple(o.detach() if isinstance(o, torch.Tensor) else o
                                          for o in flat)
-            elif self.training:
+            elif training:
                 loss = self._loss(flat, mb)
                 self.losses[mb] = loss.detach()
-                roots, root_nodes = [loss / self.num_microbatches], [-1]
+                roots, root_nodes = [loss], [-1]  # scaled by 1/m through its gradient
             else:
                 self.outputs[mb] = flat
-        elif self.training:
+        elif training:
             for v, t in zip(sig.sent, sent):
                 if _requires_grad(t):
                     roots.append(t)
                     root_nodes.append(v.node)
-        if self.training:
-            saved_bytes = sum(storages.values())
-            self._saved[(stage, mb)] = _Saved(leaves, roots, root_nodes, saved_bytes, zs)
-            self.live_bytes[stage] += saved_bytes
-            self.peak_bytes[stage] = max(self.peak_bytes[stage], self.live_bytes[stage])
-        return [[sent[st.sent_index[v.node]] for v in self.layout.forward[(stage, c)]]
-                for c in st.consumers]
+        if training:
+            self._saved[(stage, mb)] = _Saved(leaves, roots, root_nodes, measured, zs)
+            live = self.live_bytes[stage] + measured
+            self.live_bytes[stage] = live
+            if live > self.peak_bytes[stage]:
+                self.peak_bytes[stage] = live
+        return [[sent[i] for i in idx] for idx in st.send_plan]
 
     def _loss(self, flat: tuple, mb: int) -> torch.Tensor:
         output = self.rebuild_output(flat, self.inputs[mb])
@@ -385,21 +438,31 @@ class StageRunner:
                     f"tensor; it returned {type(output).__name__}"
                     + (f" of shape {tuple(output.shape)}" if isinstance(output, torch.Tensor)
                        else "") + "; pass loss_fn=")
-            return loss.reshape(())
+            return loss if loss.dim() == 0 else loss.reshape(())
         loss = self.loss_fn(output, self.targets[mb])
         if not (isinstance(loss, torch.Tensor) and loss.numel() == 1):
             raise ValueError(f"loss_fn must return a scalar tensor, it returned "
                              f"{type(loss).__name__}"
                              + (f" of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor)
                                 else ""))
-        return loss.reshape(())
+        return loss if loss.dim() == 0 else loss.reshape(())
+
+    def _loss_grad(self, loss: torch.Tensor) -> torch.Tensor:
+        """The gradient the loss of one microbatch starts backward with: 1/m, so
+        the step accumulates the gradient of the mean loss (cached per step)."""
+        key = (loss.dtype, loss.device)
+        g = self._loss_grads.get(key)
+        if g is None:
+            g = torch.full((), 1.0 / self.num_microbatches, dtype=loss.dtype, device=loss.device)
+            self._loss_grads[key] = g
+        return g
 
     def _root_grads(self, stage: int, mb: int, saved: _Saved,
                     grads: list[list[torch.Tensor]]) -> list[torch.Tensor | None]:
         st = self.stages[stage]
         if stage == self.num_stages - 1:
             if not self.outputs_as_roots:
-                return [None]  # the loss: autograd starts from 1
+                return [self._loss_grad(saved.roots[0])]
             return [self.output_grads[mb][-2 - n] for n in saved.root_nodes]
         total: dict[int, torch.Tensor] = {}
         for c, tensors in zip(st.consumers, grads):
@@ -430,25 +493,29 @@ class StageRunner:
         if not input_only:
             self.live_bytes[stage] -= saved.saved_bytes
         root_grads = self._root_grads(stage, mb, saved, grads)
-        pairs = [(r, g) for r, g, n in zip(saved.roots, root_grads, saved.root_nodes)
-                 if g is not None or n == -1]  # -1: the loss, whose gradient is implicit
-        roots = [r for r, _ in pairs]
-        root_grads = [g for _, g in pairs]
-        leaves = [leaf for leaf in saved.leaves if leaf is not None]
+        pairs = [(r, g) for r, g in zip(saved.roots, root_grads) if g is not None]
+        roots = tuple(r for r, _ in pairs)
+        root_grads = tuple(g for _, g in pairs)
         with _label(f"mpmd {stage}{'I' if input_only else 'B'}{mb}"):
             if input_only and saved.zs:
                 input_grads = self._input_and_weight_node_grads(saved, roots, root_grads)
             else:
-                input_grads = self._run_backward(saved, roots, root_grads, leaves, input_only)
+                input_grads = self._run_backward(saved, roots, root_grads, input_only)
         result = self._input_grads(stage, saved, input_grads)
         if input_only:  # keep only what W needs: the roots and their gradients
-            saved.roots, saved.root_nodes = roots, [-1] * len(roots)
-            saved.leaves = root_grads  # type: ignore[assignment]
+            saved.roots, saved.root_nodes = list(roots), [-1] * len(roots)
+            saved.leaves = list(root_grads)  # type: ignore[arg-type]
         return result
 
+    # The engine is called directly (what torch.autograd.backward/grad end in):
+    # the roots' gradients are always given, and the Python wrappers' checks
+    # cost as much as a small layer's backward. Arguments: roots, their
+    # gradients, keep_graph, create_graph, inputs, allow_unreachable,
+    # accumulate_grad.
+
     @staticmethod
-    def _input_and_weight_node_grads(saved: _Saved, roots: list[torch.Tensor],
-                                     root_grads: list[torch.Tensor | None]
+    def _input_and_weight_node_grads(saved: _Saved, roots: tuple[torch.Tensor, ...],
+                                     root_grads: tuple[torch.Tensor, ...]
                                      ) -> list[torch.Tensor | None]:
         """I with NOTE [Weight-gradient split]: gradients of the received values
         (returned) and of every Z (kept in ``saved.dzs`` for W)."""
@@ -457,28 +524,27 @@ class StageRunner:
         if not roots or not (leaves or zs):
             saved.zs, saved.dzs = [], []
             return [None] * len(saved.leaves)
-        got = list(torch.autograd.grad(roots, leaves + zs, root_grads, retain_graph=True,
-                                       allow_unused=True))
+        got = _ENGINE.run_backward(roots, root_grads, True, False, tuple(leaves + zs), True,
+                                   False)
         it = iter(got[:len(leaves)])
         dz = iter(got[len(leaves):])
         saved.dzs = [next(dz) if z.requires_grad else None for z in saved.zs]
         return [next(it) if leaf is not None else None for leaf in saved.leaves]
 
     @staticmethod
-    def _run_backward(saved: _Saved, roots: list[torch.Tensor],
-                      root_grads: list[torch.Tensor | None], leaves: list[torch.Tensor],
-                      input_only: bool) -> list[torch.Tensor | None]:
-        input_grads: list[torch.Tensor | None] = [None] * len(saved.leaves)
-        if roots and input_only:
-            if leaves:
-                got = torch.autograd.grad(roots, leaves, root_grads, retain_graph=True,
-                                          allow_unused=True)
-                it = iter(got)
-                input_grads = [next(it) if leaf is not None else None for leaf in saved.leaves]
-        elif roots:
-            torch.autograd.backward(roots, root_grads)
-            input_grads = [leaf.grad if leaf is not None else None for leaf in saved.leaves]
-        return input_grads
+    def _run_backward(saved: _Saved, roots: tuple[torch.Tensor, ...],
+                      root_grads: tuple[torch.Tensor, ...], input_only: bool
+                      ) -> list[torch.Tensor | None]:
+        if not roots:
+            return [None] * len(saved.leaves)
+        if input_only:
+            leaves = tuple(leaf for leaf in saved.leaves if leaf is not None)
+            if not leaves:
+                return [None] * len(saved.leaves)
+            it = iter(_ENGINE.run_backward(roots, root_grads, True, False, leaves, True, False))
+            return [next(it) if leaf is not None else None for leaf in saved.leaves]
+        _ENGINE.run_backward(roots, root_grads, False, False, (), True, True)
+        return [leaf.grad if leaf is not None else None for leaf in saved.leaves]
 
     def _backward_weight(self, stage: int, mb: int) -> None:
         saved = self._saved.pop((stage, mb))

@@ -28,6 +28,7 @@ from torch_mpmd.capture import CapturedGraph, PlaceholderInfo, capture
 from torch_mpmd.capture import flatten_inputs
 from torch_mpmd.fx_to_ir import GraphIR, grad_mode_setting, order_mutations
 from torch_mpmd.fx_to_ir import resolve_split_points, to_ir
+from torch_mpmd.microbatch import Replicate
 
 __all__ = [
     "StageValue",
@@ -382,6 +383,34 @@ class SplitModel:
 
     def _named_inputs(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> dict[str, Any]:
         inputs = flatten_inputs(self.captured.signature, args, kwargs)
+        self._check_named_inputs(inputs)
+        return inputs
+
+    def named_microbatches(self, args: Sequence[Any], kwargs: Mapping[str, Any],
+                           microbatches: Sequence[tuple[tuple, dict, Any]]
+                           ) -> list[dict[str, Any]]:
+        """The named inputs of every microbatch of a batch (``microbatches`` as
+        split by ``split_microbatches(args, kwargs, ...)``), checked against the
+        capture. The batch is named once and each tensor leaf chunked, instead
+        of binding forward's signature per microbatch: the microbatches share
+        the batch's structure and their tensors its shapes."""
+        m = len(microbatches)
+        full = flatten_inputs(self.captured.signature, args, kwargs)
+        per: dict[str, Sequence[Any]] = {}
+        for name, value in full.items():
+            if isinstance(value, Replicate) and isinstance(value.value, torch.Tensor):
+                per[name] = [value.value] * m
+            elif isinstance(value, Replicate):  # a container: its leaves have other names
+                return [self._named_inputs(a, k) for a, k, _ in microbatches]
+            elif isinstance(value, torch.Tensor) and m > 1:
+                per[name] = value.chunk(m, dim=0)
+            else:
+                per[name] = [value] * m
+        named = [{name: chunks[k] for name, chunks in per.items()} for k in range(m)]
+        self._check_named_inputs(named[0])
+        return named
+
+    def _check_named_inputs(self, inputs: Mapping[str, Any]) -> None:
         known = set(self.captured.input_names) | set(self.captured.input_constants)
         unknown = [name for name in inputs if name not in known]
         if unknown:
@@ -422,7 +451,6 @@ class SplitModel:
                 raise ValueError(
                     f"non-tensor input {name!r} was {value!r} when the model was split, got "
                     f"{inputs[name]!r}; the stages have it baked in, split again")
-        return inputs
 
     def run(self, *args: Any, **kwargs: Any) -> Any:
         """Chain the stages in this process; returns what the model's forward returns."""
