@@ -6,8 +6,14 @@
 so both systems compute the same thing), the same split into stages at
 `blocks.K`, the same schedule, microbatches and ranks (2 ranks, gloo, 1 thread
 each); the two systems step alternately in the same processes, after a warm-up
-step each. Prints median step times and the ratio torch_mpmd / torch, per
-schedule, then torch_mpmd's zero_bubble against its 1f1b at the same m.
+step each. A third contender runs in the same rounds: rank 0 stepping the whole
+model alone over the same microbatches (rank 1 waits at the barrier). Prints
+median step times, the ratio torch_mpmd / torch per schedule, each system's
+time as a fraction of the one-process step next to the schedule's ideal
+fraction with free communication and perfectly balanced stages, and the best
+ratio any runtime running the same kernels could reach against torch's
+(ideal / torch's fraction); then torch_mpmd's zero_bubble against its 1f1b at
+the same m, next to the simulator's ratio for unit costs (F=I=W=1, B=2).
 """
 
 from __future__ import annotations
@@ -99,6 +105,12 @@ def main() -> None:
     y = torch.randint(0, 96, (args.batch, args.seq))
     m = args.microbatches
     results = {}
+    whole = copy.deepcopy(model)
+
+    def one_process_step() -> None:
+        if rank == 0:
+            for xs, ys in zip(x.chunk(m), y.chunk(m)):
+                (loss_fn(whole(xs), ys) / m).backward()
 
     for name in args.schedules.split(","):
         spr = 2 if name == "interleaved_1f1b" else 1
@@ -130,18 +142,22 @@ def main() -> None:
         def ours_step() -> None:
             ours.step(x, target=y)
 
-        times: dict[str, list[float]] = {"torch_mpmd": [], "torch": []}
-        for step in (ours_step, theirs_step):  # warm-up (capture, shape inference)
+        contenders = {"torch_mpmd": ours_step, "torch": theirs_step, "one": one_process_step}
+        times: dict[str, list[float]] = {label: [] for label in contenders}
+        for step in contenders.values():  # warm-up (capture, shape inference)
             step()
             dist.barrier()
         for _ in range(args.rounds):
-            for label, step in (("torch_mpmd", ours_step), ("torch", theirs_step)):
+            for label, step in contenders.items():
                 dist.barrier()
                 t0 = time.perf_counter()
                 step()
                 dist.barrier()
                 times[label].append(time.perf_counter() - t0)
-        results[name] = (median_ms(times["torch_mpmd"]), median_ms(times["torch"]))
+        # Free communication, equal stages: (m + (p - 1) / v) / (m p) of one process.
+        ideal = (m + (world - 1) / spr) / (m * world)
+        results[name] = (median_ms(times["torch_mpmd"]), median_ms(times["torch"]),
+                         median_ms(times["one"]), ideal)
 
     pipes = {name: mpmd.pipeline(copy.deepcopy(model), loss_fn=loss_fn, schedule=name,
                                  num_microbatches=m,
@@ -163,11 +179,19 @@ def main() -> None:
         print(f"GPT {args.layers} layers d={args.d_model}, batch {args.batch}x{args.seq}, "
               f"m={m}, {world} ranks x 1 thread (gloo), median of {args.rounds} alternating "
               "steps")
-        print(f"  {'schedule':18s} {'torch_mpmd ms':>14s} {'torch ms':>10s} {'ratio':>7s}")
-        for name, (ours_ms, theirs_ms) in results.items():
-            print(f"  {name:18s} {ours_ms:14.1f} {theirs_ms:10.1f} {ours_ms / theirs_ms:7.2f}")
+        print(f"  {'schedule':18s} {'torch_mpmd ms':>14s} {'torch ms':>10s} {'ratio':>7s}   "
+              f"{'one process ms':>14s} {'torch_mpmd/one':>14s} {'torch/one':>10s} "
+              f"{'ideal/one':>10s} {'best ratio':>10s}")
+        for name, (ours_ms, theirs_ms, one_ms, ideal) in results.items():
+            print(f"  {name:18s} {ours_ms:14.1f} {theirs_ms:10.1f} {ours_ms / theirs_ms:7.2f}   "
+                  f"{one_ms:14.1f} {ours_ms / one_ms:14.2f} {theirs_ms / one_ms:10.2f} "
+                  f"{ideal:10.2f} {ideal / (theirs_ms / one_ms):10.2f}")
         a, b = median_ms(zb_times["zero_bubble"]), median_ms(zb_times["1f1b"])
-        print(f"  torch_mpmd zero_bubble {a:.1f} ms vs 1f1b {b:.1f} ms: ratio {a / b:.2f}")
+        unit = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
+        bound = (pipes["zero_bubble"].schedule.simulate(costs=unit).makespan /
+                 pipes["1f1b"].schedule.simulate(costs=unit).makespan)
+        print(f"  torch_mpmd zero_bubble {a:.1f} ms vs 1f1b {b:.1f} ms: ratio {a / b:.2f} "
+              f"(simulated at unit costs: {bound:.2f})")
     dist.destroy_process_group()
 
 

@@ -24,7 +24,7 @@ import torch.utils._pytree as pytree
 from torch_mpmd.backend import check_stage_count
 from torch_mpmd import meta_init, trace
 from torch_mpmd.data_parallel import mesh_groups
-from torch_mpmd.microbatch import merge_microbatches, split_microbatches
+from torch_mpmd.microbatch import first_microbatch, merge_microbatches, split_tree
 from torch_mpmd.runtime import V_SCHEDULES, PipelineError, RankRuntime, StagedModel
 from torch_mpmd.schedules import Schedule, get_schedule, names as schedule_names
 from torch_mpmd.stage import _set_path, split_model
@@ -109,8 +109,8 @@ class Pipeline(torch.nn.Module):
         self._mpmd_captures: dict[tuple, tuple[RankRuntime, Any]] = {}
         self._mpmd_input_signature: tuple | None = None
         self._mpmd_step = 0
-        self.last_step_stats: dict[str, Any] = {}
-        self._mpmd_last: tuple[Any, list] | None = None
+        self._mpmd_last: tuple[Any, dict[int, int]] | None = None
+        self._mpmd_last_stats: dict[str, Any] | None = None
         if self._mpmd_meta:  # now, so that an optimizer built before the first step
             # holds the Parameters that this rank later materializes in place
             meta_init.replace_with_standins(module, self.device)
@@ -283,11 +283,13 @@ class Pipeline(torch.nn.Module):
     def step(self, *args: Any, target: Any = None, **kwargs: Any) -> torch.Tensor:
         """Forward and backward of all microbatches per the schedule; accumulates
         gradients into this rank's parameters; returns the mean loss on every rank."""
-        mbs = split_microbatches(args, kwargs, target, self.num_microbatches)
-        rt = self._ensure_built(mbs[0][0], mbs[0][1])
-        inputs = self._mpmd_split.named_microbatches(args, kwargs, mbs)
+        m = self.num_microbatches
+        args0, kwargs0 = first_microbatch(args, kwargs, m)
+        targets = split_tree(target, m, "target") if target is not None else [None] * m
+        rt = self._ensure_built(args0, kwargs0)
+        inputs = self._mpmd_split.named_microbatches(args, kwargs, m)
         rng = _RngState(self.device)
-        rt.runner.begin_step(inputs, [t for _, _, t in mbs], self._mpmd_loss_fn, rt.seed,
+        rt.runner.begin_step(inputs, targets, self._mpmd_loss_fn, rt.seed,
                              self._mpmd_step, training=True)
         before = rt.tied_grads_before()
         if rt.dp is not None:
@@ -318,16 +320,32 @@ class Pipeline(torch.nn.Module):
 
     # ------------------------------------------------------------ what a step did
     def _record_stats(self, rt: RankRuntime, executor: Any) -> None:
-        stats = executor.stats
-        row = trace.rank_timeline(executor.program, stats["trace"])
-        self._mpmd_last = (executor, stats["trace"])
-        self.last_step_stats = {
-            "steps": stats["steps"],
-            "peak_live_forwards": stats["peak_live_forwards"],
-            "peak_buffered": stats["peak_buffered"],
-            "peak_activation_bytes": dict(rt.runner.peak_bytes),
-            **trace.step_metrics(row),
-        }
+        # Only references: the metrics are derived when asked for (a Python walk
+        # over every action, which would cost each step as much as ~100 actions).
+        self._mpmd_last = (executor, dict(rt.runner.peak_bytes))
+        self._mpmd_last_stats = None
+
+    @property
+    def last_step_stats(self) -> dict[str, Any]:
+        """What the last step (or forward) did on this rank: ``steps`` run by its
+        executor, ``peak_live_forwards`` (forwards held before their backward),
+        ``peak_buffered`` values, ``peak_activation_bytes`` per local stage,
+        ``span_s``, ``compute_s`` and the measured ``bubble_fraction``
+        (:func:`torch_mpmd.trace.step_metrics`). Empty before the first step."""
+        if self._mpmd_last is None:
+            return {}
+        if self._mpmd_last_stats is None:
+            executor, peak_bytes = self._mpmd_last
+            stats = executor.stats
+            row = trace.rank_timeline(executor.program, stats["trace"])
+            self._mpmd_last_stats = {
+                "steps": stats["steps"],
+                "peak_live_forwards": stats["peak_live_forwards"],
+                "peak_buffered": stats["peak_buffered"],
+                "peak_activation_bytes": peak_bytes,
+                **trace.step_metrics(row),
+            }
+        return self._mpmd_last_stats
 
     def timelines(self) -> list[list[tuple[str, float, float]]]:
         """Every rank's ``(action, start s, end s)`` of the last step, on every rank.
@@ -335,7 +353,8 @@ class Pipeline(torch.nn.Module):
         rt = self._runtime()
         if self._mpmd_last is None:
             raise RuntimeError("no step has run yet: call step() or the pipeline first")
-        executor, events = self._mpmd_last
+        executor, _ = self._mpmd_last
+        events = executor.stats["trace"]
         programs = self.schedule.actions if executor is rt.executor else _forward_programs(rt)
         return trace.gather_timelines(executor.program, events, programs, rt.group)
 
@@ -355,9 +374,8 @@ class Pipeline(torch.nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Forward only (no autograd state kept); the output on every rank."""
-        mbs = split_microbatches(args, kwargs, None, self.num_microbatches)
-        rt = self._ensure_built(mbs[0][0], mbs[0][1])
-        inputs = self._mpmd_split.named_microbatches(args, kwargs, mbs)
+        rt = self._ensure_built(*first_microbatch(args, kwargs, self.num_microbatches))
+        inputs = self._mpmd_split.named_microbatches(args, kwargs, self.num_microbatches)
         rng = _RngState(self.device)
         rt.runner.begin_step(inputs, [], None, rt.seed, self._mpmd_step, training=False)
         try:

@@ -14,7 +14,8 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-__all__ = ["Replicate", "split_microbatches", "merge_microbatches"]
+__all__ = ["Replicate", "split_microbatches", "first_microbatch", "split_tree",
+           "merge_microbatches"]
 
 
 class Replicate:
@@ -29,11 +30,13 @@ class Replicate:
         return f"Replicate({self.value!r})"
 
 
-def _split(value: Any, m: int, where: str) -> list[Any]:
+def _split(value: Any, m: int, where: str, *, first_only: bool = False) -> list[Any]:
+    """``value``'s m microbatches (only the first when ``first_only``)."""
+    k = 1 if first_only else m
     if isinstance(value, Replicate):
-        return [value.value] * m
+        return [value.value] * k
     if not isinstance(value, torch.Tensor):
-        return [value] * m
+        return [value] * k
     if value.dim() == 0:
         raise ValueError(f"{where} is a 0-dim tensor, which cannot be split into "
                          f"num_microbatches={m}; wrap it in torch_mpmd.Replicate(...) to give "
@@ -42,26 +45,43 @@ def _split(value: Any, m: int, where: str) -> list[Any]:
     if n % m:
         raise ValueError(f"{where} has batch size {n} (dim 0), which num_microbatches={m} "
                          f"does not divide; use a batch size that is a multiple of {m}")
-    return list(value.chunk(m, dim=0)) if m > 1 else [value]
+    if m == 1:
+        return [value]
+    return [value.narrow(0, 0, n // m)] if first_only else list(value.chunk(m, dim=0))
 
 
-def _split_tree(value: Any, m: int, where: str) -> list[Any]:
+def split_tree(value: Any, m: int, where: str, *, first_only: bool = False) -> list[Any]:
+    """One argument (a tensor, Replicate, non-tensor or container of them)
+    split into its m microbatches; ``where`` names it in errors."""
     if isinstance(value, (Replicate, torch.Tensor)) or value is None:
-        return _split(value, m, where)
+        return _split(value, m, where, first_only=first_only)
     leaves, spec = pytree.tree_flatten(value, is_leaf=lambda x: isinstance(x, Replicate))
+    k = 1 if first_only else m
     if not leaves:
-        return [value] * m
-    per_leaf = [_split(leaf, m, f"{where} (leaf {i})") for i, leaf in enumerate(leaves)]
-    return [pytree.tree_unflatten([p[k] for p in per_leaf], spec) for k in range(m)]
+        return [value] * k
+    per_leaf = [_split(leaf, m, f"{where} (leaf {i})", first_only=first_only)
+                for i, leaf in enumerate(leaves)]
+    return [pytree.tree_unflatten([p[j] for p in per_leaf], spec) for j in range(k)]
+
+
+def first_microbatch(args: Sequence[Any], kwargs: Mapping[str, Any],
+                     num_microbatches: int) -> tuple[tuple, dict]:
+    """``(args_0, kwargs_0)``, the first microbatch, with the errors of
+    :func:`split_microbatches` (what the capture needs, without the others)."""
+    m = num_microbatches
+    return (tuple(split_tree(a, m, f"positional argument {i}", first_only=True)[0]
+                  for i, a in enumerate(args)),
+            {k: split_tree(v, m, f"keyword argument {k!r}", first_only=True)[0]
+             for k, v in kwargs.items()})
 
 
 def split_microbatches(args: Sequence[Any], kwargs: Mapping[str, Any], target: Any,
                        num_microbatches: int) -> list[tuple[tuple, dict, Any]]:
     """``[(args_k, kwargs_k, target_k)]`` for k in range(num_microbatches)."""
     m = num_microbatches
-    split_args = [_split_tree(a, m, f"positional argument {i}") for i, a in enumerate(args)]
-    split_kwargs = {k: _split_tree(v, m, f"keyword argument {k!r}") for k, v in kwargs.items()}
-    targets = _split_tree(target, m, "target") if target is not None else [None] * m
+    split_args = [split_tree(a, m, f"positional argument {i}") for i, a in enumerate(args)]
+    split_kwargs = {k: split_tree(v, m, f"keyword argument {k!r}") for k, v in kwargs.items()}
+    targets = split_tree(target, m, "target") if target is not None else [None] * m
     return [(tuple(a[k] for a in split_args), {n: v[k] for n, v in split_kwargs.items()},
              targets[k]) for k in range(m)]
 

@@ -11,7 +11,6 @@ order of the transport's tensor specs.
 from __future__ import annotations
 
 import contextlib
-import operator
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,6 +19,7 @@ import torch
 import torch.fx
 
 from torch_mpmd.stage import StageSignature, StageValue
+from torch_mpmd.weight_grad import WeightGradPlan
 
 __all__ = ["EdgeLayout", "StageRunner", "stage_seed"]
 
@@ -39,7 +39,7 @@ def _seed_rng(seed: int) -> None:
     # Not torch.manual_seed: with CUDA built in but not initialized it queues a
     # lazy CUDA seeding that formats a stack trace (~2 ms) on every call.
     torch.default_generator.manual_seed(seed)
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    if torch.cuda.is_initialized():  # (never true where CUDA is unavailable)
         torch.cuda.manual_seed(seed)
 
 
@@ -128,43 +128,6 @@ def _mutated_placeholders(gm: torch.fx.GraphModule) -> set[str]:
     return mutated
 
 
-def _weight_nodes(gm: torch.fx.GraphModule) -> list[tuple[torch.fx.Node, list[str]]] | None:
-    """Nodes that read trainable parameters directly, each with those
-    parameters' FQNs, in graph order; None when a parameter is read by more than
-    one node (see NOTE [Weight-gradient split])."""
-    params = {n: str(n.target) for n in gm.graph.nodes if n.op == "get_attr"
-              and isinstance(_attr(gm, str(n.target)), torch.nn.Parameter)
-              and _attr(gm, str(n.target)).requires_grad}
-    readers: dict[torch.fx.Node, list[str]] = {}
-    seen: set[str] = set()
-    for node in gm.graph.nodes:
-        used = [params[a] for a in node.all_input_nodes if a in params]
-        if not used:
-            continue
-        ex = node.meta.get("example_value", node.meta.get("val"))
-        if any(u in seen for u in used) or not isinstance(ex, torch.Tensor):
-            return None
-        seen.update(used)
-        readers[node] = used
-    if any(p not in seen for p in params.values()):
-        return None
-    return list(readers.items())
-
-
-def _attr(gm: torch.nn.Module, fqn: str) -> Any:
-    return operator.attrgetter(fqn)(gm)
-
-
-def _with_weight_outputs(gm: torch.fx.GraphModule, nodes: Sequence[torch.fx.Node]
-                         ) -> torch.fx.GraphModule:
-    """A copy of ``gm`` returning ``(*its outputs, *nodes)``."""
-    graph = torch.fx.Graph()
-    val_map: dict[torch.fx.Node, torch.fx.Node] = {}
-    out = graph.graph_copy(gm.graph, val_map)
-    graph.output((*out, *[val_map[n] for n in nodes]))
-    return torch.fx.GraphModule(gm, graph, class_name=f"{type(gm).__name__}WithWeightInputs")
-
-
 @dataclass
 class _LocalStage:
     module: torch.fx.GraphModule
@@ -180,9 +143,8 @@ class _LocalStage:
     receive_plan: list[list[tuple[int, bool, bool]]] = field(default_factory=list)
     # Per consumer (in `consumers` order): positions in signature.sent to send.
     send_plan: list[list[int]] = field(default_factory=list)
-    # NOTE [Weight-gradient split]: module returning the Z too, and per Z its params.
-    split_module: torch.fx.GraphModule | None = None
-    z_params: list[list[torch.Tensor]] = field(default_factory=list)
+    # NOTE [Weight-gradient split] (weight_grad.py); None: W re-walks the stage.
+    wplan: WeightGradPlan | None = None
 
 
 @dataclass(slots=True)
@@ -193,6 +155,7 @@ class _Saved:
     saved_bytes: int = 0               # activations autograd saved for this forward
     zs: list[torch.Tensor] = field(default_factory=list)   # weight-node outputs (split only)
     dzs: list[torch.Tensor | None] = field(default_factory=list)  # their gradients, from I
+    xs: list[torch.Tensor] = field(default_factory=list)   # inputs of formula weight nodes
 
 
 class _ForwardContext:
@@ -261,12 +224,8 @@ class StageRunner:
             self.stages[s].send_plan = [[self.stages[s].sent_index[v.node]
                                          for v in layout.forward[(s, c)]]
                                         for c in consumers[s]]
-            readers = _weight_nodes(module) if split_backward else None
-            if readers:
-                self.stages[s].split_module = _with_weight_outputs(
-                    module, [n for n, _ in readers])
-                self.stages[s].z_params = [[_attr(module, f) for f in fqns]
-                                           for _, fqns in readers]
+            if split_backward:
+                self.stages[s].wplan = WeightGradPlan.build(module)
         self._saved: dict[tuple[int, int], _Saved] = {}
         # NOTE [Saved-bytes accounting]: the bytes autograd saves for one forward
         # of a stage, measured with saved-tensor hooks on the stage's first
@@ -378,8 +337,8 @@ class StageRunner:
         mb_inputs = self.inputs[mb]
         args = [mb_inputs[name] for name in sig.user_inputs] + received
         _seed_rng(stage_seed(self.seed, self.step, stage, mb))
-        split = training and st.split_module is not None
-        module = st.split_module if split else st.module
+        split = training and st.wplan is not None
+        module = st.wplan.module if split else st.module
         measured = self._bytes_per_forward.get((stage, split)) if training else 0
         if (measured is not None and torch.is_grad_enabled() == training and
                 not torch.autograd.profiler._is_profiler_enabled):
@@ -394,9 +353,9 @@ class StageRunner:
                 measured = ctx.saved_bytes(st.module)
                 self._bytes_per_forward[(stage, split)] = measured
         zs: list[torch.Tensor] = []
+        xs: list[torch.Tensor] = []
         if split:
-            n_out = len(result) - len(st.z_params)
-            result, zs = result[:n_out], list(result[n_out:])
+            result, zs, xs = st.wplan.split_outputs(result)
         sent = result[:len(sig.sent)]
         roots: list[torch.Tensor] = []
         root_nodes: list[int] = []
@@ -421,7 +380,8 @@ class StageRunner:
                     roots.append(t)
                     root_nodes.append(v.node)
         if training:
-            self._saved[(stage, mb)] = _Saved(leaves, roots, root_nodes, measured, zs)
+            self._saved[(stage, mb)] = _Saved(leaves, roots, root_nodes, measured, zs,
+                                              xs=xs)
             live = self.live_bytes[stage] + measured
             self.live_bytes[stage] = live
             if live > self.peak_bytes[stage]:
@@ -550,14 +510,10 @@ class StageRunner:
         saved = self._saved.pop((stage, mb))
         self.live_bytes[stage] -= saved.saved_bytes
         weights = self.stages[stage].weights
-        if saved.dzs or (saved.zs and not saved.roots):
+        wplan = self.stages[stage].wplan
+        if saved.dzs and wplan is not None:
             with _label(f"mpmd {stage}W{mb}"):
-                for z, dz, params in zip(saved.zs, saved.dzs, self.stages[stage].z_params):
-                    if dz is not None:
-                        # The engine directly (what backward(inputs=...) ends in):
-                        # accumulates into .grad, without the per-call Python checks
-                        # that cost more than a small layer's weight gradient.
-                        _ENGINE.run_backward((z,), (dz,), True, False, tuple(params), True, True)
+                wplan.accumulate(saved.zs, saved.dzs, saved.xs)
         elif saved.roots and weights:
             # NOTE: W walks the retained graph again from the stage outputs,
             # restricted to the weights; I computed the input gradients only.

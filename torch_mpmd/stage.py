@@ -28,7 +28,7 @@ from torch_mpmd.capture import CapturedGraph, PlaceholderInfo, capture
 from torch_mpmd.capture import flatten_inputs
 from torch_mpmd.fx_to_ir import GraphIR, grad_mode_setting, order_mutations
 from torch_mpmd.fx_to_ir import resolve_split_points, to_ir
-from torch_mpmd.microbatch import Replicate
+from torch_mpmd.microbatch import Replicate, split_microbatches
 
 __all__ = [
     "StageValue",
@@ -387,21 +387,22 @@ class SplitModel:
         return inputs
 
     def named_microbatches(self, args: Sequence[Any], kwargs: Mapping[str, Any],
-                           microbatches: Sequence[tuple[tuple, dict, Any]]
-                           ) -> list[dict[str, Any]]:
-        """The named inputs of every microbatch of a batch (``microbatches`` as
-        split by ``split_microbatches(args, kwargs, ...)``), checked against the
-        capture. The batch is named once and each tensor leaf chunked, instead
-        of binding forward's signature per microbatch: the microbatches share
-        the batch's structure and their tensors its shapes."""
-        m = len(microbatches)
+                           num_microbatches: int) -> list[dict[str, Any]]:
+        """The named inputs of each of the ``num_microbatches`` microbatches of
+        a batch (split as ``split_microbatches`` does, whose errors a caller
+        raises first), checked against the capture. The batch is named once
+        and each tensor leaf chunked, instead of binding forward's signature
+        per microbatch: the microbatches share the batch's structure and their
+        tensors its shapes."""
+        m = num_microbatches
         full = flatten_inputs(self.captured.signature, args, kwargs)
         per: dict[str, Sequence[Any]] = {}
         for name, value in full.items():
             if isinstance(value, Replicate) and isinstance(value.value, torch.Tensor):
                 per[name] = [value.value] * m
             elif isinstance(value, Replicate):  # a container: its leaves have other names
-                return [self._named_inputs(a, k) for a, k, _ in microbatches]
+                return [self._named_inputs(a, k)
+                        for a, k, _ in split_microbatches(args, kwargs, None, m)]
             elif isinstance(value, torch.Tensor) and m > 1:
                 per[name] = value.chunk(m, dim=0)
             else:

@@ -1,0 +1,133 @@
+"""The weight-gradient split (torch_mpmd/weight_grad.py), in one process: I
+(one engine call for the inputs and every weight node's output) followed by W
+(formulas or per-node engine calls) gives the gradients of one full backward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.testing import assert_close
+
+from torch_mpmd.stage import split_model
+from torch_mpmd.weight_grad import WeightGradPlan
+
+_ENGINE = torch.autograd.Variable._execution_engine
+
+
+class Mixed(nn.Module):
+    """Every formula rule, a frozen bias, and a node W must leave to the engine."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(11, 8, padding_idx=-2)
+        self.ln = nn.LayerNorm(8)
+        self.fc = nn.Linear(8, 16)
+        self.fc_nobias = nn.Linear(16, 8, bias=False)
+        self.frozen_bias = nn.Linear(8, 8)
+        self.frozen_bias.bias.requires_grad_(False)
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, 8))  # x * scale: the engine's
+
+    def forward(self, idx: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        x = self.emb(idx) + h
+        x = self.fc_nobias(torch.tanh(self.fc(self.ln(x))))
+        return self.frozen_bias(x) * self.scale
+
+
+def _split_grads(module: nn.Module, idx: torch.Tensor, h: torch.Tensor,
+                 dy: torch.Tensor) -> tuple[torch.Tensor, WeightGradPlan]:
+    gm = split_model(module, idx, h.detach()).stages[0]
+    plan = WeightGradPlan.build(gm)
+    assert plan is not None
+    leaf = h.detach().requires_grad_(True)
+    out, zs, xs = plan.split_outputs(plan.module(idx, leaf))
+    got = _ENGINE.run_backward((out[0],), (dy,), True, False, (leaf, *zs), True, False)
+    dh, dzs = got[0], list(got[1:])
+    plan.accumulate(zs, dzs, xs)
+    return dh, plan
+
+
+def test_input_and_weight_gradients_equal_one_full_backward():
+    torch.manual_seed(0)
+    model = Mixed()
+    idx = torch.tensor([[1, 9, 3, 4], [9, 0, 2, 10]])
+    h = torch.randn(2, 4, 8)
+    dy = torch.randn(2, 4, 8)
+    ref_h = h.clone().requires_grad_(True)
+    model(idx, ref_h).backward(dy)
+    ref = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+    model.zero_grad(set_to_none=True)
+
+    dh, plan = _split_grads(model, idx, h, dy)
+    rules = sorted(w.rule for w in plan.nodes)
+    assert rules == ["embedding", "engine", "layer_norm", "linear", "linear", "linear"]
+    assert_close(dh, ref_h.grad, rtol=1e-5, atol=1e-6)
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            assert_close(p.grad, ref[name], rtol=1e-5, atol=1e-6, msg=name)
+    assert model.frozen_bias.bias.grad is None
+    assert model.emb.weight.grad[9].abs().sum() == 0  # padding_idx=-2 is row 9
+
+
+def test_weight_gradients_accumulate_and_hooks_still_run():
+    torch.manual_seed(0)
+    model = Mixed()
+    idx = torch.tensor([[1, 2, 3, 4]])
+    h, dy = torch.randn(1, 4, 8), torch.randn(1, 4, 8)
+    ref_h = h.clone().requires_grad_(True)
+    model(idx, ref_h).backward(dy)
+    model(idx, ref_h).backward(dy)
+    ref = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+    model.zero_grad(set_to_none=True)
+
+    seen: list[str] = []
+    model.fc.weight.register_hook(lambda g: seen.append("tensor hook") or g * 1.0)
+    model.ln.weight.register_post_accumulate_grad_hook(lambda p: seen.append("post hook"))
+    _split_grads(model, idx, h, dy)
+    _split_grads(model, idx, h, dy)
+    assert sorted(seen) == ["post hook"] * 2 + ["tensor hook"] * 2
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            assert_close(p.grad, ref[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_a_parameter_read_by_two_nodes_has_no_split_plan():
+    class Shared(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.fc(self.fc(x))
+
+    gm = split_model(Shared(), torch.randn(2, 4)).stages[0]
+    assert WeightGradPlan.build(gm) is None
+
+
+@pytest.mark.parametrize("shape", [(5, 8), (8,)])
+def test_linear_formula_handles_any_leading_shape(shape):
+    torch.manual_seed(1)
+    fc = nn.Linear(8, 3)
+
+    class One(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = fc
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.fc(x)
+
+    x = torch.randn(*shape)
+    dy = torch.randn(*shape[:-1], 3)
+    fc(x).backward(dy)
+    ref = [fc.weight.grad.clone(), fc.bias.grad.clone()]
+    fc.zero_grad(set_to_none=True)
+    gm = split_model(One(), x).stages[0]
+    plan = WeightGradPlan.build(gm)
+    leaf = x.clone().requires_grad_(True)
+    out, zs, xs = plan.split_outputs(plan.module(leaf))
+    got = _ENGINE.run_backward((out[0],), (dy,), True, False, (leaf, *zs), True, False)
+    plan.accumulate(zs, list(got[1:]), xs)
+    assert_close(fc.weight.grad, ref[0])
+    assert_close(fc.bias.grad, ref[1])
