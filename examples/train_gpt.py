@@ -278,9 +278,9 @@ def main() -> int:
     # What the last step did: every rank's measured bubble and activation
     # memory, a Chrome trace and the measured timeline next to the simulated
     # one (collectives: every rank calls them; rank 0 writes the files).
+    bubbles = mpmd.trace.bubble_fractions(pipe.timelines())  # idle share of the whole step
     stats = pipe.last_step_stats
-    mine = torch.tensor([stats["bubble_fraction"], sum(stats["peak_activation_bytes"].values())],
-                        dtype=torch.float64)
+    mine = torch.tensor([sum(stats["peak_activation_bytes"].values())], dtype=torch.float64)
     everyone = [torch.zeros_like(mine) for _ in range(world)]
     if distributed:
         dist.all_gather(everyone, mine)
@@ -292,9 +292,8 @@ def main() -> int:
     pipe.save_trace(trace_path)
     pipe.save_timeline(png_path)
     if is_main:
-        print("last step, per rank: bubble " +
-              ", ".join(f"{float(t[0]):.0%}" for t in everyone) +
-              "; peak activations " + ", ".join(f"{float(t[1]) / 2**20:.1f} MiB" for t in everyone))
+        print("last step, per rank: bubble " + ", ".join(f"{b:.0%}" for b in bubbles) +
+              "; peak activations " + ", ".join(f"{float(t[0]) / 2**20:.1f} MiB" for t in everyone))
         print(f"trace: {trace_path} (chrome://tracing, ui.perfetto.dev); timeline: {png_path}")
 
     # Smoke check that the run trained: the mean of the last (up to 5) losses,

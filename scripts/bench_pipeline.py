@@ -27,6 +27,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 import torch_mpmd as mpmd  # noqa: E402
 from gpt_model import GPT, GPTConfig  # noqa: E402
+from torch_mpmd.trace import bubble_fractions, simulate_measured  # noqa: E402
 
 
 def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -67,12 +68,17 @@ def main() -> None:
     if rank == 0:
         single_step()
     piped, single = [], []
+    bubbles: list[tuple[list[float], list[float]]] = []  # (measured, simulated) per round
     for _ in range(args.rounds):
         dist.barrier()
         t0 = time.perf_counter()
         pipe.step(x, target=y)
         dist.barrier()
         piped.append(time.perf_counter() - t0)
+        rows = pipe.timelines()
+        if rank == 0:
+            bubbles.append((bubble_fractions(rows),
+                            list(simulate_measured(pipe.schedule, rows).bubble_fraction)))
         if rank == 0:
             t0 = time.perf_counter()
             single_step()
@@ -86,19 +92,17 @@ def main() -> None:
         print(f"  one process step  median {b * 1e3:8.1f} ms")
         print(f"  ratio (pipelined / one process): {a / b:.2f}  (speed-up {b / a:.2f}x)")
 
-    # Measured bubble of the last 1f1b step against the simulator's, fed the
-    # measured per-stage compute times (so only runtime and transfers differ).
-    rows = pipe.timelines()
+    # Measured bubble of each 1f1b step against the simulator's, fed that step's
+    # measured per-stage compute times (so only runtime and transfers differ);
+    # medians over the rounds.
     if rank == 0:
-        from torch_mpmd.trace import simulate_measured, step_metrics
-
-        sim = simulate_measured(pipe.schedule, rows)
-        measured = [step_metrics(row)["bubble_fraction"] for row in rows]
-        print("  1f1b bubble per rank: measured "
+        measured = [statistics.median(b[0][r] for b in bubbles) for r in range(world)]
+        simulated = [statistics.median(b[1][r] for b in bubbles) for r in range(world)]
+        print(f"  1f1b bubble per rank, median of {args.rounds} steps: measured "
               + ", ".join(f"{b:.1%}" for b in measured) + "; simulated with the measured "
-              "stage costs " + ", ".join(f"{b:.1%}" for b in sim.bubble_fraction)
+              "stage costs " + ", ".join(f"{b:.1%}" for b in simulated)
               + "; ratio " + ", ".join(f"{a / b:.2f}" if b else "-"
-                                       for a, b in zip(measured, sim.bubble_fraction)))
+                                       for a, b in zip(measured, simulated)))
 
     # Live activations: the executor's count against the simulator's peak.
     for name in ("gpipe", "1f1b", "zero_bubble"):

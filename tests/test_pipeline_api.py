@@ -188,3 +188,16 @@ def test_activation_bytes_follow_the_schedules_live_forwards():
         peaks[name] = pipe.last_step_stats["peak_activation_bytes"][0]
     # One stage on one rank: GPipe holds all 8 forwards, 1F1B one at a time.
     assert peaks["gpipe"] > 6 * peaks["1f1b"]
+
+
+def test_bubble_fractions_measure_every_rank_against_the_whole_step():
+    from torch_mpmd.trace import bubble_fractions, step_metrics
+
+    # Rank 1 starts late and ends early: idle for 3 of the step's 10 s (and in
+    # between it waits 1 s on a receive, which counts as bubble too).
+    rows = [[("0F0", 0.0, 4.0), ("0SEND_F0", 4.0, 4.5), ("0B0", 6.0, 10.0)],
+            [("1RECV_F0", 2.0, 4.5), ("1F0", 4.5, 5.5), ("1B0", 5.5, 7.0)]]
+    assert bubble_fractions(rows) == pytest.approx([0.2, 0.75])
+    # Against its own span (2..7 s) rank 1 idles for 2.5 of 5 s.
+    assert step_metrics(rows[1])["bubble_fraction"] == pytest.approx(0.5)
+    assert bubble_fractions([[], []]) == [0.0, 0.0]

@@ -15,7 +15,7 @@ from torch_mpmd import schedules
 __version__ = "0.1.0"
 
 # Public name -> module that defines it; imported lazily (they need torch).
-_SUBMODULES = ("checkpoint",)  # imported on first access (they need torch)
+_SUBMODULES = ("checkpoint", "trace")  # imported on first access (they need torch)
 
 _LAZY = {
     "stage_boundary": "torch_mpmd.markers",
@@ -28,7 +28,7 @@ _LAZY = {
     "Replicate": "torch_mpmd.microbatch",
 }
 
-__all__ = ["__version__", "schedules", "checkpoint", "pipeline", "Pipeline", "PipelineError",
+__all__ = ["__version__", "schedules", "checkpoint", "trace", "pipeline", "Pipeline", "PipelineError",
            "Replicate",
            "stage_boundary", "split_model", "SplitModel", "CaptureError"]
 

@@ -23,7 +23,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["rank_timeline", "step_metrics", "gather_timelines", "chrome_trace",
+__all__ = ["rank_timeline", "step_metrics", "bubble_fractions", "gather_timelines",
+           "chrome_trace",
            "simulate_measured", "save_measured_timeline"]
 
 Row = list[tuple[str, float, float]]  # (action, start s, end s)
@@ -54,6 +55,22 @@ def step_metrics(row: Row) -> dict[str, float]:
     compute = sum(e - s for t, s, e in row if action_kind(t) in _COMPUTE)
     return {"span_s": span, "compute_s": compute,
             "bubble_fraction": max(0.0, 1.0 - compute / span) if span > 0 else 0.0}
+
+
+def bubble_fractions(rows: Sequence[Row]) -> list[float]:
+    """Each rank's idle share of the whole step (all ranks' rows on one clock,
+    as :func:`gather_timelines` returns them): 1 - compute / (last end - first
+    begin over all ranks). The simulator's definition; ``step_metrics`` of one
+    row measures against that rank's own span instead, which leaves out the
+    time before its first and after its last action."""
+    starts = [row[0][1] for row in rows if row]
+    ends = [row[-1][2] for row in rows if row]
+    if not starts:
+        return [0.0] * len(rows)
+    span = max(ends) - min(starts)
+    if span <= 0:
+        return [0.0] * len(rows)
+    return [max(0.0, 1.0 - step_metrics(row)["compute_s"] / span) for row in rows]
 
 
 def gather_timelines(program: Sequence[str], trace: Sequence[tuple[int, int, int]],
@@ -134,7 +151,7 @@ def save_measured_timeline(schedule: Any, rows: Sequence[Row],
     ppu = (width_in - 1.5) * 72 / span
     kinds = draw_timeline(top, ms_rows, span, ppu)
     kinds += draw_timeline(bottom, sim.timeline, span, ppu)
-    bubbles = [step_metrics(row)["bubble_fraction"] for row in rows]
+    bubbles = bubble_fractions(rows)
     top.set_title(f"measured: {schedule.name}, {schedule.num_ranks} ranks, "
                   f"{schedule.num_microbatches} microbatches; step {measured_span:.1f} ms, "
                   f"bubble per rank {', '.join(f'{b:.0%}' for b in bubbles)}")
