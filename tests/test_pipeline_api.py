@@ -201,3 +201,24 @@ def test_bubble_fractions_measure_every_rank_against_the_whole_step():
     # Against its own span (2..7 s) rank 1 idles for 2.5 of 5 s.
     assert step_metrics(rows[1])["bubble_fraction"] == pytest.approx(0.5)
     assert bubble_fractions([[], []]) == [0.0, 0.0]
+
+
+@pytest.mark.parametrize("hooked", [False, True])
+def test_zero_bubble_weight_split_with_tied_weights_matches_reference(hooked):
+    # One stage reads the tied embedding twice (embedding and head): W sums both
+    # readers' formula contributions; with a hook on it, W re-walks the stage
+    # so the hook sees the whole gradient once per microbatch.
+    model, x, y = gpt_and_batch()
+    loss_ref, grads = reference_grads(model, x, y)
+    pipe = mpmd.pipeline(model, loss_fn=lm_loss, num_microbatches=4, schedule="zero_bubble")
+    calls = []
+    if hooked:
+        tied = model.wte.weight
+        tied.register_hook(lambda g: calls.append(1))
+    loss = pipe.step(x, target=y)
+    assert_close(loss, loss_ref, rtol=1e-5, atol=1e-6)
+    for n, p in pipe.named_parameters():
+        assert_close(p.grad, grads[n], rtol=1e-5, atol=1e-6, msg=n)
+    assert len(calls) == (4 if hooked else 0)
+    stage = pipe._runtime().runner.stages[0]
+    assert stage.wplan is not None and any(w.shared for w in stage.wplan.nodes)

@@ -92,16 +92,44 @@ def test_weight_gradients_accumulate_and_hooks_still_run():
             assert_close(p.grad, ref[name], rtol=1e-5, atol=1e-6, msg=name)
 
 
-def test_a_parameter_read_by_two_nodes_has_no_split_plan():
-    class Shared(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.fc = nn.Linear(4, 4)
+class Tied(nn.Module):
+    """A tied embedding and head, and (optionally) a shared scale the engine must handle."""
 
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.fc(self.fc(x))
+    def __init__(self, engine_shared: bool = False) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(10, 6)
+        self.fc = nn.Linear(6, 6)
+        self.scale = nn.Parameter(torch.full((6,), 0.5)) if engine_shared else None
 
-    gm = split_model(Shared(), torch.randn(2, 4)).stages[0]
+    def forward(self, idx: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        x = self.fc(self.fc(self.emb(idx) + h))  # fc.weight and fc.bias read twice
+        if self.scale is not None:
+            x = x * self.scale * self.scale
+        return F.linear(x, self.emb.weight)  # the head reads the embedding
+
+
+def test_tied_parameters_sum_each_readers_contribution():
+    torch.manual_seed(2)
+    model = Tied()
+    idx = torch.tensor([[1, 5, 7]])
+    h, dy = torch.randn(1, 3, 6), torch.randn(1, 3, 10)
+    ref_h = h.clone().requires_grad_(True)
+    model(idx, ref_h).backward(dy)
+    ref = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    dh, plan = _split_grads(model, idx, h, dy)
+    assert [w.shared for w in plan.nodes] == [True] * 4
+    assert plan.can_accumulate()
+    assert_close(dh, ref_h.grad, rtol=1e-5, atol=1e-6)
+    for name, p in model.named_parameters():
+        assert_close(p.grad, ref[name], rtol=1e-5, atol=1e-6, msg=name)
+    model.fc.weight.register_hook(lambda g: g)
+    assert not plan.can_accumulate()  # the runner re-walks the stage for such a step
+
+
+def test_a_shared_parameter_without_a_formula_has_no_split_plan():
+    gm = split_model(Tied(engine_shared=True), torch.tensor([[1, 2]]),
+                     torch.randn(1, 2, 6)).stages[0]
     assert WeightGradPlan.build(gm) is None
 
 

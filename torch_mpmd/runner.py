@@ -511,7 +511,7 @@ class StageRunner:
         self.live_bytes[stage] -= saved.saved_bytes
         weights = self.stages[stage].weights
         wplan = self.stages[stage].wplan
-        if saved.dzs and wplan is not None:
+        if saved.dzs and wplan is not None and wplan.can_accumulate():
             with _label(f"mpmd {stage}W{mb}"):
                 wplan.accumulate(saved.zs, saved.dzs, saved.xs)
         elif saved.roots and weights:

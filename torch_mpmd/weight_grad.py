@@ -17,11 +17,14 @@ computed). W then turns each dZ into its weights' gradients:
   parameters (so the engine walks the part of the graph upstream of Z).
 
 Gradients that flow from one weight node to another along activations are in
-dZ already, so no contribution is counted twice. The split needs each trainable
-parameter read by exactly one node and every weight node to produce one
-tensor; otherwise W falls back to a second backward over the stage, restricted
-to the weights. A parameter with tensor hooks or post-accumulate hooks gets
-its gradient from the engine, so the hooks run.
+dZ already, so no contribution is counted twice. A parameter read by several
+nodes (tied weights) gets the sum of their local contributions, which needs a
+formula for each of them. When a node does not produce one tensor, or a shared
+parameter has a reader without a formula, there is no plan and W is a second
+backward over the stage restricted to the weights (also used for a step where
+a shared parameter has hooks). A parameter with tensor hooks or
+post-accumulate hooks otherwise gets its gradient from the engine, so the
+hooks run.
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ class WeightNode:
     weight: torch.Tensor | None = None  # formula rules: the parameter per role
     bias: torch.Tensor | None = None
     x_index: int = -1                  # formula rules: position of X among the extra outputs
+    shared: bool = False               # reads a parameter another node reads too
 
     def hooked(self) -> bool:
         return any(p._backward_hooks or getattr(p, "_post_accumulate_grad_hooks", None)
@@ -107,15 +111,16 @@ class WeightGradPlan:
                      and _attr(gm, str(n.target)).requires_grad}
         nodes: list[WeightNode] = []
         xs: list[torch.fx.Node] = []
-        seen: set[str] = set()
+        readers: dict[int, int] = {}  # id(parameter) -> nodes reading it (aliases too)
         for node in gm.graph.nodes:
             used = [trainable[a] for a in node.all_input_nodes if a in trainable]
             if not used:
                 continue
             ex = node.meta.get("example_value", node.meta.get("val"))
-            if any(u in seen for u in used) or not isinstance(ex, torch.Tensor):
+            if not isinstance(ex, torch.Tensor):
                 return None
-            seen.update(used)
+            for u in used:
+                readers[id(_attr(gm, u))] = readers.get(id(_attr(gm, u)), 0) + 1
             w = WeightNode(node, [_attr(gm, f) for f in used], "engine")
             formula = _formula_rule(node, trainable, gm)
             if formula is not None:
@@ -123,7 +128,15 @@ class WeightGradPlan:
                 w.x_index = len(xs)
                 xs.append(node.args[0])  # type: ignore[arg-type]
             nodes.append(w)
-        if not nodes or any(p not in seen for p in trainable.values()):
+        shared = {p for p, n in readers.items() if n > 1}
+        for w in nodes:
+            w.shared = any(id(p) in shared for p in w.params)
+            # A shared parameter's gradient is the sum of each reader's local
+            # contribution, which only a formula gives (an engine call from one
+            # reader would also reach the others through the activations).
+            if w.shared and w.rule == "engine":
+                return None
+        if not nodes:
             return None
         return cls(gm, nodes, xs)
 
@@ -134,13 +147,19 @@ class WeightGradPlan:
         zs = list(result[n_out:n_out + len(self.nodes)])
         return result[:n_out], zs, list(result[n_out + len(self.nodes):])
 
+    def can_accumulate(self) -> bool:
+        """False when a shared parameter has gradient hooks now: only a backward
+        through the whole stage gives it one gradient for its hooks to see."""
+        return not any(w.shared and w.hooked() for w in self.nodes)
+
     def accumulate(self, zs: Sequence[torch.Tensor], dzs: Sequence[torch.Tensor | None],
                    xs: Sequence[torch.Tensor]) -> None:
-        """W: add every weight node's parameter gradients into ``.grad``."""
+        """W: add every weight node's parameter gradients into ``.grad``
+        (requires :meth:`can_accumulate`)."""
         for w, z, dz in zip(self.nodes, zs, dzs):
             if dz is None:  # no gradient reached this node
                 continue
-            if w.rule == "engine" or w.hooked():
+            if w.rule == "engine" or (w.hooked() and not w.shared):
                 _ENGINE.run_backward((z,), (dz,), True, False, tuple(w.params), True, True)
                 continue
             x = xs[w.x_index]
