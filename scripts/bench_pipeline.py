@@ -27,7 +27,8 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 import torch_mpmd as mpmd  # noqa: E402
 from gpt_model import GPT, GPTConfig  # noqa: E402
-from torch_mpmd.trace import bubble_fractions, simulate_measured  # noqa: E402
+from torch_mpmd.trace import (bubble_fractions, simulate_measured,  # noqa: E402
+                              transfer_latencies)
 
 
 def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -68,7 +69,9 @@ def main() -> None:
     if rank == 0:
         single_step()
     piped, single = [], []
-    bubbles: list[tuple[list[float], list[float]]] = []  # (measured, simulated) per round
+    # Per round: measured, simulated (free transfers), simulated with the round's
+    # median measured transfer latency, that latency.
+    bubbles: list[tuple[list[float], list[float], list[float], float]] = []
     for _ in range(args.rounds):
         dist.barrier()
         t0 = time.perf_counter()
@@ -77,8 +80,12 @@ def main() -> None:
         piped.append(time.perf_counter() - t0)
         rows = pipe.timelines()
         if rank == 0:
+            latency = statistics.median(transfer_latencies(rows) or [0.0])
             bubbles.append((bubble_fractions(rows),
-                            list(simulate_measured(pipe.schedule, rows).bubble_fraction)))
+                            list(simulate_measured(pipe.schedule, rows).bubble_fraction),
+                            list(simulate_measured(pipe.schedule, rows,
+                                                   comm_latency_s=latency).bubble_fraction),
+                            latency))
         if rank == 0:
             t0 = time.perf_counter()
             single_step()
@@ -96,13 +103,21 @@ def main() -> None:
     # measured per-stage compute times (so only runtime and transfers differ);
     # medians over the rounds.
     if rank == 0:
-        measured = [statistics.median(b[0][r] for b in bubbles) for r in range(world)]
-        simulated = [statistics.median(b[1][r] for b in bubbles) for r in range(world)]
+        def med(i: int) -> list[float]:
+            return [statistics.median(b[i][r] for b in bubbles) for r in range(world)]
+
+        def ratios(a: list[float], b: list[float]) -> str:
+            return ", ".join(f"{x / y:.2f}" if y else "-" for x, y in zip(a, b))
+
+        measured, free, linked = med(0), med(1), med(2)
+        latency = statistics.median(b[3] for b in bubbles)
         print(f"  1f1b bubble per rank, median of {args.rounds} steps: measured "
-              + ", ".join(f"{b:.1%}" for b in measured) + "; simulated with the measured "
-              "stage costs " + ", ".join(f"{b:.1%}" for b in simulated)
-              + "; ratio " + ", ".join(f"{a / b:.2f}" if b else "-"
-                                       for a, b in zip(measured, simulated)))
+              + ", ".join(f"{b:.1%}" for b in measured))
+        print("    simulated with the measured stage costs, free transfers: "
+              + ", ".join(f"{b:.1%}" for b in free) + f"; measured / simulated {ratios(measured, free)}")
+        print(f"    same, each transfer taking the measured median {latency * 1e6:.0f} us: "
+              + ", ".join(f"{b:.1%}" for b in linked)
+              + f"; measured / simulated {ratios(measured, linked)}")
 
     # Live activations: the executor's count against the simulator's peak.
     for name in ("gpipe", "1f1b", "zero_bubble"):

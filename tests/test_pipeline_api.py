@@ -222,3 +222,15 @@ def test_zero_bubble_weight_split_with_tied_weights_matches_reference(hooked):
     assert len(calls) == (4 if hooked else 0)
     stage = pipe._runtime().runner.stages[0]
     assert stage.wplan is not None and any(w.shared for w in stage.wplan.nodes)
+
+
+def test_transfer_latencies_match_each_send_to_its_receive():
+    from torch_mpmd.trace import transfer_latencies
+
+    rows = [[("0F0", 0.0, 1.0), ("0SEND_F0", 1.0, 1.1), ("0RECV_B0", 1.1, 5.0),
+             ("0SEND_F1->2", 5.0, 5.1)],
+            [("1RECV_F0", 0.5, 1.4), ("1F0", 1.4, 2.0), ("1SEND_B0", 3.0, 3.1)],
+            [("2RECV_F1<-0", 6.0, 6.2)]]
+    # F0 0->1: waited since 0.5, sent at 1.0, arrived 1.4; B0 1->0: sent at 3.0,
+    # arrived 5.0; F1 0->2: the receiver came late (6.0 > 5.0), not a latency.
+    assert sorted(transfer_latencies(rows)) == pytest.approx([0.4, 2.0])

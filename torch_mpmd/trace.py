@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import statistics
 from collections.abc import Sequence
 from typing import Any
@@ -23,8 +24,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["rank_timeline", "step_metrics", "bubble_fractions", "gather_timelines",
-           "chrome_trace",
+__all__ = ["rank_timeline", "step_metrics", "bubble_fractions", "transfer_latencies",
+           "gather_timelines", "chrome_trace",
            "simulate_measured", "save_measured_timeline"]
 
 Row = list[tuple[str, float, float]]  # (action, start s, end s)
@@ -73,6 +74,43 @@ def bubble_fractions(rows: Sequence[Row]) -> list[float]:
     return [max(0.0, 1.0 - step_metrics(row)["compute_s"] / span) for row in rows]
 
 
+_TRANSFER = re.compile(r"^(\d+)(SEND|RECV)_([FB])(\d+)(?:(?:->|<-)(\d+))?$")
+
+
+def _transfer_key(token: str) -> tuple[str, int, int, int] | None:
+    """(direction, sending stage, receiving stage, microbatch) of a SEND/RECV token."""
+    match = _TRANSFER.match(token)
+    if match is None:
+        return None
+    stage, op, direction, mb, peer = match.groups()
+    stage, mb = int(stage), int(mb)
+    # Without an arrow the peer is the adjacent stage: F flows up, B down.
+    step = 1 if direction == "F" else -1
+    if op == "SEND":
+        return direction, stage, int(peer) if peer else stage + step, mb
+    return direction, int(peer) if peer else stage - step, stage, mb
+
+
+def transfer_latencies(rows: Sequence[Row]) -> list[float]:
+    """Seconds from the begin of each SEND to the end of its RECV, for the
+    transfers whose receiver was already waiting when the send began (all
+    ranks' rows on one clock): what a message took to arrive, as the simulator's
+    ``comm_latency`` models it."""
+    sends: dict[tuple[str, int, int, int], float] = {}
+    recvs: dict[tuple[str, int, int, int], tuple[float, float]] = {}
+    for row in rows:
+        for token, start, end in row:
+            key = _transfer_key(token)
+            if key is None:
+                continue
+            if "SEND" in token:
+                sends[key] = start
+            else:
+                recvs[key] = (start, end)
+    return [end - sends[key] for key, (start, end) in recvs.items()
+            if key in sends and start <= sends[key]]
+
+
 def gather_timelines(program: Sequence[str], trace: Sequence[tuple[int, int, int]],
                      programs: Sequence[Sequence[str]], group: Any) -> list[Row]:
     """Every rank's timeline of the last step, on every rank (collective over
@@ -114,10 +152,12 @@ def write_chrome_trace(path: str | os.PathLike, rows: Sequence[Row], **kwargs: A
         json.dump(chrome_trace(rows, **kwargs), f)
 
 
-def simulate_measured(schedule: Any, rows: Sequence[Row]) -> Any:
+def simulate_measured(schedule: Any, rows: Sequence[Row], *,
+                      comm_latency_s: float = 0.0) -> Any:
     """The simulator's run of ``schedule`` with each stage's measured median
     F/B/I/W times (ms) from ``rows``, timeline included: what the schedule
-    would do with free communication and no runtime overhead."""
+    would do with no runtime overhead and every message arriving
+    ``comm_latency_s`` after it is sent (default: free communication)."""
     by_stage_kind: dict[int, dict[str, list[float]]] = {}
     for row in rows:
         for t, s, e in row:
@@ -128,7 +168,7 @@ def simulate_measured(schedule: Any, rows: Sequence[Row]) -> Any:
     stage_costs = {st: {k: statistics.median(v) for k, v in kinds.items()}
                    for st, kinds in by_stage_kind.items()}
     return schedule.simulate(costs={k: 1e-3 for k in _COMPUTE}, stage_costs=stage_costs,
-                             timeline=True)
+                             comm_latency=comm_latency_s * 1e3, timeline=True)
 
 
 def save_measured_timeline(schedule: Any, rows: Sequence[Row],
