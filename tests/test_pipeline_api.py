@@ -234,3 +234,28 @@ def test_transfer_latencies_match_each_send_to_its_receive():
     # F0 0->1: waited since 0.5, sent at 1.0, arrived 1.4; B0 1->0: sent at 3.0,
     # arrived 5.0; F1 0->2: the receiver came late (6.0 > 5.0), not a latency.
     assert sorted(transfer_latencies(rows)) == pytest.approx([0.4, 2.0])
+
+
+def test_only_stages_that_draw_random_numbers_are_reseeded():
+    # Dropout stages are found drawing on their first forward and reseeded per
+    # (step, stage, microbatch) after it: step 1 of a pipeline equals step 1 of
+    # another that starts there (and measures there). A GPT without dropout draws
+    # nothing and is never reseeded.
+    torch.manual_seed(0)
+    model = models.DropoutMLP(d=8)
+    x, y = torch.randn(8, 8), torch.randn(8, 8)
+
+    def pipe_of(m):
+        return mpmd.pipeline(copy.deepcopy(m), loss_fn=F.mse_loss, num_microbatches=4,
+                             schedule="gpipe", stages_per_rank=2, seed=7)
+
+    a, b = pipe_of(model), pipe_of(model)
+    a.step(x, target=y)   # step 0: measures which stages draw
+    b._mpmd_step = 1      # b starts at step 1, measuring there
+    losses = [float(p.step(x, target=y)) for p in (a, b)]
+    assert losses[0] == losses[1]
+    assert a._runtime().runner._draws_rng == {(0, False, True): True, (1, False, True): True}
+    gpt, gx, gy = gpt_and_batch()
+    g = mpmd.pipeline(gpt, loss_fn=lm_loss, num_microbatches=4)
+    g.step(gx, target=gy)
+    assert g._runtime().runner._draws_rng == {(0, False, True): False}

@@ -99,6 +99,10 @@ class CapturedGraph:
 
     def rebuild_output(self, graph_outputs: Sequence[Any], inputs: Mapping[str, Any]) -> Any:
         """The model's return value from the graph's flat outputs."""
+        assert self.output_spec is not None
+        if (self.output_spec.is_leaf() and len(self.output_leaves) == 1 and
+                self.output_leaves[0].source == "graph"):  # one tensor: the common case
+            return graph_outputs[self.output_leaves[0].index]
         leaves = []
         for leaf in self.output_leaves:
             if leaf.source == "graph":
@@ -109,7 +113,6 @@ class CapturedGraph:
                 leaves.append(self.tensors[leaf.name])
             else:
                 leaves.append(leaf.value)
-        assert self.output_spec is not None
         return pytree.tree_unflatten(leaves, self.output_spec)
 
 

@@ -35,6 +35,14 @@ def stage_seed(base: int, step: int, stage: int, microbatch: int) -> int:
     return h & _MASK63
 
 
+def _rng_states() -> list[torch.Tensor]:
+    """The default generators' states (CPU, and CUDA's where initialized)."""
+    states = [torch.default_generator.get_state()]
+    if torch.cuda.is_initialized():
+        states.append(torch.cuda.get_rng_state())
+    return states
+
+
 def _seed_rng(seed: int) -> None:
     # Not torch.manual_seed: with CUDA built in but not initialized it queues a
     # lazy CUDA seeding that formats a stack trace (~2 ms) on every call.
@@ -233,6 +241,12 @@ class StageRunner:
         # microbatch of a capture has the same shapes, so the figure is the same
         # each time; the hooks cost a Python call per saved tensor.
         self._bytes_per_forward: dict[tuple[int, bool], int] = {}
+        # NOTE [Seeding only random stages]: whether a stage's forward (and loss)
+        # draws random numbers, per (stage, split graph, training), found on its
+        # first run by comparing the generators' states around it. A stage that
+        # draws none is not reseeded: reseeding costs more than a small layer,
+        # and nothing could observe it (the step restores the caller's RNG state).
+        self._draws_rng: dict[tuple[int, bool, bool], bool] = {}
         self.on_reduce_grad: Callable[[int], None] | None = None
         # Bytes of activations autograd holds per local stage, now and at peak
         # (tensors saved for backward, parameters and buffers excluded).
@@ -336,8 +350,12 @@ class StageRunner:
                     received[slot] = leaf
         mb_inputs = self.inputs[mb]
         args = [mb_inputs[name] for name in sig.user_inputs] + received
-        _seed_rng(stage_seed(self.seed, self.step, stage, mb))
         split = training and st.wplan is not None
+        rng_key = (stage, split, training)
+        draws = self._draws_rng.get(rng_key)
+        if draws is not False:
+            _seed_rng(stage_seed(self.seed, self.step, stage, mb))
+            rng_before = _rng_states() if draws is None else None
         module = st.wplan.module if split else st.module
         measured = self._bytes_per_forward.get((stage, split)) if training else 0
         if (measured is not None and torch.is_grad_enabled() == training and
@@ -386,6 +404,10 @@ class StageRunner:
             self.live_bytes[stage] = live
             if live > self.peak_bytes[stage]:
                 self.peak_bytes[stage] = live
+        if draws is None:  # NOTE [Seeding only random stages]
+            after = _rng_states()
+            self._draws_rng[rng_key] = len(after) != len(rng_before) or any(
+                not torch.equal(a, b) for a, b in zip(rng_before, after))
         return [[sent[i] for i in idx] for idx in st.send_plan]
 
     def _loss(self, flat: tuple, mb: int) -> torch.Tensor:
@@ -400,6 +422,8 @@ class StageRunner:
                        else "") + "; pass loss_fn=")
             return loss if loss.dim() == 0 else loss.reshape(())
         loss = self.loss_fn(output, self.targets[mb])
+        if isinstance(loss, torch.Tensor) and loss.dim() == 0:
+            return loss
         if not (isinstance(loss, torch.Tensor) and loss.numel() == 1):
             raise ValueError(f"loss_fn must return a scalar tensor, it returned "
                              f"{type(loss).__name__}"
