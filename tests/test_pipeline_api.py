@@ -259,3 +259,13 @@ def test_only_stages_that_draw_random_numbers_are_reseeded():
     g = mpmd.pipeline(gpt, loss_fn=lm_loss, num_microbatches=4)
     g.step(gx, target=gy)
     assert g._runtime().runner._draws_rng == {(0, False, True): False}
+
+
+def test_compute_actions_carry_profiler_labels():
+    model, x, y = gpt_and_batch()
+    pipe = mpmd.pipeline(model, loss_fn=lm_loss, num_microbatches=2, schedule="zero_bubble")
+    pipe.step(x, target=y)  # capture outside the profile
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        pipe.step(x, target=y)
+    names = {e.name for e in prof.events() if e.name.startswith("mpmd ")}
+    assert names == {f"mpmd 0{k}{mb}" for k in "FIW" for mb in range(2)}

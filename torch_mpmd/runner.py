@@ -54,10 +54,10 @@ def _seed_rng(seed: int) -> None:
 _ENGINE = torch.autograd.Variable._execution_engine
 
 
-def _label(name: str) -> Any:
-    """A torch.profiler label for one action; free when no profiler runs."""
+def _label(stage: int, kind: str, mb: int) -> Any:
+    """A torch.profiler label for one action ("mpmd 1F3"); free when no profiler runs."""
     if torch.autograd.profiler._is_profiler_enabled:
-        return torch.autograd.profiler.record_function(name)
+        return torch.autograd.profiler.record_function(f"mpmd {stage}{kind}{mb}")
     return contextlib.nullcontext()
 
 
@@ -170,7 +170,7 @@ class _ForwardContext:
     """Grad mode, profiler label and (when measuring) saved-tensor hooks
     around one stage forward: the slow path of StageRunner._forward."""
 
-    def __init__(self, label: str, training: bool, *, measure: bool) -> None:
+    def __init__(self, label: tuple[int, str, int], training: bool, *, measure: bool) -> None:
         self._stack = contextlib.ExitStack()
         self._label = label
         self._training = training
@@ -190,7 +190,7 @@ class _ForwardContext:
         if self._measure:
             self._stack.enter_context(
                 torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t))
-        self._stack.enter_context(_label(self._label))
+        self._stack.enter_context(_label(*self._label))
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -364,7 +364,7 @@ class StageRunner:
             # .forward: the stage is our own GraphModule, no module hooks to run.
             result = module.forward(*args)
         else:
-            with _ForwardContext(f"mpmd {stage}F{mb}", training,
+            with _ForwardContext((stage, "F", mb), training,
                                  measure=measured is None) as ctx:
                 result = module.forward(*args)
             if measured is None:
@@ -480,7 +480,7 @@ class StageRunner:
         pairs = [(r, g) for r, g in zip(saved.roots, root_grads) if g is not None]
         roots = tuple(r for r, _ in pairs)
         root_grads = tuple(g for _, g in pairs)
-        with _label(f"mpmd {stage}{'I' if input_only else 'B'}{mb}"):
+        with _label(stage, "I" if input_only else "B", mb):
             if input_only and saved.zs:
                 input_grads = self._input_and_weight_node_grads(saved, roots, root_grads)
             else:
@@ -536,10 +536,10 @@ class StageRunner:
         weights = self.stages[stage].weights
         wplan = self.stages[stage].wplan
         if saved.dzs and wplan is not None and wplan.can_accumulate():
-            with _label(f"mpmd {stage}W{mb}"):
+            with _label(stage, "W", mb):
                 wplan.accumulate(saved.zs, saved.dzs, saved.xs)
         elif saved.roots and weights:
             # NOTE: W walks the retained graph again from the stage outputs,
             # restricted to the weights; I computed the input gradients only.
-            with _label(f"mpmd {stage}W{mb}"):
+            with _label(stage, "W", mb):
                 torch.autograd.backward(saved.roots, saved.leaves, inputs=weights)
