@@ -99,10 +99,15 @@ class CapturedGraph:
 
     def rebuild_output(self, graph_outputs: Sequence[Any], inputs: Mapping[str, Any]) -> Any:
         """The model's return value from the graph's flat outputs."""
-        assert self.output_spec is not None
-        if (self.output_spec.is_leaf() and len(self.output_leaves) == 1 and
-                self.output_leaves[0].source == "graph"):  # one tensor: the common case
-            return graph_outputs[self.output_leaves[0].index]
+        single = self.__dict__.get("_single_graph_output")
+        if single is None:  # one graph output returned as it is: the common case
+            assert self.output_spec is not None
+            single = (self.output_leaves[0].index if self.output_spec.is_leaf() and
+                      len(self.output_leaves) == 1 and self.output_leaves[0].source == "graph"
+                      else -1)
+            self.__dict__["_single_graph_output"] = single
+        if single >= 0:
+            return graph_outputs[single]
         leaves = []
         for leaf in self.output_leaves:
             if leaf.source == "graph":

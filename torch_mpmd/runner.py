@@ -287,38 +287,20 @@ class StageRunner:
         self._saved.clear()
 
     # ------------------------------------------------------------ executor API
-    def forward(self, stage: int, mb: int, inputs: list[list[torch.Tensor]]
-                ) -> list[list[torch.Tensor]]:
-        try:
-            return self._forward(stage, mb, inputs)
-        except BaseException as e:
-            self.error = e
-            raise
-
-    def backward(self, stage: int, mb: int, grads: list[list[torch.Tensor]],
-                 input_only: bool) -> list[list[torch.Tensor]]:
-        try:
-            return self._backward(stage, mb, grads, input_only)
-        except BaseException as e:
-            self.error = e
-            raise
+    # forward and backward run once per action: their common path is written
+    # out inline (each Python call costs a microsecond or two here, which is
+    # what a near-empty stage's runtime overhead is made of). An exception
+    # raised by any of these methods is stored in `error` by the C++ trampoline
+    # (csrc/python/runtime/module.cpp) and becomes the PipelineError's cause.
 
     def backward_weight(self, stage: int, mb: int) -> None:
-        try:
-            self._backward_weight(stage, mb)
-        except BaseException as e:
-            self.error = e
-            raise
+        self._backward_weight(stage, mb)
 
     def reduce_grad(self, stage: int) -> None:
         """REDUCE_GRAD: the stage's backward is over; starts its data-parallel
         reduction when there is one (tied weights are summed after the step)."""
         if self.on_reduce_grad is not None:
-            try:
-                self.on_reduce_grad(stage)
-            except BaseException as e:
-                self.error = e
-                raise
+            self.on_reduce_grad(stage)
 
     # ------------------------------------------------------------ internals
     def _receive_plan(self, stage: int, layout: EdgeLayout) -> list[list[tuple[int, bool, bool]]]:
@@ -330,8 +312,8 @@ class StageRunner:
                           v.node in st.clone_inputs) for v in layout.forward[(p, stage)]])
         return plan
 
-    def _forward(self, stage: int, mb: int, inputs: list[list[torch.Tensor]]
-                 ) -> list[list[torch.Tensor]]:
+    def forward(self, stage: int, mb: int, inputs: list[list[torch.Tensor]]
+                ) -> list[list[torch.Tensor]]:
         st = self.stages[stage]
         sig = st.signature
         training = self.training
@@ -349,7 +331,7 @@ class StageRunner:
                 else:
                     received[slot] = leaf
         mb_inputs = self.inputs[mb]
-        args = [mb_inputs[name] for name in sig.user_inputs] + received
+        args = [*map(mb_inputs.__getitem__, sig.user_inputs), *received]
         split = training and st.wplan is not None
         rng_key = (stage, split, training)
         draws = self._draws_rng.get(rng_key)
@@ -408,7 +390,7 @@ class StageRunner:
             after = _rng_states()
             self._draws_rng[rng_key] = len(after) != len(rng_before) or any(
                 not torch.equal(a, b) for a, b in zip(rng_before, after))
-        return [[sent[i] for i in idx] for idx in st.send_plan]
+        return [[sent[i] for i in idx] for idx in st.send_plan] if st.send_plan else []
 
     def _loss(self, flat: tuple, mb: int) -> torch.Tensor:
         output = self.rebuild_output(flat, self.inputs[mb])
@@ -445,8 +427,6 @@ class StageRunner:
                     grads: list[list[torch.Tensor]]) -> list[torch.Tensor | None]:
         st = self.stages[stage]
         if stage == self.num_stages - 1:
-            if not self.outputs_as_roots:
-                return [self._loss_grad(saved.roots[0])]
             return [self.output_grads[mb][-2 - n] for n in saved.root_nodes]
         total: dict[int, torch.Tensor] = {}
         for c, tensors in zip(st.consumers, grads):
@@ -471,25 +451,54 @@ class StageRunner:
             out.append(row)
         return out
 
-    def _backward(self, stage: int, mb: int, grads: list[list[torch.Tensor]],
-                  input_only: bool) -> list[list[torch.Tensor]]:
+    def backward(self, stage: int, mb: int, grads: list[list[torch.Tensor]],
+                 input_only: bool) -> list[list[torch.Tensor]]:
         saved = self._saved[(stage, mb)] if input_only else self._saved.pop((stage, mb))
         if not input_only:
             self.live_bytes[stage] -= saved.saved_bytes
-        root_grads = self._root_grads(stage, mb, saved, grads)
-        pairs = [(r, g) for r, g in zip(saved.roots, root_grads) if g is not None]
-        roots = tuple(r for r, _ in pairs)
-        root_grads = tuple(g for _, g in pairs)
-        with _label(stage, "I" if input_only else "B", mb):
-            if input_only and saved.zs:
-                input_grads = self._input_and_weight_node_grads(saved, roots, root_grads)
+        if stage == self.num_stages - 1 and not self.outputs_as_roots:
+            loss = saved.roots[0]
+            g = self._loss_grads.get((loss.dtype, loss.device))
+            roots, root_grads = (loss,), (g if g is not None else self._loss_grad(loss),)
+        else:
+            rs, gs = [], []
+            for r, g in zip(saved.roots, self._root_grads(stage, mb, saved, grads)):
+                if g is not None:
+                    rs.append(r)
+                    gs.append(g)
+            roots, root_grads = tuple(rs), tuple(gs)
+        label = (_label(stage, "I" if input_only else "B", mb)
+                 if torch.autograd.profiler._is_profiler_enabled else None)
+        if label is not None:
+            label.__enter__()
+        try:
+            if input_only:
+                input_grads = self._autograd_input(saved, roots, root_grads)
+            elif roots:  # B: one engine call; the received values' gradients land in .grad
+                _ENGINE.run_backward(roots, root_grads, False, False, (), True, True)
+                input_grads = [leaf.grad if leaf is not None else None
+                               for leaf in saved.leaves] if saved.leaves else []
             else:
-                input_grads = self._run_backward(saved, roots, root_grads, input_only)
-        result = self._input_grads(stage, saved, input_grads)
+                input_grads = [None] * len(saved.leaves)
+        finally:
+            if label is not None:
+                label.__exit__(None, None, None)
+        result = self._input_grads(stage, saved, input_grads) if saved.leaves else []
         if input_only:  # keep only what W needs: the roots and their gradients
             saved.roots, saved.root_nodes = list(roots), [-1] * len(roots)
             saved.leaves = list(root_grads)  # type: ignore[arg-type]
         return result
+
+    def _autograd_input(self, saved: _Saved, roots: tuple[torch.Tensor, ...],
+                        root_grads: tuple[torch.Tensor, ...]) -> list[torch.Tensor | None]:
+        """I: the received values' gradients (and the Zs', NOTE [Weight-gradient split])."""
+        if saved.zs:
+            return self._input_and_weight_node_grads(saved, roots, root_grads)
+        leaves = tuple(leaf for leaf in saved.leaves if leaf is not None)
+        if not roots or not leaves:
+            return [None] * len(saved.leaves)
+        it = iter(_ENGINE.run_backward(roots, root_grads, True, False, leaves, True, False))
+        return [next(it) if leaf is not None else None for leaf in saved.leaves]
 
     # The engine is called directly (what torch.autograd.backward/grad end in):
     # the roots' gradients are always given, and the Python wrappers' checks
@@ -514,21 +523,6 @@ class StageRunner:
         dz = iter(got[len(leaves):])
         saved.dzs = [next(dz) if z.requires_grad else None for z in saved.zs]
         return [next(it) if leaf is not None else None for leaf in saved.leaves]
-
-    @staticmethod
-    def _run_backward(saved: _Saved, roots: tuple[torch.Tensor, ...],
-                      root_grads: tuple[torch.Tensor, ...], input_only: bool
-                      ) -> list[torch.Tensor | None]:
-        if not roots:
-            return [None] * len(saved.leaves)
-        if input_only:
-            leaves = tuple(leaf for leaf in saved.leaves if leaf is not None)
-            if not leaves:
-                return [None] * len(saved.leaves)
-            it = iter(_ENGINE.run_backward(roots, root_grads, True, False, leaves, True, False))
-            return [next(it) if leaf is not None else None for leaf in saved.leaves]
-        _ENGINE.run_backward(roots, root_grads, False, False, (), True, True)
-        return [leaf.grad if leaf is not None else None for leaf in saved.leaves]
 
     def _backward_weight(self, stage: int, mb: int) -> None:
         saved = self._saved.pop((stage, mb))

@@ -53,7 +53,10 @@ std::vector<Values> fromPython(const py::handle& result, const char* method, int
 }
 
 // Forwards StageRunner calls to a Python object with methods forward,
-// backward, backward_weight and reduce_grad (torch_mpmd/runner.py).
+// backward, backward_weight and reduce_grad (torch_mpmd/runner.py). When one
+// raises, the Python exception is kept in the runner's `error` attribute (the
+// cause of the PipelineError, with its traceback) and its message goes on as
+// a C++ exception.
 class PyStageRunner final : public StageRunner {
  public:
   explicit PyStageRunner(py::object runner) : runner_(std::move(runner)) {}
@@ -68,7 +71,7 @@ class PyStageRunner final : public StageRunner {
       py::object out = runner_.attr("forward")(stage, mb, toPython(inputs));
       return fromPython(out, "forward", stage);
     } catch (py::error_already_set& e) {
-      throw std::runtime_error(e.what());
+      throw failure(e);
     }
   }
 
@@ -79,7 +82,7 @@ class PyStageRunner final : public StageRunner {
       py::object out = runner_.attr("backward")(stage, mb, toPython(grads), input_only);
       return fromPython(out, "backward", stage);
     } catch (py::error_already_set& e) {
-      throw std::runtime_error(e.what());
+      throw failure(e);
     }
   }
 
@@ -88,7 +91,7 @@ class PyStageRunner final : public StageRunner {
     try {
       runner_.attr("backward_weight")(stage, mb);
     } catch (py::error_already_set& e) {
-      throw std::runtime_error(e.what());
+      throw failure(e);
     }
   }
 
@@ -97,11 +100,22 @@ class PyStageRunner final : public StageRunner {
     try {
       runner_.attr("reduce_grad")(stage);
     } catch (py::error_already_set& e) {
-      throw std::runtime_error(e.what());
+      throw failure(e);
     }
   }
 
  private:
+  // Called with the GIL held, inside the catch of `e`.
+  std::runtime_error failure(py::error_already_set& e) {
+    std::string message = e.what();
+    try {
+      runner_.attr("error") = e.value();
+    } catch (py::error_already_set&) {
+      // The message still travels; only the cause is lost.
+    }
+    return std::runtime_error(message);
+  }
+
   py::object runner_;
 };
 
