@@ -65,6 +65,8 @@ def _pp_group(group: Any) -> Any:
 
 
 def _tensor_signature(args: Sequence[Any], kwargs: Mapping[str, Any]) -> tuple:
+    if not kwargs and all(type(a) is torch.Tensor for a in args):  # the common case
+        return tuple((tuple(a.shape), a.dtype) for a in args)
     leaves = pytree.tree_leaves((tuple(args), dict(kwargs)))
     return tuple((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else repr(x)
                  for x in leaves)
@@ -110,6 +112,7 @@ class Pipeline(torch.nn.Module):
         self._mpmd_input_signature: tuple | None = None
         self._mpmd_step = 0
         self._mpmd_last: tuple[Any, dict[int, int]] | None = None
+        self._mpmd_all_modules: list[torch.nn.Module] | None = None
         self._mpmd_last_stats: dict[str, Any] | None = None
         if self._mpmd_meta:  # now, so that an optimizer built before the first step
             # holds the Parameters that this rank later materializes in place
@@ -166,8 +169,10 @@ class Pipeline(torch.nn.Module):
         # Stages bake in the input shapes and every module's train/eval mode
         # (dropout, BatchNorm): each combination has its own capture, kept so
         # that alternating (training and validation batches) does not re-capture.
+        if self._mpmd_all_modules is None:  # walked once: the capture fixed the modules
+            self._mpmd_all_modules = list(self._mpmd_module.modules())
         sig = (_tensor_signature(args0, kwargs0),
-               tuple(mod.training for mod in self._mpmd_module.modules()))
+               tuple(mod.training for mod in self._mpmd_all_modules))
         if self._mpmd_runtime is not None and sig == self._mpmd_input_signature:
             return self._mpmd_runtime
         cached = self._mpmd_captures.get(sig)
@@ -312,7 +317,7 @@ class Pipeline(torch.nn.Module):
                     "the data-parallel loss all_reduce")
             loss /= self.dp_size
         rt.runner.end_step()
-        self._mpmd_step += 1
+        self.__dict__["_mpmd_step"] += 1  # (nn.Module.__setattr__ costs ~10 us)
         self._record_stats(rt, rt.executor)
         if os.environ.get("MPMD_TRACE"):
             self.save_trace(os.environ["MPMD_TRACE"])
@@ -322,8 +327,10 @@ class Pipeline(torch.nn.Module):
     def _record_stats(self, rt: RankRuntime, executor: Any) -> None:
         # Only references: the metrics are derived when asked for (a Python walk
         # over every action, which would cost each step as much as ~100 actions).
-        self._mpmd_last = (executor, dict(rt.runner.peak_bytes))
-        self._mpmd_last_stats = None
+        # Plain attributes set per step: straight into __dict__, past
+        # nn.Module.__setattr__'s checks for parameters and submodules.
+        self.__dict__["_mpmd_last"] = (executor, dict(rt.runner.peak_bytes))
+        self.__dict__["_mpmd_last_stats"] = None
 
     @property
     def last_step_stats(self) -> dict[str, Any]:

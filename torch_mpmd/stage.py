@@ -407,7 +407,9 @@ class SplitModel:
                 per[name] = value.chunk(m, dim=0)
             else:
                 per[name] = [value] * m
-        named = [{name: chunks[k] for name, chunks in per.items()} for k in range(m)]
+        names = list(per)
+        named = [dict(zip(names, values)) for values in zip(*per.values())] if names else \
+            [{} for _ in range(m)]
         self._check_named_inputs(named[0])
         return named
 
