@@ -119,6 +119,12 @@ def test_loss_fn_none_takes_the_models_scalar_output():
     with pytest.raises(mpmd.PipelineError, match="loss as a scalar") as info:
         bad.step(torch.randn(8, 4))
     assert isinstance(info.value.__cause__, ValueError)
+    # The cause keeps its traceback (where the stage's runner raised it).
+    import traceback
+    frames = traceback.extract_tb(info.value.__cause__.__traceback__)
+    assert any(f.filename.endswith("runner.py") for f in frames)
+    with pytest.raises(RuntimeError, match="no completed step"):
+        bad.timelines()  # the failed step left no timeline to gather
 
 
 def test_schedule_object_and_text_file_give_the_named_schedules_result(tmp_path):
@@ -269,3 +275,25 @@ def test_compute_actions_carry_profiler_labels():
         pipe.step(x, target=y)
     names = {e.name for e in prof.events() if e.name.startswith("mpmd ")}
     assert names == {f"mpmd 0{k}{mb}" for k in "FIW" for mb in range(2)}
+
+
+def test_tensor_default_arguments_go_whole_to_every_microbatch():
+    class Scaled(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = torch.nn.Linear(4, 4)
+
+        def forward(self, x, scale=torch.tensor([2.0, 1.0, 0.5, 1.0])):
+            return self.fc(x) * scale
+
+    torch.manual_seed(0)
+    model = Scaled()
+    x, y = torch.randn(8, 4), torch.randn(8, 4)
+    ref = copy.deepcopy(model)
+    loss_ref = F.mse_loss(ref(x), y)
+    loss_ref.backward()
+    pipe = mpmd.pipeline(model, loss_fn=F.mse_loss, num_microbatches=4)
+    assert_close(pipe.step(x, target=y), loss_ref.detach(), rtol=1e-5, atol=1e-6)
+    for (n, p), (_, q) in zip(pipe.named_parameters(), ref.named_parameters()):
+        assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=n)
+    assert_close(pipe(x), ref(x), rtol=1e-5, atol=1e-6)

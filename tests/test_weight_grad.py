@@ -36,7 +36,9 @@ class Mixed(nn.Module):
 
 
 def _split_grads(module: nn.Module, idx: torch.Tensor, h: torch.Tensor,
-                 dy: torch.Tensor) -> tuple[torch.Tensor, WeightGradPlan]:
+                 dy: torch.Tensor) -> tuple[torch.Tensor, WeightGradPlan, tuple]:
+    """I then W for one forward of ``module``'s one-stage split; the input's
+    gradient, the plan and (zs, dzs, xs)."""
     gm = split_model(module, idx, h.detach()).stages[0]
     plan = WeightGradPlan.build(gm)
     assert plan is not None
@@ -44,8 +46,9 @@ def _split_grads(module: nn.Module, idx: torch.Tensor, h: torch.Tensor,
     out, zs, xs = plan.split_outputs(plan.module(idx, leaf))
     got = _ENGINE.run_backward((out[0],), (dy,), True, False, (leaf, *zs), True, False)
     dh, dzs = got[0], list(got[1:])
-    plan.accumulate(zs, dzs, xs)
-    return dh, plan
+    if plan.can_accumulate(zs, dzs, xs):
+        plan.accumulate(zs, dzs, xs)
+    return dh, plan, (zs, dzs, xs)
 
 
 def test_input_and_weight_gradients_equal_one_full_backward():
@@ -59,7 +62,7 @@ def test_input_and_weight_gradients_equal_one_full_backward():
     ref = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
     model.zero_grad(set_to_none=True)
 
-    dh, plan = _split_grads(model, idx, h, dy)
+    dh, plan, _ = _split_grads(model, idx, h, dy)
     rules = sorted(w.rule for w in plan.nodes)
     assert rules == ["embedding", "engine", "layer_norm", "linear", "linear", "linear"]
     assert_close(dh, ref_h.grad, rtol=1e-5, atol=1e-6)
@@ -117,20 +120,74 @@ def test_tied_parameters_sum_each_readers_contribution():
     model(idx, ref_h).backward(dy)
     ref = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
-    dh, plan = _split_grads(model, idx, h, dy)
+    dh, plan, state = _split_grads(model, idx, h, dy)
     assert [w.shared for w in plan.nodes] == [True] * 4
-    assert plan.can_accumulate()
+    assert plan.can_accumulate(*state)
     assert_close(dh, ref_h.grad, rtol=1e-5, atol=1e-6)
     for name, p in model.named_parameters():
         assert_close(p.grad, ref[name], rtol=1e-5, atol=1e-6, msg=name)
     model.fc.weight.register_hook(lambda g: g)
-    assert not plan.can_accumulate()  # the runner re-walks the stage for such a step
+    assert not plan.can_accumulate(*state)  # the runner re-walks the stage for such a step
 
 
 def test_a_shared_parameter_without_a_formula_has_no_split_plan():
     gm = split_model(Tied(engine_shared=True), torch.tensor([[1, 2]]),
                      torch.randn(1, 2, 6)).stages[0]
     assert WeightGradPlan.build(gm) is None
+
+
+class InPlace(nn.Module):
+    """A weight node's output written in place, and one under autocast."""
+
+    def __init__(self, autocast: bool = False) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(10, 8)
+        self.fc = nn.Linear(8, 8)
+        self.fc2 = nn.Linear(8, 8)
+        self.autocast = autocast
+
+    def forward(self, idx: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        y = self.fc(self.emb(idx) + h)
+        y.relu_()  # Z changed after the node ran: W must go through the relu
+        if self.autocast:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return self.fc2(y).float()  # X fp32, Z and dZ bf16
+        return self.fc2(y)
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_in_place_writes_and_autocast_fall_back_to_the_engine(autocast):
+    torch.manual_seed(3)
+    model = InPlace(autocast)
+    idx = torch.tensor([[1, 2, 3]])
+    h, dy = torch.randn(1, 3, 8), torch.randn(1, 3, 8)
+    ref_h = h.clone().requires_grad_(True)
+    model(idx, ref_h).backward(dy)
+    ref = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    dh, _, _ = _split_grads(model, idx, h, dy)
+    assert_close(dh, ref_h.grad, rtol=1e-5, atol=1e-6)
+    for name, p in model.named_parameters():
+        assert_close(p.grad, ref[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_an_input_written_after_the_node_ran_is_an_error_as_in_autograd():
+    class Late(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, idx: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+            a = (idx.float() + h) * 3
+            y = self.fc(a)
+            a.mul_(2)
+            return y + a
+
+    idx, h, dy = torch.tensor([[1, 2, 3, 4]]), torch.randn(1, 4), torch.randn(1, 4)
+    with pytest.raises(RuntimeError, match="inplace"):
+        Late()(idx, h).backward(dy)
+    with pytest.raises(RuntimeError, match="inplace"):
+        _split_grads(Late(), idx, h, dy)
 
 
 @pytest.mark.parametrize("shape", [(5, 8), (8,)])

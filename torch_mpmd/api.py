@@ -301,6 +301,9 @@ class Pipeline(torch.nn.Module):
             rt.dp.begin_step()
         try:
             rt.run(rt.executor)
+        except BaseException:
+            self._forget_last_step()  # its executor's trace is partial now
+            raise
         finally:
             rng.restore()
         if rt.dp is not None:
@@ -332,6 +335,10 @@ class Pipeline(torch.nn.Module):
         self.__dict__["_mpmd_last"] = (executor, dict(rt.runner.peak_bytes))
         self.__dict__["_mpmd_last_stats"] = None
 
+    def _forget_last_step(self) -> None:
+        self.__dict__["_mpmd_last"] = None
+        self.__dict__["_mpmd_last_stats"] = None
+
     @property
     def last_step_stats(self) -> dict[str, Any]:
         """What the last step (or forward) did on this rank: ``steps`` run by its
@@ -359,7 +366,8 @@ class Pipeline(torch.nn.Module):
         Collective: call it on every rank."""
         rt = self._runtime()
         if self._mpmd_last is None:
-            raise RuntimeError("no step has run yet: call step() or the pipeline first")
+            raise RuntimeError("no completed step: call step() or the pipeline first (a step that "
+                               "failed leaves no timeline)")
         executor, _ = self._mpmd_last
         events = executor.stats["trace"]
         programs = self.schedule.actions if executor is rt.executor else _forward_programs(rt)
@@ -387,6 +395,9 @@ class Pipeline(torch.nn.Module):
         rt.runner.begin_step(inputs, [], None, rt.seed, self._mpmd_step, training=False)
         try:
             rt.run(rt.forward_executor)
+        except BaseException:
+            self._forget_last_step()  # its executor's trace is partial now
+            raise
         finally:
             rng.restore()
         outputs = []

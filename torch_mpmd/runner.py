@@ -529,7 +529,8 @@ class StageRunner:
         self.live_bytes[stage] -= saved.saved_bytes
         weights = self.stages[stage].weights
         wplan = self.stages[stage].wplan
-        if saved.dzs and wplan is not None and wplan.can_accumulate():
+        if saved.dzs and wplan is not None and wplan.can_accumulate(saved.zs, saved.dzs,
+                                                                    saved.xs):
             with _label(stage, "W", mb):
                 wplan.accumulate(saved.zs, saved.dzs, saved.xs)
         elif saved.roots and weights:

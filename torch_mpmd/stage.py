@@ -337,6 +337,22 @@ def run_stages(stages: Sequence[torch.nn.Module], signatures: Sequence[StageSign
 # ------------------------------------------------------------------ split_model
 
 
+_IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*|")
+
+
+def _defaulted_parameters(signature: Any, args: Sequence[Any],
+                          kwargs: Mapping[str, Any]) -> set[str]:
+    """Parameters of forward the call leaves at their default (flatten_inputs
+    names them too, under their own name)."""
+    if signature is None:
+        return set()
+    try:
+        passed = signature.bind(*args, **kwargs).arguments
+    except TypeError:
+        return set()  # flatten_inputs raised the clear error already
+    return {n for n in signature.parameters if n not in passed}
+
+
 class SplitModel:
     """A model split into pipeline stages (see :func:`split_model`).
 
@@ -396,9 +412,12 @@ class SplitModel:
         tensors its shapes."""
         m = num_microbatches
         full = flatten_inputs(self.captured.signature, args, kwargs)
+        defaults = _defaulted_parameters(self.captured.signature, args, kwargs)
         per: dict[str, Sequence[Any]] = {}
         for name, value in full.items():
-            if isinstance(value, Replicate) and isinstance(value.value, torch.Tensor):
+            if defaults and _IDENT.match(name).group(0) in defaults:  # type: ignore[union-attr]
+                per[name] = [value] * m  # a default goes whole, as split_microbatches does
+            elif isinstance(value, Replicate) and isinstance(value.value, torch.Tensor):
                 per[name] = [value.value] * m
             elif isinstance(value, Replicate):  # a container: its leaves have other names
                 return [self._named_inputs(a, k)

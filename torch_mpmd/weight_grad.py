@@ -22,9 +22,12 @@ nodes (tied weights) gets the sum of their local contributions, which needs a
 formula for each of them. When a node does not produce one tensor, or a shared
 parameter has a reader without a formula, there is no plan and W is a second
 backward over the stage restricted to the weights (also used for a step where
-a shared parameter has hooks). A parameter with tensor hooks or
-post-accumulate hooks otherwise gets its gradient from the engine, so the
-hooks run.
+a shared parameter's reader needs the engine). A node takes the engine call
+instead of its formula in a step where its parameters have tensor or
+post-accumulate hooks (so they run), where Z or X was written in place after
+the node ran (the formula would miss the write; views share the version
+counter, so `_version` tells), or where autocast made X's dtype differ from
+dZ's.
 """
 
 from __future__ import annotations
@@ -79,9 +82,11 @@ def _formula_rule(node: torch.fx.Node, trainable: dict[torch.fx.Node, str],
         bias = args[2] if len(args) == 3 else None
         if isinstance(args[0], torch.fx.Node) and args[0] not in trainable and \
                 (bias is None or isinstance(bias, torch.fx.Node)):
-            return "linear", param(args[1]), param(bias)
+            weight = param(args[1])
+            if weight is None or weight.dim() == 2:
+                return "linear", weight, param(bias)
     if node.target is F.layer_norm and len(args) == 5 and isinstance(args[0], torch.fx.Node) \
-            and args[0] not in trainable:
+            and args[0] not in trainable and isinstance(args[1], (tuple, list)):
         return "layer_norm", param(args[2]), param(args[3])
     if node.target is F.embedding and len(args) == 7 and args[3] is None and not args[6] \
             and isinstance(args[0], torch.fx.Node) and args[1] in trainable:
@@ -147,10 +152,29 @@ class WeightGradPlan:
         zs = list(result[n_out:n_out + len(self.nodes)])
         return result[:n_out], zs, list(result[n_out + len(self.nodes):])
 
-    def can_accumulate(self) -> bool:
-        """False when a shared parameter has gradient hooks now: only a backward
-        through the whole stage gives it one gradient for its hooks to see."""
-        return not any(w.shared and w.hooked() for w in self.nodes)
+    @staticmethod
+    def _by_engine(w: WeightNode, z: torch.Tensor, dz: torch.Tensor,
+                   x: torch.Tensor | None) -> bool:
+        """Whether this step takes ``w``'s gradients from the engine: no
+        formula, hooks to run, or a formula that may not hold. A formula holds
+        for the node's output and input as they were when it ran; an in-place
+        write to Z or X afterwards (or to a view of them: views share the
+        version counter), or autocast changing X's dtype inside the node, is
+        known only to the graph autograd saved."""
+        if w.rule == "engine" or w.hooked() or x is None:
+            return True
+        return z._version != 0 or x._version != 0 or (
+            w.rule != "embedding" and x.dtype != dz.dtype)
+
+    def can_accumulate(self, zs: Sequence[torch.Tensor], dzs: Sequence[torch.Tensor | None],
+                       xs: Sequence[torch.Tensor]) -> bool:
+        """False when a shared parameter's reader needs the engine this step
+        (hooks, in-place writes, autocast): an engine call from one reader
+        would also reach the others, so only a backward through the whole
+        stage gives the parameter its gradient."""
+        return not any(
+            w.shared and dz is not None and self._by_engine(w, z, dz, xs[w.x_index])
+            for w, z, dz in zip(self.nodes, zs, dzs))
 
     def accumulate(self, zs: Sequence[torch.Tensor], dzs: Sequence[torch.Tensor | None],
                    xs: Sequence[torch.Tensor]) -> None:
@@ -159,10 +183,10 @@ class WeightGradPlan:
         for w, z, dz in zip(self.nodes, zs, dzs):
             if dz is None:  # no gradient reached this node
                 continue
-            if w.rule == "engine" or (w.hooked() and not w.shared):
+            x = xs[w.x_index] if w.x_index >= 0 else None
+            if self._by_engine(w, z, dz, x):
                 _ENGINE.run_backward((z,), (dz,), True, False, tuple(w.params), True, True)
                 continue
-            x = xs[w.x_index]
             with torch.no_grad():
                 if w.rule == "linear":
                     dz2 = dz.reshape(-1, dz.shape[-1])

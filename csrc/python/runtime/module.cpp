@@ -109,6 +109,12 @@ class PyStageRunner final : public StageRunner {
   std::runtime_error failure(py::error_already_set& e) {
     std::string message = e.what();
     try {
+      // Before Python 3.12 the traceback is held apart from the exception
+      // object: attach it, so the PipelineError's cause shows where it rose.
+      PyObject* value = e.value().ptr();
+      PyObject* held = PyException_GetTraceback(value);  // new reference or null
+      if (held == nullptr && e.trace()) PyException_SetTraceback(value, e.trace().ptr());
+      Py_XDECREF(held);
       runner_.attr("error") = e.value();
     } catch (py::error_already_set&) {
       // The message still travels; only the cause is lost.
