@@ -220,10 +220,19 @@ def _rank_main() -> None:
     func = getattr(importlib.import_module(module_name), func_name)
     value = func(*args)
     _write_json(workdir / f"result{rank}.json", value)
-    sys.stdout.flush()
-    sys.stderr.flush()
     if dist.is_initialized():
         dist.destroy_process_group()
+    # The rank's work is done and reported. Run the exit handlers (torch_mpmd's
+    # NOTE [Release at exit] among them), then leave without interpreter
+    # finalization: a gloo group freed during finalization has aborted ranks
+    # after their work ("terminate called without an active exception"), which
+    # is not what these tests check.
+    import atexit
+
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

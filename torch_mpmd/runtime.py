@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import gc
 import hashlib
 import os
+import sys
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -144,19 +146,29 @@ class StagedModel:
                    split.captured.tensors, split.captured.rebuild_output)
 
 
-# NOTE [Release at exit]: the C++ executors and transports hold references to
-# process groups. A runtime that is still alive when the interpreter finalizes
-# (a torch.compile'd pipeline in Dynamo's cache, a pipeline in a reference
-# cycle) would destroy its gloo group during finalization, which aborts the
-# process ("terminate called without an active exception"). So at exit, while
-# everything is alive, the runtimes drop their C++ objects.
+# NOTE [Release at exit]: the C++ executors and transports, and the runtime's
+# own fields, hold references to process groups. A runtime that is still alive
+# when the interpreter finalizes (a torch.compile'd pipeline in Dynamo's cache,
+# a pipeline in a reference cycle) would destroy the last reference to a gloo
+# group during finalization, after the script's destroy_process_group(); seen
+# to abort the process ("terminate called without an active exception"). So
+# at exit, while everything is alive, the runtimes drop their C++ objects and
+# group references, Dynamo's caches are cleared and cycles collected, so that
+# groups go while the interpreter still runs.
 _LIVE: "weakref.WeakSet[RankRuntime]" = weakref.WeakSet()
 
 
 @atexit.register
 def _release_all() -> None:
     for rt in list(_LIVE):
-        rt.release()
+        rt.release(groups=True)
+    dynamo = sys.modules.get("torch._dynamo")
+    if dynamo is not None:
+        try:
+            dynamo.reset()
+        except Exception:  # noqa: BLE001  (best effort at exit)
+            pass
+    gc.collect()
 
 
 class RankRuntime:
@@ -285,11 +297,16 @@ class RankRuntime:
                  if t.endswith("REDUCE_GRAD")]
         return DataParallel(self.dp_group, stage_params, order, self.timeout_s)
 
-    def release(self) -> None:
+    def release(self, *, groups: bool = False) -> None:
         """Drop the executors and the transport (and with them the process-group
-        references they hold); the runtime cannot step afterwards."""
+        references they hold), and with ``groups`` the runtime's own group
+        references (NOTE [Release at exit]); the runtime cannot step afterwards."""
         self.executor = self._forward_executor = self._backward_executor = None
         self.transport = None
+        if groups:
+            self.group = self.dp_group = self.dp = None
+            self.tied_groups = []
+            self.runner.on_reduce_grad = None
 
     # ------------------------------------------------------------ stepping
     @property
