@@ -132,14 +132,16 @@ def _forward_signature(module: torch.nn.Module) -> inspect.Signature | None:
 
 
 def flatten_inputs(
-    signature: inspect.Signature | None, args: Sequence[Any], kwargs: Mapping[str, Any]
+    signature: inspect.Signature | None, args: Sequence[Any], kwargs: Mapping[str, Any],
+    defaulted: set[str] | None = None,
 ) -> dict[str, Any]:
     """Name every leaf of a forward call: ``{"x": t, "batch['ids']": t2, "args[0]": t3}``.
 
     Positional arguments take the name of forward's parameter; ``*args`` items
     are ``args[i]``; ``**kwargs`` items take their key. Arguments not passed
-    take forward's default. Containers are flattened with torch's pytree, their
-    paths appended to the name.
+    take forward's default (their parameter names are added to ``defaulted``
+    when given). Containers are flattened with torch's pytree, their paths
+    appended to the name.
     """
     named: list[tuple[str, Any]] = []
     bound = None
@@ -150,6 +152,8 @@ def flatten_inputs(
             raise TypeError(f"the inputs do not match forward{signature}: {e}") from None
         # Arguments left at their default are named too, so that a call passing
         # a different value than the capture call can be told apart from it.
+        if defaulted is not None:
+            defaulted.update(n for n in signature.parameters if n not in bound.arguments)
         bound.apply_defaults()
     if bound is None:
         named += [(f"args[{i}]", a) for i, a in enumerate(args)]

@@ -293,9 +293,6 @@ class StageRunner:
     # raised by any of these methods is stored in `error` by the C++ trampoline
     # (csrc/python/runtime/module.cpp) and becomes the PipelineError's cause.
 
-    def backward_weight(self, stage: int, mb: int) -> None:
-        self._backward_weight(stage, mb)
-
     def reduce_grad(self, stage: int) -> None:
         """REDUCE_GRAD: the stage's backward is over; starts its data-parallel
         reduction when there is one (tied weights are summed after the step)."""
@@ -458,8 +455,7 @@ class StageRunner:
             self.live_bytes[stage] -= saved.saved_bytes
         if stage == self.num_stages - 1 and not self.outputs_as_roots:
             loss = saved.roots[0]
-            g = self._loss_grads.get((loss.dtype, loss.device))
-            roots, root_grads = (loss,), (g if g is not None else self._loss_grad(loss),)
+            roots, root_grads = (loss,), (self._loss_grad(loss),)
         else:
             rs, gs = [], []
             for r, g in zip(saved.roots, self._root_grads(stage, mb, saved, grads)):
@@ -524,7 +520,7 @@ class StageRunner:
         saved.dzs = [next(dz) if z.requires_grad else None for z in saved.zs]
         return [next(it) if leaf is not None else None for leaf in saved.leaves]
 
-    def _backward_weight(self, stage: int, mb: int) -> None:
+    def backward_weight(self, stage: int, mb: int) -> None:
         saved = self._saved.pop((stage, mb))
         self.live_bytes[stage] -= saved.saved_bytes
         weights = self.stages[stage].weights

@@ -337,20 +337,7 @@ def run_stages(stages: Sequence[torch.nn.Module], signatures: Sequence[StageSign
 # ------------------------------------------------------------------ split_model
 
 
-_IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*|")
-
-
-def _defaulted_parameters(signature: Any, args: Sequence[Any],
-                          kwargs: Mapping[str, Any]) -> set[str]:
-    """Parameters of forward the call leaves at their default (flatten_inputs
-    names them too, under their own name)."""
-    if signature is None:
-        return set()
-    try:
-        passed = signature.bind(*args, **kwargs).arguments
-    except TypeError:
-        return set()  # flatten_inputs raised the clear error already
-    return {n for n in signature.parameters if n not in passed}
+_IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*|")  # the parameter a flattened name starts with
 
 
 class SplitModel:
@@ -411,8 +398,8 @@ class SplitModel:
         per microbatch: the microbatches share the batch's structure and their
         tensors its shapes."""
         m = num_microbatches
-        full = flatten_inputs(self.captured.signature, args, kwargs)
-        defaults = _defaulted_parameters(self.captured.signature, args, kwargs)
+        defaults: set[str] = set()
+        full = flatten_inputs(self.captured.signature, args, kwargs, defaults)
         per: dict[str, Sequence[Any]] = {}
         for name, value in full.items():
             if defaults and _IDENT.match(name).group(0) in defaults:  # type: ignore[union-attr]
