@@ -16,5 +16,6 @@ void bindActions(pybind11::module_& m);    // actions.cpp
 void bindSchedules(pybind11::module_& m);  // schedules.cpp
 void bindSimulator(pybind11::module_& m);  // simulator.cpp
 void bindGraph(pybind11::module_& m);      // graph.cpp
+void bindBackwardSplit(pybind11::module_& m);  // backward_split.cpp
 
 }  // namespace mpmd::python
