@@ -1,0 +1,232 @@
+"""Functional stage programs (torch_mpmd/programs.py) in one process.
+
+The ProgramRunner is driven as the executor would drive it
+(tests/program_driver.py) and compared with the same runner on its autograd
+path: losses, every gradient and buffers equal. The I/W split is checked op
+by op: I and W together compute exactly what B computes. The multi-process
+runs of every schedule, with and without Inductor, are in test_pipeline.py.
+"""
+
+from __future__ import annotations
+
+import collections
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.testing import assert_close
+
+import models
+from program_driver import make_runner, train_step
+from torch_mpmd.programs import program_ops
+
+
+def gpt_loss(logits, targets):
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def _case(name):
+    """(model, x, y, loss_fn, split kwargs) with weights fixed by a seed."""
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    if name == "gpt":  # tied embedding and unembedding on the first and last stage
+        return (models.CharGPT(vocab=32, d=32, n_layer=2, n_head=4, block_size=16),
+                torch.randint(0, 32, (4, 8), generator=g), torch.randint(0, 32, (4, 8), generator=g),
+                gpt_loss, dict(split_points=["blocks.1"]))
+    if name == "bn_cnn":  # BatchNorm running stats are buffers written by every forward
+        return (models.ResCNN(), torch.randn(4, 3, 8, 8, generator=g),
+                torch.randint(0, 5, (4,), generator=g), F.cross_entropy,
+                dict(split_points=["layers.1"]))
+    if name == "skip":  # a value crossing several stages
+        return (models.SkipChain(), torch.randn(4, 16, generator=g), torch.randn(4, 16, generator=g),
+                F.mse_loss, dict(split_points=["layers.2", "layers.5"]))
+    if name == "checkpointed":  # torch.utils.checkpoint around every layer
+        return (models.CheckpointedLayers(), torch.randn(4, 8, generator=g),
+                torch.randn(4, 8, generator=g), F.mse_loss, dict(split_points=["layers.2"]))
+    if name == "inplace":  # a received value written in place
+        return (models.ViewOfValueBeforeWrite(), torch.randn(4, 4, generator=g),
+                torch.randn(4, 4, generator=g), F.mse_loss, {})
+    if name == "skipnet":  # markers, tuple output, a skip over three boundaries
+        return (models.SkipNet(d=16), torch.randn(4, 16, generator=g),
+                torch.randn(4, 16, generator=g),
+                lambda out, t: F.mse_loss(out[0], t) + out[1].square().mean(), {})
+    raise ValueError(name)
+
+
+MODELS = ["gpt", "bn_cnn", "skip", "checkpointed", "inplace", "skipnet"]
+
+
+def _compare(model, ref, loss, ref_loss, rtol=1e-5, atol=1e-6):
+    assert_close(loss, ref_loss, rtol=rtol, atol=atol)
+    ref_params = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        want = ref_params[name].grad
+        assert (p.grad is None) == (want is None), name
+        if want is not None:
+            assert_close(p.grad, want, rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}")
+    ref_buffers = dict(ref.named_buffers())
+    for name, b in model.named_buffers():
+        assert_close(b, ref_buffers[name], rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["B", "I+W"])
+@pytest.mark.parametrize("name", MODELS)
+def test_programs_match_the_autograd_runner(name, split):
+    model, x, y, loss_fn, kw = _case(name)
+    ref = copy.deepcopy(model)
+    for _ in range(2):  # two steps: gradients accumulate, buffers move on
+        ref_loss, _, _ = train_step(ref, x, y, loss_fn, split=split, functional=False, **kw)
+        loss, runner, _ = train_step(model, x, y, loss_fn, split=split, **kw)
+        assert runner.fallback_reason is None, runner.fallback_reason
+        _compare(model, ref, loss, ref_loss)
+
+
+def test_a_tied_parameter_accumulates_the_sum_of_its_stages_gradients():
+    model, x, y, loss_fn, kw = _case("gpt")
+    ref = copy.deepcopy(model)
+    loss_fn(ref(x), y).backward()
+    _, runner, _ = train_step(model, x, y, loss_fn, m=1, **kw)
+    assert runner.fallback_reason is None
+    assert len([s for s, p in runner.programs.items()
+                if any(t is model.wte.weight for t, _ in p.param_grads)]) == 2
+    assert_close(model.wte.weight.grad, ref.wte.weight.grad, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["gpt", "bn_cnn", "checkpointed", "skip"])
+def test_input_and_weight_programs_compute_exactly_the_backward_ops(name):
+    model, x, y, loss_fn, kw = _case(name)
+    runner, sm = make_runner(model, x, 2, split=True, **kw)
+    inputs = sm.named_microbatches((x,), {}, 2)
+    runner.prepare(inputs, list(y.chunk(2)), loss_fn)
+    assert runner.fallback_reason is None
+    for s, prog in runner.programs.items():
+        b = collections.Counter(program_ops(prog.graphs["B"]))
+        i = collections.Counter(program_ops(prog.graphs["I"]))
+        w = collections.Counter(program_ops(prog.graphs["W"]))
+        assert i + w == b, f"stage {s}: I+W - B = {(i + w) - b}, B - (I+W) = {b - (i + w)}"
+        assert sum(w.values()) > 0, f"stage {s}: W computes nothing"
+        if s > 0:  # a stage with received values computes their gradients in I
+            assert sum(i.values()) > 0
+        # I never computes a parameter gradient's last op when only W needs it:
+        # every W output is computed in W or carried, and I hands over no more
+        # than W reads.
+        carry = [n for n in prog.graphs["W"].graph.nodes if n.op == "placeholder"]
+        i_out = prog.graphs["I"].graph.output_node().args[0]
+        assert len(i_out) == len(prog.i_input_slots) + len(carry)
+
+
+class CheckpointedMLP(nn.Module):
+    """Blocks of Linear-GELU-Linear, each under torch.utils.checkpoint: GELU's
+    backward needs the first Linear's output, which is recomputed, not saved."""
+
+    def __init__(self, d: int = 8, n: int = 4) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(d, 2 * d), nn.GELU(),
+                                                  nn.Linear(2 * d, d)) for _ in range(n))
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+        for block in self.blocks:
+            x = checkpoint(block, x, use_reentrant=False)
+        return x
+
+
+def test_checkpointed_blocks_recompute_their_forward_once_in_the_backward():
+    torch.manual_seed(0)
+    model = CheckpointedMLP()
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    ref = copy.deepcopy(model)
+    runner, sm = make_runner(model, x, 2, split=True, split_points=["blocks.2"])
+    runner.prepare(sm.named_microbatches((x,), {}, 2), list(y.chunk(2)), F.mse_loss)
+    assert runner.fallback_reason is None
+    for s, prog in runner.programs.items():
+        ops = {k: collections.Counter(program_ops(prog.graphs[k])) for k in "FBIW"}
+        assert ops["F"]["aten.gelu.default"] == 2  # two blocks per stage
+        # Both GELUs are recomputed in the backward (not saved) ...
+        assert ops["B"]["aten.gelu.default"] == 2
+        # ... once, by I or by W, where each result is first needed.
+        assert ops["I"] + ops["W"] == ops["B"]
+        if s == 0:  # no received values: no input gradient, W does all
+            assert not ops["I"] and ops["W"] == ops["B"]
+        else:
+            # The last block's GELU feeds the output the loss's gradient needs
+            # (I); the first block's is read only by its second Linear's weight
+            # gradient (W).
+            assert ops["I"]["aten.gelu.default"] == 1 and ops["W"]["aten.gelu.default"] == 1
+    ref_loss, _, _ = train_step(ref, x, y, F.mse_loss, split=True, functional=False,
+                                split_points=["blocks.2"])
+    loss, _, _ = train_step(model, x, y, F.mse_loss, split=True, runner=runner, sm=sm)
+    _compare(model, ref, loss, ref_loss)
+
+
+def test_saved_values_only_i_reads_are_not_carried_to_w():
+    torch.manual_seed(0)
+    model = models.MLP(d=16, depth=2, markers=True)
+    x, y = torch.randn(4, 16), torch.randint(0, 4, (4,))
+    runner, sm = make_runner(model, x, 2, split=True)
+    runner.prepare(sm.named_microbatches((x,), {}, 2), list(y.chunk(2)), F.cross_entropy)
+    prog = runner.programs[1]
+    saved = [n.name for n in prog.graphs["I"].graph.nodes if n.op == "placeholder"]
+    carried = [n.name for n in prog.graphs["W"].graph.nodes if n.op == "placeholder"]
+    assert set(carried) < set(saved) | {n.name for n in prog.graphs["I"].graph.nodes}
+    # The weight of the head is read by I (for the input gradient) and not by W.
+    assert len([c for c in carried if c in saved]) < len(saved)
+
+
+def test_a_users_compiler_gets_every_program_and_its_result_runs():
+    model, x, y, loss_fn, kw = _case("skip")
+    ref = copy.deepcopy(model)
+    seen = []
+
+    def my_compiler(gm, example_inputs):
+        seen.append((type(gm).__name__, len(example_inputs)))
+        return gm.forward
+
+    ref_loss, _, _ = train_step(ref, x, y, loss_fn, split=True, functional=False, **kw)
+    loss, runner, _ = train_step(model, x, y, loss_fn, split=True, compiler=my_compiler, **kw)
+    assert runner.fallback_reason is None
+    assert len(seen) == 3 * 3  # F, I and W of three stages (B is never run when split)
+    _compare(model, ref, loss, ref_loss)
+
+
+def test_inductor_programs_match_the_autograd_runner():
+    from torch_mpmd.programs import resolve_compiler
+
+    model, x, y, loss_fn, kw = _case("bn_cnn")
+    ref = copy.deepcopy(model)
+    ref_loss, _, _ = train_step(ref, x, y, loss_fn, split=True, functional=False, **kw)
+    loss, runner, _ = train_step(model, x, y, loss_fn, split=True,
+                                 compiler=resolve_compiler("inductor"), **kw)
+    assert runner.fallback_reason is None
+    prog = runner.programs[0]
+    assert prog.forward != prog.graphs["F"].forward  # Inductor's code, not the FX graph
+    _compare(model, ref, loss, ref_loss, rtol=1e-4, atol=1e-5)
+
+
+def test_a_parameter_with_a_hook_keeps_the_rank_on_the_autograd_path():
+    model, x, y, loss_fn, kw = _case("skip")
+    calls = []
+    model.layers[0].weight.register_hook(lambda g: calls.append(1))
+    _, runner, _ = train_step(model, x, y, loss_fn, **kw)
+    assert runner.fallback_reason is not None and "hook" in runner.fallback_reason
+    assert calls  # the hook ran: the engine did the backward
+
+
+def test_dropout_programs_are_deterministic_per_stage_and_microbatch():
+    torch.manual_seed(0)
+    model = models.DropoutMLP(d=16)
+    x, y = torch.randn(4, 16), torch.randn(4, 16)
+    results = []
+    for split in (False, True, False):
+        m = copy.deepcopy(model)
+        loss, runner, _ = train_step(m, x, y, F.mse_loss, split=split, seed=7)
+        assert runner.fallback_reason is None
+        results.append((loss, [p.grad.clone() for p in m.parameters()]))
+    other_seed, _, _ = train_step(copy.deepcopy(model), x, y, F.mse_loss, seed=8)
+    for loss, grads in results[1:]:
+        assert_close(loss, results[0][0])
+        for g, want in zip(grads, results[0][1]):
+            assert_close(g, want)
+    assert not torch.equal(other_seed, results[0][0])

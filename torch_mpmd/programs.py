@@ -1,0 +1,452 @@
+"""Functional stage programs (DESIGN.md 10): F, B, and the I/W halves of B.
+
+A stage's captured ``fx.GraphModule`` (stage.py), with the loss appended on
+the last stage, is traced by AOTAutograd into one functionalized joint
+forward+backward graph whose inputs and outputs carry descriptors (which
+parameter, which input, which tangent). The joint graph is cut into
+
+- ``F(params, buffers, user inputs, received, target) -> (mutations, outputs, saved)``
+- ``B(saved, tangents) -> gradients`` (one per primal; ``None`` where none)
+
+by torch's default partitioner (which honours activation-checkpointing
+recompute tags), and for schedules with I and W, B is cut again by the C++
+partitioner (``_C.split_backward``, csrc/core/backward_split.h) into
+
+- ``I(saved, tangents) -> (input gradients, carry)``: the nodes on a path to
+  a received value's gradient;
+- ``W(carry) -> weight gradients``: the nodes only weight gradients need.
+
+Each program is an ``fx.GraphModule`` run as it is (``compile=False``), or
+handed to Inductor or to the user's compiler. Nothing here runs the autograd
+engine: runner.ProgramRunner calls the programs and accumulates the weight
+gradients into ``.grad``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import operator
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx
+import torch.utils._pytree as pytree
+
+from torch_mpmd import _C
+
+__all__ = ["ProgramsUnsupported", "StagePrograms", "build_stage_programs", "resolve_compiler",
+           "program_ops"]
+
+log = logging.getLogger("torch_mpmd")
+
+Compiler = Callable[[torch.fx.GraphModule, list], Callable[..., Any]]
+
+
+class ProgramsUnsupported(RuntimeError):
+    """A stage cannot be turned into functional programs (the reason says why);
+    the runner keeps that rank on the autograd path."""
+
+
+# ------------------------------------------------------------------ compilers
+
+
+def _inductor(gm: torch.fx.GraphModule, example_inputs: list) -> Callable[..., Any]:
+    from torch._inductor.compile_fx import compile_fx_inner
+
+    compiled = compile_fx_inner(gm, example_inputs)
+    # Inductor's code assumes the example inputs' strides; an input laid out
+    # otherwise (a user's non-contiguous batch) is copied into that layout.
+    strides = [t.stride() if isinstance(t, torch.Tensor) else None for t in example_inputs]
+
+    def run(*args: Any) -> Any:
+        boxed = list(args)
+        for i, want in enumerate(strides):
+            t = boxed[i]
+            if want is not None and t.stride() != want and t.numel() > 1:
+                boxed[i] = torch.empty_strided(t.shape, want, dtype=t.dtype,
+                                               device=t.device).copy_(t)
+        return compiled(boxed)
+
+    return run
+
+
+def resolve_compiler(compile: Any) -> Compiler | None:
+    """``pipeline(compile=...)``: False/None -> None (FX graphs as they are),
+    True or "inductor" -> Inductor, a callable ``(gm, example_inputs) -> fn``."""
+    if compile is None or compile is False:
+        return None
+    if compile is True or compile == "inductor":
+        return _inductor
+    if callable(compile):
+        return compile
+    raise ValueError(f"compile={compile!r} must be False, True, 'inductor' or a callable "
+                     "(GraphModule, example_inputs) -> callable")
+
+
+# ------------------------------------------------------------------ programs
+
+
+@dataclass
+class StagePrograms:
+    """One stage's functional programs and how their inputs and outputs map to
+    the stage's tensors (see the module docstring)."""
+
+    stage: int
+    forward: Callable[..., Any]
+    backward: Callable[..., Any] | None
+    input_backward: Callable[..., Any] | None = None
+    weight_backward: Callable[..., Any] | None = None
+    # F's leading inputs, in order: parameters then buffers (the module's own tensors).
+    state_tensors: list[torch.Tensor] = field(default_factory=list)
+    num_user: int = 0
+    num_received: int = 0
+    num_target: int = 0
+    # F's outputs: mutated tensors first ((output index, tensor to copy into)),
+    # then the stage's outputs (sent values, or the loss), then `saved`.
+    mutations: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    output_offset: int = 0
+    num_outputs: int = 0
+    num_saved: int = 0
+    # Output positions (among the stage outputs) that B receives a tangent for,
+    # in order; -1: a zero tangent (zero_tangents[k]) for an input written in place.
+    tangent_outputs: list[int] = field(default_factory=list)
+    zero_tangents: dict[int, torch.Tensor] = field(default_factory=dict)  # -1 entries above
+    # B's outputs: (parameter, position) and (received slot, position).
+    param_grads: list[tuple[torch.Tensor, int]] = field(default_factory=list)
+    input_grads: list[tuple[int, int]] = field(default_factory=list)
+    # I's outputs: input gradients (received slot each), then the carry for W.
+    i_input_slots: list[int] = field(default_factory=list)
+    # W's outputs: the parameter each gradient belongs to.
+    w_params: list[torch.Tensor] = field(default_factory=list)
+    saved_bytes: int = 0          # bytes of `saved` per microbatch (parameters excluded)
+    draws_rng: bool = False       # F has random ops: seed it per (stage, microbatch)
+    graphs: dict[str, torch.fx.GraphModule] = field(default_factory=dict)  # F, B, I, W
+
+
+def program_ops(gm: torch.fx.GraphModule) -> list[str]:
+    """The operations a program computes (call_function targets, getitem excluded)."""
+    return [str(n.target) for n in gm.graph.nodes
+            if n.op == "call_function" and n.target is not operator.getitem]
+
+
+class _Traced(torch.nn.Module):
+    """The callable AOTAutograd traces: the stage module, then on the last
+    stage the loss; sent outputs that alias an input or another output are
+    cloned (a functional program returns fresh tensors)."""
+
+    def __init__(self, stage: torch.fx.GraphModule, *, num_user: int, num_received: int,
+                 num_sent: int, loss: Callable[[tuple, tuple, list], torch.Tensor] | None,
+                 clone_outputs: frozenset[int]) -> None:
+        super().__init__()
+        self.stage = stage
+        self.num_user = num_user
+        self.num_received = num_received
+        self.num_sent = num_sent
+        self.loss = loss
+        self.clone_outputs = clone_outputs
+
+    def forward(self, *flat: Any) -> tuple:
+        k = self.num_user + self.num_received
+        out = self.stage(*flat[:k])
+        if self.loss is not None:
+            loss = self.loss(tuple(out[self.num_sent:]), flat[:self.num_user], list(flat[k:]))
+            return (loss.clone() if 0 in self.clone_outputs else loss,)
+        return tuple(o.clone() if i in self.clone_outputs else o
+                     for i, o in enumerate(out[:self.num_sent]))
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _is_random(node: torch.fx.Node) -> bool:
+    target = node.target
+    tags = getattr(target, "tags", ())
+    return node.op == "call_function" and torch.Tag.nondeterministic_seeded in tags
+
+
+def _decompositions(compiler: Compiler | None) -> dict | None:
+    """Inductor lowers graphs decomposed by its own table (as its AOTAutograd
+    path does); FX programs and other compilers get aten as traced."""
+    if compiler is _inductor:
+        from torch._inductor.decomposition import select_decomp_table
+
+        return select_decomp_table()
+    return None
+
+
+def _export(traced: _Traced, args: tuple, decompositions: dict | None
+            ) -> tuple[Any, torch.fx.GraphModule, Any]:
+    from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
+
+    stack = contextlib.ExitStack()
+    with stack:
+        jd = aot_export_joint_with_descriptors(stack, traced, args,
+                                               decompositions=decompositions)
+        return jd, jd.graph_module, jd._aot_state.fw_metadata
+
+
+def build_stage_programs(stage: int, module: torch.fx.GraphModule, *, num_user: int,
+                         received: Sequence[torch.Tensor], received_grad: Sequence[bool],
+                         user_inputs: Sequence[Any], num_sent: int,
+                         loss: Callable[[tuple, tuple, list], torch.Tensor] | None,
+                         target_leaves: Sequence[torch.Tensor], split_backward: bool,
+                         compiler: Compiler | None) -> StagePrograms:
+    """Trace ``module`` (the stage) and cut it into programs.
+
+    ``received``: example values of the received inputs (fresh tensors of the
+    right shape); ``received_grad``: which of them carry a gradient back.
+    ``loss(flat_outputs, user_inputs, target_leaves)`` is given on the last
+    stage (training): F then returns the microbatch's loss as its one output.
+    Raises ProgramsUnsupported when the stage cannot be expressed this way.
+    """
+    from torch._functorch._aot_autograd import descriptors as d
+    from torch._functorch.partitioners import default_partition
+
+    for name, t in module.named_parameters():
+        if t.requires_grad and (t._backward_hooks or getattr(t, "_post_accumulate_grad_hooks",
+                                                             None)):
+            raise ProgramsUnsupported(f"parameter {name!r} has gradient hooks, which run only "
+                                      "under the autograd engine")
+    if any(not isinstance(u, torch.Tensor) for u in user_inputs):
+        raise ProgramsUnsupported("a non-tensor user input reaches the stage")
+    args = (*user_inputs,
+            *[r.detach().requires_grad_(g) if r.is_floating_point() else r.detach()
+              for r, g in zip(received, received_grad)],
+            *target_leaves)
+    clone: frozenset[int] = frozenset()
+    try:
+        for _attempt in range(2):
+            traced = _Traced(module, num_user=num_user, num_received=len(received),
+                             num_sent=num_sent, loss=loss, clone_outputs=clone)
+            jd, joint, meta = _export(traced, args, _decompositions(compiler))
+            aliased = frozenset(i for i, info in enumerate(meta.output_info)
+                                if info.output_type.name != "non_alias")
+            if not aliased:
+                break
+            clone = clone | aliased
+        else:
+            raise ProgramsUnsupported(f"outputs {sorted(aliased)} alias inputs or each other")
+    except ProgramsUnsupported:
+        raise
+    except Exception as e:  # noqa: BLE001  (AOTAutograd raises many kinds)
+        raise ProgramsUnsupported(f"AOTAutograd could not trace the stage: "
+                                  f"{type(e).__name__}: {str(e).splitlines()[0][:300]}") from e
+
+    placeholders = [n for n in joint.graph.nodes if n.op == "placeholder"]
+    out_node = joint.graph.output_node()
+    out_descs = out_node.meta["desc"]
+    named_params = dict(traced.named_parameters(remove_duplicate=False))
+    named_buffers = dict(traced.named_buffers(remove_duplicate=False))
+    num_primals = sum(1 for p in placeholders if not isinstance(p.meta["desc"], d.TangentAOTInput))
+    state: list[torch.Tensor] = []
+    num_plain = 0
+    for p in placeholders[:num_primals]:
+        desc = p.meta["desc"]
+        if isinstance(desc, d.ParamAOTInput):
+            state.append(named_params[desc.target])
+        elif isinstance(desc, d.BufferAOTInput):
+            state.append(named_buffers[desc.target])
+        elif isinstance(desc, d.PlainAOTInput):
+            if desc.idx != num_plain:
+                raise ProgramsUnsupported(f"unexpected input order at {desc}")
+            num_plain += 1
+        else:
+            raise ProgramsUnsupported(f"an input the runner does not handle: {desc}")
+    if len(state) + num_plain != num_primals or num_plain != len(args):
+        raise ProgramsUnsupported("parameters, buffers and inputs are not in the expected order")
+
+    # Forward outputs: mutations, then the stage's outputs (PlainAOTOutput).
+    num_fwd = meta.num_forward_returns
+    mutations: list[tuple[int, torch.Tensor]] = []
+    num_outputs = 0
+    for i, desc in enumerate(out_descs[:num_fwd]):
+        if isinstance(desc, d.InputMutationAOTOutput):
+            m = desc.mutated_input
+            if isinstance(m, d.ParamAOTInput):
+                mutations.append((i, named_params[m.target]))
+            elif isinstance(m, d.BufferAOTInput):
+                mutations.append((i, named_buffers[m.target]))
+            # a mutated received value or user input: the program works on its
+            # own copy (as the autograd path feeds such a stage a clone)
+        elif isinstance(desc, d.PlainAOTOutput):
+            if desc.idx != num_outputs:
+                raise ProgramsUnsupported(f"unexpected output order at {desc}")
+            num_outputs += 1
+        else:
+            raise ProgramsUnsupported(f"an output the runner does not handle: {desc}")
+    output_offset = num_fwd - num_outputs
+    # Tangents: of the stage's outputs, or zeros for a received value the
+    # stage writes in place (the write stays local, as on the autograd path,
+    # where such a stage is fed a clone).
+    tangent_outputs: list[int] = []
+    zero_tangents: dict[int, torch.Tensor] = {}
+    for k, p in enumerate(placeholders[num_primals:]):
+        out = p.meta["desc"].output
+        if isinstance(out, d.PlainAOTOutput):
+            tangent_outputs.append(out.idx)
+        elif (isinstance(out, d.InputMutationAOTOutput) and
+              isinstance(out.mutated_input, d.PlainAOTInput)):
+            v = p.meta["val"]
+            zero_tangents[k] = torch.zeros(v.shape, dtype=v.dtype, device=v.device)
+            tangent_outputs.append(-1)
+        else:
+            raise ProgramsUnsupported(f"a tangent the runner does not handle: {out}")
+
+    fw, bw = default_partition(joint, None, num_fwd_outputs=num_fwd)
+    fw_outs = list(fw.graph.output_node().args[0])
+    saved_names = [n.name for n in fw_outs[num_fwd:]]
+    bw_placeholders = [n for n in bw.graph.nodes if n.op == "placeholder"]
+    if [n.name for n in bw_placeholders[:len(saved_names)]] != saved_names:
+        raise ProgramsUnsupported("the backward graph does not read the saved values in order")
+    if any(not isinstance(n.meta.get("val"), torch.Tensor) for n in fw_outs[num_fwd:]):
+        raise ProgramsUnsupported("the forward saves non-tensor values (symbolic sizes)")
+
+    # Gradients: one per primal, by descriptor.
+    param_grads: list[tuple[torch.Tensor, int]] = []
+    input_grads: list[tuple[int, int]] = []
+    bw_outs = list(bw.graph.output_node().args[0])
+    for pos, desc in enumerate(out_descs[num_fwd:]):
+        if desc is None or bw_outs[pos] is None:
+            continue
+        of = desc.grad_of
+        if isinstance(of, d.ParamAOTInput):
+            param_grads.append((named_params[of.target], pos))
+        elif isinstance(of, d.PlainAOTInput):
+            slot = of.idx - num_user
+            if 0 <= slot < len(received):
+                input_grads.append((slot, pos))
+        elif isinstance(of, d.BufferAOTInput):
+            continue
+        else:
+            raise ProgramsUnsupported(f"a gradient the runner does not handle: {desc}")
+
+    # Bytes a microbatch's `saved` holds beyond what already exists: values F
+    # computes (placeholders passed through, parameters and inputs, are not new).
+    saved_bytes = sum(_nbytes(n.meta["val"]) for n in fw_outs[num_fwd:]
+                      if n.op != "placeholder")
+
+    programs = StagePrograms(
+        stage=stage, forward=fw, backward=bw, state_tensors=state, num_user=num_user,
+        num_received=len(received), num_target=len(target_leaves), mutations=mutations,
+        output_offset=output_offset, num_outputs=num_outputs, num_saved=len(saved_names),
+        tangent_outputs=tangent_outputs, zero_tangents=zero_tangents, param_grads=param_grads, input_grads=input_grads,
+        saved_bytes=saved_bytes,
+        draws_rng=any(_is_random(n) for n in fw.graph.nodes),
+        graphs={"F": fw, "B": bw})
+    # FX programs are called through .forward: they are our own GraphModules,
+    # with no module hooks to run (nn.Module.__call__ costs microseconds).
+    programs.forward, programs.backward = fw.forward, bw.forward
+    if split_backward:
+        _split(programs, bw, param_grads, input_grads)
+    if compiler is not None:
+        _compile(programs, compiler)
+    return programs
+
+
+# ------------------------------------------------------------------ I/W split
+
+
+def _split(programs: StagePrograms, bw: torch.fx.GraphModule,
+           param_grads: list[tuple[torch.Tensor, int]],
+           input_grads: list[tuple[int, int]]) -> None:
+    """Cut B into I and W with the C++ partitioner (NOTE [Backward split])."""
+    nodes = [n for n in bw.graph.nodes if n.op != "output"]
+    index = {n: i for i, n in enumerate(nodes)}
+    outs = list(bw.graph.output_node().args[0])
+    reads = [[index[a] for a in n.all_input_nodes] for n in nodes]
+    is_ph = [n.op == "placeholder" for n in nodes]
+    # NOTE [Backward split]: a tuple-returning op's elements (getitem) stay
+    # with the op, so only tensors are carried: each getitem reads just its op,
+    # and is marked a projection the C++ side keeps next to it.
+    in_outs = [index[outs[pos]] for _, pos in input_grads]
+    w_outs = [index[outs[pos]] for _, pos in param_grads]
+    split = _C.split_backward(reads, is_ph, in_outs, w_outs)
+    in_i = list(split.input_part)
+    in_w = list(split.weight_part)
+    # Projections of an op computed in I are computed in I too (the op's
+    # value is a tuple, which cannot be carried).
+    for i, n in enumerate(nodes):
+        if in_w[i] and n.target is operator.getitem and in_i[index[n.args[0]]]:
+            in_w[i], in_i[i] = False, True
+    carry_set: set[int] = set()
+    for i, n in enumerate(nodes):
+        if in_w[i]:
+            carry_set.update(j for j in reads[i] if not in_w[j])
+    carry_set.update(j for j in w_outs if not in_w[j])
+    carry = sorted(carry_set)
+
+    graph_i = torch.fx.Graph()
+    env: dict[torch.fx.Node, torch.fx.Node] = {}
+    for i, n in enumerate(nodes):
+        if is_ph[i]:
+            env[n] = graph_i.placeholder(n.name)
+            env[n].meta = dict(n.meta)
+        elif in_i[i]:
+            env[n] = graph_i.node_copy(n, lambda a: env[a])
+    graph_i.output(tuple([env[nodes[j]] for j in in_outs] + [env[nodes[j]] for j in carry]))
+    graph_w = torch.fx.Graph()
+    env_w: dict[torch.fx.Node, torch.fx.Node] = {}
+    for j in carry:
+        env_w[nodes[j]] = graph_w.placeholder(nodes[j].name)
+        env_w[nodes[j]].meta = dict(nodes[j].meta)
+    for i, n in enumerate(nodes):
+        if in_w[i]:
+            env_w[n] = graph_w.node_copy(n, lambda a: env_w[a])
+    graph_w.output(tuple(env_w[nodes[j]] for j in w_outs))
+    gi = torch.fx.GraphModule(bw, graph_i, class_name=f"Stage{programs.stage}I")
+    gw = torch.fx.GraphModule(bw, graph_w, class_name=f"Stage{programs.stage}W")
+    programs.input_backward = gi.forward
+    programs.weight_backward = gw.forward
+    programs.i_input_slots = [slot for slot, _ in input_grads]
+    programs.w_params = [p for p, _ in param_grads]
+    programs.graphs.update({"I": gi, "W": gw})
+
+
+# ------------------------------------------------------------------ compile
+
+
+def _example(node: torch.fx.Node) -> Any:
+    v = node.meta.get("val")
+    if isinstance(v, torch.Tensor):
+        return torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device)
+    return v
+
+
+def _compile(programs: StagePrograms, compiler: Compiler) -> None:
+    for kind, attr in (("F", "forward"), ("B", "backward"), ("I", "input_backward"),
+                       ("W", "weight_backward")):
+        gm = programs.graphs.get(kind)
+        if gm is None:
+            continue
+        if kind == "B" and "I" in programs.graphs:
+            setattr(programs, attr, None)  # a split stage never runs B
+            continue
+        examples = [_example(n) for n in gm.graph.nodes if n.op == "placeholder"]
+        setattr(programs, attr, compiler(gm, examples))
+
+
+def flatten_target(target: Any) -> list[Any]:
+    return pytree.tree_leaves(target) if target is not None else []
+
+
+def loss_tail(loss_fn: Callable[..., torch.Tensor] | None, rebuild_output: Callable,
+              user_names: Sequence[str], target_spec: Any) -> Callable:
+    """The loss as the last stage's program computes it (runner._loss's contract)."""
+
+    def loss(flat: tuple, user: tuple, target_leaves: list) -> torch.Tensor:
+        output = rebuild_output(flat, dict(zip(user_names, user)))
+        if loss_fn is None:
+            value = output
+        else:
+            target = (pytree.tree_unflatten(target_leaves, target_spec)
+                      if target_spec is not None else None)
+            value = loss_fn(output, target)
+        if not (isinstance(value, torch.Tensor) and value.numel() == 1):
+            raise ProgramsUnsupported("the loss is not a one-element tensor")
+        return value if value.dim() == 0 else value.reshape(())
+
+    return loss
