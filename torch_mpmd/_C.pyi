@@ -238,4 +238,5 @@ def split_backward(
     is_placeholder: list[bool],
     input_grad_outputs: list[int],
     weight_grad_outputs: list[int],
+    is_projection: list[bool] = ...,
 ) -> BackwardSplit: ...

@@ -359,25 +359,15 @@ def _split(programs: StagePrograms, bw: torch.fx.GraphModule,
     outs = list(bw.graph.output_node().args[0])
     reads = [[index[a] for a in n.all_input_nodes] for n in nodes]
     is_ph = [n.op == "placeholder" for n in nodes]
-    # NOTE [Backward split]: a tuple-returning op's elements (getitem) stay
-    # with the op, so only tensors are carried: each getitem reads just its op,
-    # and is marked a projection the C++ side keeps next to it.
+    # Elements of a tuple-valued op (getitem) are projections: computed in I
+    # when their op is, so only tensors are carried (NOTE [Backward split]).
+    is_proj = [n.op == "call_function" and n.target is operator.getitem for n in nodes]
     in_outs = [index[outs[pos]] for _, pos in input_grads]
     w_outs = [index[outs[pos]] for _, pos in param_grads]
-    split = _C.split_backward(reads, is_ph, in_outs, w_outs)
-    in_i = list(split.input_part)
-    in_w = list(split.weight_part)
-    # Projections of an op computed in I are computed in I too (the op's
-    # value is a tuple, which cannot be carried).
-    for i, n in enumerate(nodes):
-        if in_w[i] and n.target is operator.getitem and in_i[index[n.args[0]]]:
-            in_w[i], in_i[i] = False, True
-    carry_set: set[int] = set()
-    for i, n in enumerate(nodes):
-        if in_w[i]:
-            carry_set.update(j for j in reads[i] if not in_w[j])
-    carry_set.update(j for j in w_outs if not in_w[j])
-    carry = sorted(carry_set)
+    split = _C.split_backward(reads, is_ph, in_outs, w_outs, is_proj)
+    in_i = split.input_part
+    in_w = split.weight_part
+    carry = split.carry
 
     graph_i = torch.fx.Graph()
     env: dict[torch.fx.Node, torch.fx.Node] = {}

@@ -63,9 +63,24 @@ void markAncestors(const std::vector<std::vector<int32_t>>& inputs,
 BackwardSplit splitBackward(const std::vector<std::vector<int32_t>>& inputs,
                             const std::vector<bool>& is_placeholder,
                             const std::vector<int32_t>& input_grad_outputs,
-                            const std::vector<int32_t>& weight_grad_outputs) {
+                            const std::vector<int32_t>& weight_grad_outputs,
+                            const std::vector<bool>& is_projection) {
   checkInputs(inputs, is_placeholder);
   const size_t n = inputs.size();
+  if (!is_projection.empty()) {
+    if (is_projection.size() != n) {
+      throw std::invalid_argument(fmt::format(
+          "backward graph: is_projection has {} entries for a graph of {} nodes",
+          is_projection.size(), n));
+    }
+    for (size_t v = 0; v < n; ++v) {
+      if (is_projection[v] && inputs[v].size() != 1) {
+        throw std::invalid_argument(fmt::format(
+            "backward graph: projection node {} reads [{}]: a projection reads one node", v,
+            fmt::join(inputs[v], ", ")));
+      }
+    }
+  }
   checkOutputs("input_grad_outputs", input_grad_outputs, static_cast<int64_t>(n));
   checkOutputs("weight_grad_outputs", weight_grad_outputs, static_cast<int64_t>(n));
 
@@ -77,7 +92,15 @@ BackwardSplit splitBackward(const std::vector<std::vector<int32_t>>& inputs,
   for (int32_t o : input_grad_outputs) needed_by_i[static_cast<size_t>(o)] = true;
   markAncestors(inputs, is_placeholder, nullptr, needed_by_i);
   split.input_part.assign(n, false);
-  for (size_t v = 0; v < n; ++v) split.input_part[v] = needed_by_i[v] && !is_placeholder[v];
+  for (size_t v = 0; v < n; ++v) {
+    split.input_part[v] = needed_by_i[v] && !is_placeholder[v];
+    // An element of a tuple computed in I is taken there too (ids are
+    // topological: the source's flag is final when v is reached).
+    if (!is_projection.empty() && is_projection[v] &&
+        split.input_part[static_cast<size_t>(inputs[v][0])]) {
+      split.input_part[v] = needed_by_i[v] = true;
+    }
+  }
 
   std::vector<bool> needed_by_w(n, false);
   for (int32_t o : weight_grad_outputs) needed_by_w[static_cast<size_t>(o)] = true;

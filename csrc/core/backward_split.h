@@ -9,6 +9,9 @@
 // computed once, in I, and handed to W through `carry`; W never recomputes
 // it. Recompute nodes of activation checkpointing follow the same rule.
 // Nodes in neither part are dead: no output needs them, nothing computes them.
+// A projection (an element of a tuple-valued node, FX's getitem) whose source
+// is in I is computed in I too, whoever needs it: the tuple itself cannot be
+// carried, its elements can.
 #pragma once
 
 #include <cstdint>
@@ -41,15 +44,18 @@ struct BackwardSplit {
 // gradients), which read nothing. `input_grad_outputs` and
 // `weight_grad_outputs` list the output node ids; an id may repeat, appear in
 // both lists, or be a placeholder. O(n + edges); pure, no allocation beyond
-// the result and two flag vectors.
+// the result and two flag vectors. `is_projection` (empty: none) marks nodes
+// that select an element of their one input's tuple value.
 //
 // Throws std::invalid_argument, naming the values, for: inputs and
-// is_placeholder of different lengths, an input id negative or not smaller
-// than the reading node's id, a placeholder with inputs, an output id
+// is_placeholder (or a non-empty is_projection) of different lengths, an
+// input id negative or not smaller than the reading node's id, a placeholder
+// with inputs, a projection that does not read exactly one node, an output id
 // outside 0..n-1.
 BackwardSplit splitBackward(const std::vector<std::vector<int32_t>>& inputs,
                             const std::vector<bool>& is_placeholder,
                             const std::vector<int32_t>& input_grad_outputs,
-                            const std::vector<int32_t>& weight_grad_outputs);
+                            const std::vector<int32_t>& weight_grad_outputs,
+                            const std::vector<bool>& is_projection = {});
 
 }  // namespace mpmd

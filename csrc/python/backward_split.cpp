@@ -51,10 +51,11 @@ void bindBackwardSplit(py::module_& m) {
   // NOTE [GIL in bindings] (bindings.h): splitBackward is pure C++.
   m.def("split_backward", &splitBackward, py::arg("inputs"), py::arg("is_placeholder"),
         py::arg("input_grad_outputs"), py::arg("weight_grad_outputs"),
-        py::call_guard<py::gil_scoped_release>(),
+        py::arg("is_projection") = std::vector<bool>{}, py::call_guard<py::gil_scoped_release>(),
         "Split a backward graph (node ids 0..n-1 in topological order, inputs[v] the ids node v "
         "reads) into I (ancestors of input_grad_outputs) and W (ancestors of "
-        "weight_grad_outputs not in I). ValueError naming the values for mismatched lengths, a "
+        "weight_grad_outputs not in I); is_projection marks tuple-element nodes, computed in I when "
+        "their source is. ValueError naming the values for mismatched lengths, a "
         "read of a later or negative id, a placeholder with inputs, an output id out of range.");
 }
 

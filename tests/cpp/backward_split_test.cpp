@@ -322,5 +322,39 @@ TEST(BackwardSplit, RejectsOutputIdOutOfRangeNamingListAndPosition) {
       << msg;
 }
 
+TEST(BackwardSplit, ProjectionOfATupleComputedInIGoesToIAndIsCarriedNotTheTuple) {
+  // (dx, dgamma) = norm_backward(dy, x): dx feeds the input gradient, dgamma
+  // only the weight gradient; the tuple node is in I, so its dgamma element
+  // is taken in I and carried (a tuple cannot be).
+  const std::vector<Ids> inputs = {{}, {}, {0, 1}, {2}, {2}, {4}};
+  const std::vector<bool> ph = {true, true, false, false, false, false};
+  const std::vector<bool> proj = {false, false, false, true, true, false};
+  const BackwardSplit s = splitBackward(inputs, ph, {3}, {5}, proj);
+  EXPECT_EQ(idsWhere(s.input_part), Ids({2, 3, 4}));
+  EXPECT_EQ(idsWhere(s.weight_part), Ids({5}));
+  EXPECT_EQ(s.carry, Ids({4}));
+  // Without the flags, the element would be in W reading the tuple.
+  const BackwardSplit plain = splitBackward(inputs, ph, {3}, {5});
+  EXPECT_EQ(plain.carry, Ids({2}));
+}
+
+TEST(BackwardSplit, ProjectionOfAWNodeStaysInW) {
+  const std::vector<Ids> inputs = {{}, {0}, {1}, {1}};
+  const std::vector<bool> ph = {true, false, false, false};
+  const BackwardSplit s = splitBackward(inputs, ph, {}, {2, 3}, {false, false, true, true});
+  EXPECT_EQ(idsWhere(s.weight_part), Ids({1, 2, 3}));
+  EXPECT_TRUE(s.carry == Ids({0}));
+}
+
+TEST(BackwardSplit, RejectsProjectionFlagsOfWrongLengthOrReads) {
+  std::string msg = testing::errorOf(
+      [] { splitBackward({{}, {0}}, {true, false}, {}, {1}, {false}); });
+  EXPECT_NE(msg.find("is_projection has 1 entries for a graph of 2 nodes"), std::string::npos)
+      << msg;
+  msg = testing::errorOf(
+      [] { splitBackward({{}, {}, {0, 1}}, {true, true, false}, {}, {2}, {false, false, true}); });
+  EXPECT_NE(msg.find("projection node 2 reads [0, 1]"), std::string::npos) << msg;
+}
+
 }  // namespace
 }  // namespace mpmd
