@@ -52,6 +52,28 @@ Executor::Executor(Schedule schedule, int rank, StageRunner& runner, Transport& 
   for (size_t i = 0; i < prog.size(); ++i) {
     if (isRecv(prog[i].kind)) receive_indices_.push_back(static_cast<int64_t>(i));
   }
+  // NOTE [Runner state]: one slot per (local stage, microbatch), and which
+  // F and I leave a state that a later action of the program reads.
+  local_stage_.assign(schedule_.num_stages, -1);
+  int local_stages = 0;
+  for (int s = 0; s < schedule_.num_stages; ++s) {
+    if (schedule_.stage_to_rank[s] == rank_) local_stage_[s] = local_stages++;
+  }
+  states_.resize(static_cast<size_t>(local_stages) * schedule_.num_microbatches);
+  keeps_state_.assign(prog.size(), 0);
+  std::vector<uint8_t> backward_later(states_.size(), 0), weight_later(states_.size(), 0);
+  for (size_t i = prog.size(); i-- > 0;) {
+    const Action& a = prog[i];
+    if (!isCompute(a.kind)) continue;
+    const size_t slot = stateIndex(a.stage, a.microbatch);
+    switch (a.kind) {
+      case ActionKind::Forward: keeps_state_[i] = backward_later[slot]; break;
+      case ActionKind::BackwardInput: keeps_state_[i] = weight_later[slot]; [[fallthrough]];
+      case ActionKind::FullBackward: backward_later[slot] = 1; break;
+      case ActionKind::BackwardWeight: weight_later[slot] = 1; break;
+      default: break;
+    }
+  }
 }
 
 void Executor::checkProgram() const {
@@ -98,6 +120,26 @@ void Executor::put(const TransferKey& key, Values values) {
     throw std::runtime_error(fmt::format("{} was produced twice in one step", describe(key)));
   }
   stats_.peak_buffered = std::max(stats_.peak_buffered, static_cast<int>(buffers_.size()));
+}
+
+void Executor::checkState(const StateSlot& slot, StatePhase expected,
+                          const Action& reader) const {
+  if (slot.phase == expected) return;
+  const char* wanted = expected == StatePhase::kSaved ? "state of its forward"
+                                                      : "carry of its I";
+  const char* found = slot.phase == StatePhase::kNone
+                          ? "no forward ran, or an earlier backward already took its state"
+                      : slot.phase == StatePhase::kSaved ? "its forward ran but no I"
+                                                         : "an earlier I already took it";
+  throw std::runtime_error(fmt::format("internal error: {} finds no {} (stage {} mb {}: {})",
+                                       toString(reader), wanted, reader.stage, reader.microbatch,
+                                       found));
+}
+
+void Executor::addStateValues(int64_t delta) {
+  state_values_ += delta;
+  stats_.peak_state_values =
+      std::max(stats_.peak_state_values, static_cast<int>(state_values_));
 }
 
 Values Executor::take(const TransferKey& key, const Action& reader) {
@@ -171,7 +213,20 @@ void Executor::execute(int64_t index, const Action& a) {
       std::vector<Values> inputs;
       inputs.reserve(producers_[a.stage].size());
       for (int p : producers_[a.stage]) inputs.push_back(take({p, a.stage, a.microbatch, false}, a));
-      std::vector<Values> outputs = runner_.forward(a.stage, a.microbatch, std::move(inputs));
+      StateSlot& state = stateSlot(a);
+      if (state.phase != StatePhase::kNone) {
+        throw std::runtime_error(fmt::format(
+            "internal error: {} runs while the state of an earlier forward of stage {} mb {} is "
+            "still held", toString(a), a.stage, a.microbatch));
+      }
+      std::vector<Values> outputs =
+          runner_.forward(a.stage, a.microbatch, std::move(inputs), state.values);
+      if (keeps_state_[index]) {
+        state.phase = StatePhase::kSaved;
+        addStateValues(static_cast<int64_t>(state.values.size()));
+      } else {
+        state.values.clear();  // no B/I reads it: a forward-only program
+      }
       const auto& consumers = consumers_[a.stage];
       if (outputs.size() != consumers.size()) {
         throw std::runtime_error(fmt::format(
@@ -189,9 +244,20 @@ void Executor::execute(int64_t index, const Action& a) {
       std::vector<Values> grads;
       grads.reserve(consumers_[a.stage].size());
       for (int c : consumers_[a.stage]) grads.push_back(take({a.stage, c, a.microbatch, true}, a));
+      StateSlot& state = stateSlot(a);
+      checkState(state, StatePhase::kSaved, a);
+      const int64_t saved = static_cast<int64_t>(state.values.size());
+      const bool input_only = a.kind == ActionKind::BackwardInput;
       std::vector<Values> input_grads =
-          runner_.backward(a.stage, a.microbatch, std::move(grads),
-                           a.kind == ActionKind::BackwardInput);
+          runner_.backward(a.stage, a.microbatch, std::move(grads), input_only, state.values);
+      if (input_only && keeps_state_[index]) {  // the carry for W
+        state.phase = StatePhase::kCarry;
+        addStateValues(static_cast<int64_t>(state.values.size()) - saved);
+      } else {
+        state.values.clear();
+        state.phase = StatePhase::kNone;
+        addStateValues(-saved);
+      }
       const auto& producers = producers_[a.stage];
       if (input_grads.size() != producers.size()) {
         throw std::runtime_error(fmt::format(
@@ -204,9 +270,15 @@ void Executor::execute(int64_t index, const Action& a) {
       --live_forwards_;
       break;
     }
-    case ActionKind::BackwardWeight:
-      runner_.backwardWeight(a.stage, a.microbatch);
+    case ActionKind::BackwardWeight: {
+      StateSlot& state = stateSlot(a);
+      checkState(state, StatePhase::kCarry, a);
+      addStateValues(-static_cast<int64_t>(state.values.size()));
+      state.phase = StatePhase::kNone;
+      runner_.backwardWeight(a.stage, a.microbatch, std::move(state.values));
+      state.values.clear();  // moved-from: valid, unspecified
       break;
+    }
     case ActionKind::ReduceGrad:
       runner_.reduceGrad(a.stage);
       break;
@@ -256,6 +328,11 @@ void Executor::reset() {
   next_receive_ = 0;
   sends_.clear();
   live_forwards_ = 0;
+  for (StateSlot& slot : states_) {
+    slot.values.clear();
+    slot.phase = StatePhase::kNone;
+  }
+  state_values_ = 0;
   stats_.trace.clear();
 }
 

@@ -13,13 +13,39 @@
 // Buffers are keyed by TransferKey (stage edge, microbatch, direction) and
 // dropped at their single use, so activations live from their producer (or
 // RECV) to their consumer (or SEND) and nothing longer. Stages on the same rank
-// hand values off through the buffers: no action, no copy.
+// hand values off through the buffers: no action, no copy. The state a runner
+// saves in F for B/I, and the carry I leaves for W, are held per (stage,
+// microbatch) apart from the buffers (NOTE [Runner state]).
 //
 // Errors: every wait is bounded by the timeout. Any failure (runner
 // exception, transport error, timeout, a program that reads a value nothing
 // produced) throws ExecutorError naming this rank, the action, the peer rank
 // for transfers, and listing the program with the failing step marked; the
 // transport is aborted first so peers stop early where it can.
+//
+// NOTE [Runner state]: the `state` of StageRunner::forward and the carry of
+// an I are kept in a table of their own, one slot per (local stage,
+// microbatch), not in the transfer buffers: a state is not a single-use
+// transfer (I rewrites it in place into the carry for W), it is handed to the
+// runner by reference so the runner can consume it without a copy, and it has
+// its own end-of-life rules:
+//   F  stores what the runner left in `state` if a B or I of the same
+//      (stage, microbatch) follows in the program, else drops it at once
+//      (a forward-only program);
+//   B  passes it in and drops whatever is left after the call;
+//   I  passes it in and keeps what the runner left there (the carry) if a W
+//      of the same (stage, microbatch) follows, else drops it;
+//   W  moves the carry into the call, which is its last use.
+// The table is allocated once, at construction, and indexed directly: no
+// hashing and no allocation per action, so runners that keep their state
+// themselves (every `state` empty) pay a one-byte check per action. That byte
+// records where the slot is in F -> B or F -> I -> W; a B/I that finds no
+// forward's state, a W that finds no I's carry, or a second F before the
+// first one's backward is an internal error (a malformed program), reported
+// like any other failure. reset() (every run, and every failure) empties the
+// table, so a failed step leaves nothing to the next. The stat
+// peak_state_values counts the Values in the table, not bytes: the executor
+// never looks inside a value (NOTE [Opaque values]).
 #pragma once
 
 #include <chrono>
@@ -52,6 +78,7 @@ struct ExecutorStats {
   int64_t steps = 0;
   int peak_live_forwards = 0;   // forwards whose backward (B or I) had not run
   int peak_buffered = 0;        // keys held in the buffers at once
+  int peak_state_values = 0;    // Values held as runner state at once (NOTE [Runner state])
   std::vector<TraceEvent> trace;  // last step only, when options.trace
 };
 
@@ -100,6 +127,13 @@ class Executor {
     std::unique_ptr<PendingTransfer> transfer;
   };
 
+  // Where a (stage, microbatch) is between F and its last B/I/W (NOTE [Runner state]).
+  enum class StatePhase : uint8_t { kNone, kSaved, kCarry };
+  struct StateSlot {
+    Values values;
+    StatePhase phase = StatePhase::kNone;
+  };
+
   void checkProgram() const;
   void execute(int64_t index, const Action& action);
   void postReceivesFor(int64_t index);
@@ -108,6 +142,13 @@ class Executor {
   TransferKey transferKey(const Action& action) const;  // SEND/RECV only
   void put(const TransferKey& key, Values values);
   Values take(const TransferKey& key, const Action& reader);
+  size_t stateIndex(int stage, int microbatch) const {
+    return static_cast<size_t>(local_stage_[stage]) * schedule_.num_microbatches + microbatch;
+  }
+  StateSlot& stateSlot(const Action& a) { return states_[stateIndex(a.stage, a.microbatch)]; }
+  // Throws unless `slot` is in `expected` when `reader` (B, I or W) runs.
+  void checkState(const StateSlot& slot, StatePhase expected, const Action& reader) const;
+  void addStateValues(int64_t delta);
   int peerRank(const Action& action) const { return schedule_.stage_to_rank[action.peer_stage]; }
   [[noreturn]] void fail(int64_t index, const std::string& cause, int peer);
   void reset();
@@ -120,6 +161,9 @@ class Executor {
   std::vector<std::vector<int>> producers_;
   std::vector<std::vector<int>> consumers_;
   std::vector<int64_t> receive_indices_;  // program positions of RECV actions
+  std::vector<int> local_stage_;           // stage -> index among this rank's stages, or -1
+  // Per action: F whose state a later B/I reads, I whose carry a later W reads.
+  std::vector<uint8_t> keeps_state_;
 
   // Per-step state.
   std::unordered_map<int64_t, Values> buffers_;
@@ -128,6 +172,8 @@ class Executor {
   size_t next_receive_ = 0;
   std::vector<PendingSend> sends_;
   int live_forwards_ = 0;
+  std::vector<StateSlot> states_;  // (local stage, microbatch); NOTE [Runner state]
+  int64_t state_values_ = 0;       // Values in states_
   ExecutorStats stats_;
 };
 

@@ -6,6 +6,13 @@
 // sum of the gradients from its consumers (1 on the last stage). The test
 // compares every forward and gradient value with a sequential reference, so
 // a value delivered to the wrong stage or microbatch, twice or never, fails.
+//
+// With `state_values` > 0 the runner also hands the executor a state per
+// forward (NOTE [Runner state]): values naming (step, stage, microbatch),
+// checked when B or I gets them back, and a one-value carry from I to W. State
+// values count themselves, and the runner checks at every call that exactly
+// the states a correct executor still holds are alive: a state freed late or
+// never fails the test.
 #include <gtest/gtest.h>
 
 #include <atomic>
@@ -33,6 +40,19 @@ struct Int : Payload {
 Value num(int64_t v) { return std::make_shared<const Int>(v); }
 int64_t valueOf(const Value& v) { return static_cast<const Int&>(*v).value; }
 
+// A state value: counts the live ones of its runner.
+struct Tracked : Int {
+  Tracked(int64_t v, std::atomic<int>& live) : Int(v), live_(live) { ++live_; }
+  ~Tracked() override { --live_; }
+  std::atomic<int>& live_;
+};
+
+// Value k of the state of F(stage, mb) in `step`; k == kCarry: the carry of its I.
+constexpr int kCarry = 7;
+int64_t stateId(int step, int stage, int mb, int k) {
+  return ((static_cast<int64_t>(step) * 100 + stage) * 1000 + mb) * 10 + k;
+}
+
 // Results of all ranks, keyed by (stage, microbatch).
 struct Tables {
   std::mutex mu;
@@ -44,9 +64,24 @@ class FakeRunner : public StageRunner {
  public:
   FakeRunner(const Schedule& s, Tables& tables) : schedule_(s), tables_(tables) {}
   std::function<void(const char*, int, int)> before;  // fault injection hook
+  int state_values = 0;     // values per forward state; 0: a runner without state
+  bool states_kept = true;  // false: the program has no backward to keep them for
+  int step = 0;             // names the states of this step
 
-  std::vector<Values> forward(int stage, int mb, std::vector<Values> inputs) override {
+  // State values alive now.
+  int liveStates() const { return live_.load(); }
+  // After a failed step: the executor dropped everything.
+  void forgetStates() { expected_live_ = 0; }
+
+  std::vector<Values> forward(int stage, int mb, std::vector<Values> inputs,
+                              Values& state) override {
+    EXPECT_TRUE(state.empty()) << "F" << stage << " mb " << mb << " got a state";
+    expectLive("F", stage, mb);
     if (before) before("F", stage, mb);
+    for (int k = 0; k < state_values; ++k) {
+      state.push_back(std::make_shared<const Tracked>(stateId(step, stage, mb, k), live_));
+    }
+    if (states_kept) expected_live_ += state_values;
     int64_t sum = 0;
     for (const Values& from : inputs) {
       EXPECT_EQ(from.size(), 1u);
@@ -59,8 +94,25 @@ class FakeRunner : public StageRunner {
     return std::vector<Values>(consumers, Values{num(a)});
   }
 
-  std::vector<Values> backward(int stage, int mb, std::vector<Values> grads, bool input_only) override {
+  std::vector<Values> backward(int stage, int mb, std::vector<Values> grads, bool input_only,
+                               Values& state) override {
+    expectLive(input_only ? "I" : "B", stage, mb);
     if (before) before("B", stage, mb);
+    EXPECT_EQ(state.size(), static_cast<size_t>(state_values)) << stage << "B" << mb;
+    for (size_t k = 0; k < state.size(); ++k) {
+      EXPECT_EQ(valueOf(state[k]), stateId(step, stage, mb, static_cast<int>(k)))
+          << "B/I of stage " << stage << " mb " << mb << " got another forward's state";
+    }
+    if (state_values > 0) {
+      expected_live_ -= state_values;
+      if (input_only) {  // replace the state by the carry W needs
+        state.clear();
+        state.push_back(std::make_shared<const Tracked>(stateId(step, stage, mb, kCarry), live_));
+        ++expected_live_;
+      } else if (mb % 2 == 1) {  // consume it; on even microbatches the executor drops it
+        state.clear();
+      }
+    }
     int64_t g = grads.empty() ? 1 : 0;
     for (const Values& from : grads) g += valueOf(from.at(0));
     std::lock_guard lock(tables_.mu);
@@ -71,18 +123,53 @@ class FakeRunner : public StageRunner {
     return std::vector<Values>(producers, Values{num(g * (stage + 1))});
   }
 
-  void backwardWeight(int stage, int mb) override {
+  void backwardWeight(int stage, int mb, Values state) override {
+    expectLive("W", stage, mb);
+    if (before) before("W", stage, mb);
+    if (state_values > 0) {
+      EXPECT_EQ(state.size(), 1u) << stage << "W" << mb;
+      if (!state.empty()) {
+        EXPECT_EQ(valueOf(state[0]), stateId(step, stage, mb, kCarry))
+            << "W of stage " << stage << " mb " << mb << " got another I's carry";
+      }
+      --expected_live_;  // the last use: freed when this call returns
+    } else {
+      EXPECT_TRUE(state.empty());
+    }
     std::lock_guard lock(tables_.mu);
     EXPECT_TRUE(tables_.gradient.count({stage, mb})) << "W before I";
     ++tables_.weight_grads[{stage, mb}];
   }
 
-  void reduceGrad(int) override {}
+  void reduceGrad(int stage) override { expectLive("REDUCE_GRAD", stage, -1); }
 
  private:
+  void expectLive(const char* kind, int stage, int mb) const {
+    EXPECT_EQ(live_.load(), expected_live_) << "state values alive at " << stage << kind << mb;
+  }
+
   const Schedule& schedule_;
   Tables& tables_;
+  std::atomic<int> live_ = 0;
+  int expected_live_ = 0;
 };
+
+// The most state values a correct executor holds at once on `rank`: a state
+// per forward from F to its B or I, a one-value carry from I to W.
+int expectedPeakStateValues(const Schedule& s, int rank, int state_values) {
+  int held = 0, peak = 0;
+  for (const Action& a : s.programs[rank]) {
+    switch (a.kind) {
+      case ActionKind::Forward: held += state_values; break;
+      case ActionKind::FullBackward: held -= state_values; break;
+      case ActionKind::BackwardInput: held += 1 - state_values; break;
+      case ActionKind::BackwardWeight: held -= 1; break;
+      default: break;
+    }
+    peak = std::max(peak, held);
+  }
+  return peak;
+}
 
 // Sequential reference of the toy model.
 void expectMatchesReference(const Schedule& s, Tables& t) {
@@ -142,6 +229,8 @@ RunResult runAll(const Schedule& lowered, Tables& tables, ExecutorOptions option
         result.error_peers[r] = e.peer();
         result.error_actions[r] = e.action();
       }
+      // Done or failed, the executor holds no state of the step any more.
+      EXPECT_EQ(runner.liveStates(), 0) << "rank " << r;
     });
   }
   for (auto& t : threads) t.join();
@@ -158,7 +247,9 @@ int stagesPerRankFor(const std::string& name, int variant) {
   return 1;
 }
 
-TEST(Executor, EverySchedulePassesEveryValueToItsConsumer) {
+// Calls f(lowered, m) for every schedule, with 1, 2 and 4 ranks, 1 to 8
+// microbatches, with and without a skip edge; returns the number of cases.
+int forEachSweptSchedule(const std::function<void(const Schedule&, int)>& f) {
   int cases = 0;
   for (const std::string& name : scheduleNames()) {
     for (int p : {1, 2, 4}) {
@@ -174,23 +265,122 @@ TEST(Executor, EverySchedulePassesEveryValueToItsConsumer) {
           if (variant == 1 && compute.num_stages > 2) {
             compute.edges.push_back({0, compute.num_stages - 1});
           }
-          const Schedule lowered = lower(compute);
-          Tables tables;
-          RunResult r = runAll(lowered, tables, {.lookahead = 1 + m % 3});
-          for (int rank = 0; rank < p; ++rank) {
-            ASSERT_EQ(r.errors[rank], "") << name << " p=" << p << " m=" << m;
-          }
-          SCOPED_TRACE(name + " p=" + std::to_string(p) + " m=" + std::to_string(m));
-          expectMatchesReference(lowered, tables);
-          for (int rank = 0; rank < p && !lowered.activation_bound.empty(); ++rank) {
-            EXPECT_LE(r.stats[rank].peak_live_forwards, lowered.activation_bound[rank]);
-          }
+          SCOPED_TRACE(name + " p=" + std::to_string(p) + " m=" + std::to_string(m) +
+                       " variant=" + std::to_string(variant));
+          f(lower(compute), m);
           ++cases;
         }
       }
     }
   }
+  return cases;
+}
+
+TEST(Executor, EverySchedulePassesEveryValueToItsConsumer) {
+  const int cases = forEachSweptSchedule([](const Schedule& lowered, int m) {
+    Tables tables;
+    RunResult r = runAll(lowered, tables, {.lookahead = 1 + m % 3});
+    for (int rank = 0; rank < lowered.num_ranks; ++rank) {
+      ASSERT_EQ(r.errors[rank], "") << "rank " << rank;
+    }
+    expectMatchesReference(lowered, tables);
+    for (int rank = 0; rank < lowered.num_ranks && !lowered.activation_bound.empty(); ++rank) {
+      EXPECT_LE(r.stats[rank].peak_live_forwards, lowered.activation_bound[rank]);
+      EXPECT_EQ(r.stats[rank].peak_state_values, 0);  // a runner without state costs none
+    }
+  });
   EXPECT_GT(cases, 100);
+}
+
+TEST(Executor, EveryScheduleHandsEachBackwardItsForwardsStateAndFreesIt) {
+  // B and I get their own forward's state, W the carry of its I (checked by
+  // the runner), each freed at its last use (checked at every call), and the
+  // peak is exactly the program's.
+  constexpr int kStateValues = 2;
+  int zero_bubble_cases = 0;
+  const int cases = forEachSweptSchedule([&](const Schedule& lowered, int m) {
+    Tables tables;
+    RunResult r = runAll(lowered, tables, {.lookahead = 1 + m % 3}, {},
+                         [](FakeRunner& runner, int) { runner.state_values = kStateValues; });
+    for (int rank = 0; rank < lowered.num_ranks; ++rank) {
+      ASSERT_EQ(r.errors[rank], "") << "rank " << rank;
+    }
+    expectMatchesReference(lowered, tables);
+    for (int rank = 0; rank < lowered.num_ranks; ++rank) {
+      EXPECT_EQ(r.stats[rank].peak_state_values,
+                expectedPeakStateValues(lowered, rank, kStateValues)) << "rank " << rank;
+    }
+    zero_bubble_cases += !tables.input_only.empty() &&
+                         std::any_of(tables.input_only.begin(), tables.input_only.end(),
+                                     [](const auto& kv) { return kv.second == 1; });
+  });
+  EXPECT_GT(cases, 100);
+  EXPECT_GT(zero_bubble_cases, 10);  // schedules with I and W were among them
+}
+
+TEST(Executor, ForwardOnlyProgramDropsStatesAtOnce) {
+  // Two stages on one rank, forwards only (an evaluation step): no B reads a
+  // state, so none is held.
+  const Schedule s = testing::scheduleFromRows({0, 0}, 2, {"0F0 1F0 0F1 1F1"});
+  Tables tables;
+  RunResult r = runAll(s, tables, {}, {}, [](FakeRunner& runner, int) {
+    runner.state_values = 2;
+    runner.states_kept = false;
+  });
+  ASSERT_EQ(r.errors[0], "");
+  EXPECT_EQ(r.stats[0].peak_state_values, 0);
+}
+
+TEST(Executor, RunnerFailureLeavesNoStateForTheNextRun) {
+  // One rank, two stages, I and W: the failure hits with forward states and
+  // carries held; the executor must drop them and run the next step cleanly.
+  const Schedule lowered = lower(makeSchedule("zbv", {1, 2, 4}));
+  MemoryTransport transport(std::make_shared<MemoryNetwork>(1), 0);
+  Tables tables;
+  FakeRunner runner(lowered, tables);
+  runner.state_values = 2;
+  bool failed_with_state_held = false;
+  runner.before = [&](const char* kind, int stage, int mb) {
+    if (std::string(kind) == "W" && stage == 1 && mb == 2) {
+      failed_with_state_held = runner.liveStates() > 1;  // more than this W's carry
+      throw std::runtime_error("boom");
+    }
+  };
+  Executor exec(lowered, 0, runner, transport);
+  EXPECT_THROW(exec.run(), ExecutorError);
+  EXPECT_TRUE(failed_with_state_held) << testing::rowOf(lowered, 0);
+  EXPECT_EQ(runner.liveStates(), 0);
+
+  runner.before = nullptr;
+  runner.forgetStates();
+  runner.step = 1;  // states of step 0 left over would name the wrong step
+  tables.activation.clear();
+  tables.gradient.clear();
+  tables.weight_grads.clear();
+  tables.input_only.clear();
+  exec.run();
+  expectMatchesReference(lowered, tables);
+  EXPECT_EQ(runner.liveStates(), 0);
+  EXPECT_EQ(exec.stats().peak_state_values, expectedPeakStateValues(lowered, 0, 2));
+}
+
+TEST(Executor, BackwardThatFindsNoForwardStateIsAnInternalError) {
+  struct Case {
+    const char* row;
+    const char* message;
+  };
+  for (const Case& c : {
+           Case{"0F0 0B0 0W0", "0W0 finds no carry of its I (stage 0 mb 0: no forward ran"},
+           Case{"0F0 0I0 0B0", "0B0 finds no state of its forward (stage 0 mb 0: no forward"},
+           Case{"0F0 0F0 0B0", "0F0 runs while the state of an earlier forward"},
+       }) {
+    const Schedule s = testing::scheduleFromRows({0}, 1, {c.row});
+    Tables tables;
+    RunResult r = runAll(s, tables, {}, {},
+                         [](FakeRunner& runner, int) { runner.state_values = 1; });
+    EXPECT_NE(r.errors[0].find(std::string("internal error: ") + c.message), std::string::npos)
+        << c.row << ": " << r.errors[0];
+  }
 }
 
 TEST(Executor, RunsManyStepsAndTraces) {

@@ -24,32 +24,84 @@ namespace py = pybind11;
 namespace mpmd::runtime {
 namespace {
 
-py::list toPython(const std::vector<Values>& groups) {
-  py::list out;
-  for (const Values& values : groups) {
-    py::list inner;
-    for (const Value& v : values) inner.append(tensorOf(v));
-    out.append(inner);
+// A new list of the values' tensors. Called with the GIL held.
+py::list listOf(const Values& values) {
+  py::list out(values.size());
+  for (size_t i = 0; i < values.size(); ++i) {
+    PyObject* t = THPVariable_Wrap(tensorOf(values[i]));
+    if (t == nullptr) throw py::error_already_set();
+    PyList_SET_ITEM(out.ptr(), static_cast<Py_ssize_t>(i), t);  // steals `t`
   }
   return out;
 }
 
+py::list toPython(const std::vector<Values>& groups) {
+  py::list out(groups.size());
+  for (size_t i = 0; i < groups.size(); ++i) {
+    PyList_SET_ITEM(out.ptr(), static_cast<Py_ssize_t>(i), listOf(groups[i]).release().ptr());
+  }
+  return out;
+}
+
+std::string typeName(const py::handle& obj) {
+  return py::str(py::type::of(obj).attr("__name__"));
+}
+
+std::runtime_error returnError(const char* method, int stage, const std::string& what) {
+  return std::runtime_error(std::string("StageRunner.") + method + " of stage " +
+                            std::to_string(stage) + " returned " + what);
+}
+
+// Appends the tensors of the list or tuple `seq` to `values`.
+void appendTensors(const py::handle& seq, Values& values, const char* method, int stage) {
+  if (!PyList_Check(seq.ptr()) && !PyTuple_Check(seq.ptr())) {
+    throw returnError(method, stage,
+                      "a " + typeName(seq) + " where a list of tensors was expected");
+  }
+  for (const py::handle& t : seq) {
+    if (!THPVariable_Check(t.ptr())) {
+      throw returnError(method, stage, "a " + typeName(t) + " where a tensor was expected");
+    }
+    values.push_back(tensorValue(THPVariable_Unpack(t.ptr())));
+  }
+}
+
 std::vector<Values> fromPython(const py::handle& result, const char* method, int stage) {
+  if (THPVariable_Check(result.ptr())) {
+    throw returnError(method, stage, "a Tensor where a list of lists of tensors was expected");
+  }
   std::vector<Values> groups;
   for (const py::handle& inner : result) {
     Values values;
-    for (const py::handle& t : inner) {
-      if (!THPVariable_Check(t.ptr())) {
-        throw std::runtime_error(std::string("StageRunner.") + method + " of stage " +
-                                 std::to_string(stage) + " returned a " +
-                                 std::string(py::str(py::type::of(t).attr("__name__"))) +
-                                 " where a tensor was expected");
-      }
-      values.push_back(tensorValue(THPVariable_Unpack(t.ptr())));
-    }
+    appendTensors(inner, values, method, stage);
     groups.push_back(std::move(values));
   }
   return groups;
+}
+
+// The two items of the 2-tuple a runner with returns_state returns.
+std::pair<py::handle, py::handle> pairOf(const py::object& result, const char* method, int stage,
+                                         const char* shape) {
+  PyObject* r = result.ptr();
+  if (!PyTuple_Check(r) || PyTuple_GET_SIZE(r) != 2) {
+    throw returnError(method, stage,
+                      "a " + typeName(result) +
+                          (PyTuple_Check(r) ? " of " + std::to_string(PyTuple_GET_SIZE(r)) : "") +
+                          "; a runner with returns_state=True returns a 2-tuple " + shape);
+  }
+  return {PyTuple_GET_ITEM(r, 0), PyTuple_GET_ITEM(r, 1)};
+}
+
+// Method names, interned once; leaked like the exception type below.
+struct MethodNames {
+  PyObject* forward = PyUnicode_InternFromString("forward");
+  PyObject* backward = PyUnicode_InternFromString("backward");
+  PyObject* backward_weight = PyUnicode_InternFromString("backward_weight");
+  PyObject* reduce_grad = PyUnicode_InternFromString("reduce_grad");
+};
+const MethodNames& methodNames() {
+  static const MethodNames* names = new MethodNames();
+  return *names;
 }
 
 // Forwards StageRunner calls to a Python object with methods forward,
@@ -57,39 +109,84 @@ std::vector<Values> fromPython(const py::handle& result, const char* method, int
 // raises, the Python exception is kept in the runner's `error` attribute (the
 // cause of the PipelineError, with its traceback) and its message goes on as
 // a C++ exception.
+//
+// The runner's `returns_state` attribute (a bool, read once here; absent is
+// False) picks the protocol (NOTE [Runner state] in runtime/executor.h):
+//   False: the runner keeps its saved tensors itself.
+//     forward(stage, mb, inputs) -> [[tensor, ...] per consumer]
+//     backward(stage, mb, grads, input_only) -> [[tensor, ...] per producer]
+//     backward_weight(stage, mb) -> None
+//   True: the executor holds them per (stage, microbatch).
+//     forward(stage, mb, inputs) -> (sends, state): sends as above, state a
+//       list of tensors (or None: nothing) for this microbatch's B or I.
+//     backward(stage, mb, grads, input_only, state) -> (input_grads, carry):
+//       state is the forward's list, the executor's only reference (the
+//       runner may clear it to free tensors early); carry is a list of tensors
+//       for W, or None for nothing, and is ignored after a B (input_only False).
+//     backward_weight(stage, mb, carry) -> None: carry is I's list, the
+//       executor's only reference.
+// reduce_grad(stage) is the same in both. Methods are called by name on every
+// call (a runner may replace them), through vectorcall: per call, no Python
+// objects beyond the argument and result lists.
 class PyStageRunner final : public StageRunner {
  public:
-  explicit PyStageRunner(py::object runner) : runner_(std::move(runner)) {}
+  explicit PyStageRunner(py::object runner)
+      : runner_(std::move(runner)), returns_state_(readReturnsState(runner_)) {}
   ~PyStageRunner() override {
     py::gil_scoped_acquire gil;
     runner_ = py::object();
   }
 
-  std::vector<Values> forward(int stage, int mb, std::vector<Values> inputs) override {
+  std::vector<Values> forward(int stage, int mb, std::vector<Values> inputs,
+                              Values& state) override {
     py::gil_scoped_acquire gil;
     try {
-      py::object out = runner_.attr("forward")(stage, mb, toPython(inputs));
-      return fromPython(out, "forward", stage);
+      py::list args = toPython(inputs);
+      inputs.clear();
+      py::object out = call(methodNames().forward, stage, mb, {args.ptr()});
+      if (!returns_state_) return fromPython(out, "forward", stage);
+      auto [sends, saved] = pairOf(out, "forward", stage, "(sends, state)");
+      std::vector<Values> groups = fromPython(sends, "forward", stage);
+      if (!saved.is_none()) appendTensors(saved, state, "forward", stage);
+      return groups;
     } catch (py::error_already_set& e) {
       throw failure(e);
     }
   }
 
-  std::vector<Values> backward(int stage, int mb, std::vector<Values> grads,
-                               bool input_only) override {
+  std::vector<Values> backward(int stage, int mb, std::vector<Values> grads, bool input_only,
+                               Values& state) override {
     py::gil_scoped_acquire gil;
     try {
-      py::object out = runner_.attr("backward")(stage, mb, toPython(grads), input_only);
-      return fromPython(out, "backward", stage);
+      py::list args = toPython(grads);
+      grads.clear();
+      PyObject* flag = input_only ? Py_True : Py_False;
+      if (!returns_state_) {
+        py::object out = call(methodNames().backward, stage, mb, {args.ptr(), flag});
+        return fromPython(out, "backward", stage);
+      }
+      py::list saved = listOf(state);
+      state.clear();  // the list holds the only references: the runner may free them
+      py::object out = call(methodNames().backward, stage, mb, {args.ptr(), flag, saved.ptr()});
+      auto [input_grads, carry] = pairOf(out, "backward", stage, "(input_grads, carry)");
+      std::vector<Values> groups = fromPython(input_grads, "backward", stage);
+      if (input_only && !carry.is_none()) appendTensors(carry, state, "backward", stage);
+      return groups;
     } catch (py::error_already_set& e) {
       throw failure(e);
     }
   }
 
-  void backwardWeight(int stage, int mb) override {
+  void backwardWeight(int stage, int mb, Values state) override {
     py::gil_scoped_acquire gil;
     try {
-      runner_.attr("backward_weight")(stage, mb);
+      if (!returns_state_) {
+        call(methodNames().backward_weight, stage, mb, {});
+        return;
+      }
+      py::list carry = listOf(state);
+      state.clear();  // the list holds the only references: the runner may free them
+      call(methodNames().backward_weight, stage, mb, {carry.ptr()});
     } catch (py::error_already_set& e) {
       throw failure(e);
     }
@@ -98,13 +195,43 @@ class PyStageRunner final : public StageRunner {
   void reduceGrad(int stage) override {
     py::gil_scoped_acquire gil;
     try {
-      runner_.attr("reduce_grad")(stage);
+      py::int_ s(stage);
+      PyObject* args[] = {nullptr, runner_.ptr(), s.ptr()};
+      callWith(methodNames().reduce_grad, args, 2);
     } catch (py::error_already_set& e) {
       throw failure(e);
     }
   }
 
  private:
+  // Called with the GIL held, at construction.
+  static bool readReturnsState(const py::object& runner) {
+    py::object flag = py::getattr(runner, "returns_state", py::bool_(false));
+    if (!PyBool_Check(flag.ptr())) {
+      throw py::type_error("the StageRunner's returns_state must be a bool, got a " +
+                           typeName(flag));
+    }
+    return flag.ptr() == Py_True;
+  }
+
+  // runner.<name>(stage, mb, *rest) with borrowed `rest` (at most 3).
+  // Throws py::error_already_set.
+  py::object call(PyObject* name, int stage, int mb, std::initializer_list<PyObject*> rest) {
+    py::int_ s(stage), m(mb);
+    PyObject* args[7] = {nullptr, runner_.ptr(), s.ptr(), m.ptr()};
+    size_t n = 3;
+    for (PyObject* a : rest) args[1 + n++] = a;
+    return callWith(name, args, n);
+  }
+
+  // args[0] is scratch space (PY_VECTORCALL_ARGUMENTS_OFFSET), args[1] self.
+  static py::object callWith(PyObject* name, PyObject** args, size_t n) {
+    PyObject* out = PyObject_VectorcallMethod(name, args + 1, n | PY_VECTORCALL_ARGUMENTS_OFFSET,
+                                              nullptr);
+    if (out == nullptr) throw py::error_already_set();
+    return py::reinterpret_steal<py::object>(out);
+  }
+
   // Called with the GIL held, inside the catch of `e`.
   std::runtime_error failure(py::error_already_set& e) {
     std::string message = e.what();
@@ -123,6 +250,7 @@ class PyStageRunner final : public StageRunner {
   }
 
   py::object runner_;
+  bool returns_state_;
 };
 
 // The transport of a program without SEND/RECV (one rank): never used.
@@ -210,7 +338,11 @@ PYBIND11_MODULE(_runtime, m) {
            py::arg("schedule_text"), py::arg("rank"), py::arg("runner"), py::arg("transport"),
            py::arg("lookahead") = 2, py::arg("timeout_s") = 60.0, py::arg("trace") = false,
            "Executor of rank `rank`'s program of a lowered schedule (text form). `transport` "
-           "may be None only when the program has no SEND/RECV.")
+           "may be None only when the program has no SEND/RECV. `runner` has methods forward, "
+           "backward, backward_weight and reduce_grad; with `runner.returns_state` True the "
+           "executor holds the forward's saved tensors and I's carry for W: forward returns "
+           "(sends, state), backward takes the state and returns (input_grads, carry), "
+           "backward_weight takes the carry.")
       .def("run", [](PyExecutor& self) {
              py::gil_scoped_release nogil;
              self.executor->run();
@@ -230,6 +362,7 @@ PYBIND11_MODULE(_runtime, m) {
         d["steps"] = s.steps;
         d["peak_live_forwards"] = s.peak_live_forwards;
         d["peak_buffered"] = s.peak_buffered;
+        d["peak_state_values"] = s.peak_state_values;
         py::list trace;
         for (const TraceEvent& e : s.trace) trace.append(py::make_tuple(e.action_index, e.begin_ns, e.end_ns));
         d["trace"] = trace;
