@@ -154,6 +154,12 @@ def test_ranks_hold_every_parameter_as_the_modules_own_tensor(case_id):
 
 
 @pytest.mark.parametrize("case_id", CASE_IDS)
+def test_training_steps_run_functional_stage_programs(case_id):
+    for rank, res in enumerate(case_results(case_id)):
+        assert res["functional"], f"rank {rank} fell back to the autograd runner"
+
+
+@pytest.mark.parametrize("case_id", CASE_IDS)
 def test_stages_are_placed_as_the_schedule_requires(case_id):
     for res in case_results(case_id):
         assert res["layout"] == res["expected_layout"]
@@ -161,7 +167,7 @@ def test_stages_are_placed_as_the_schedule_requires(case_id):
 
 def test_every_schedule_and_microbatch_count_is_in_the_grid():
     for p in SIZES:
-        ids = {c["id"] for c in W.grid_cases(p)}
+        ids = {c["id"] for c in W.grid_cases(p) if "compile" not in c}
         for schedule in W.SCHEDULES:
             for m in W.MICROBATCHES:
                 allowed = not ((schedule == "zbv" and m < p) or

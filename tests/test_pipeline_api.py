@@ -243,10 +243,10 @@ def test_transfer_latencies_match_each_send_to_its_receive():
 
 
 def test_only_stages_that_draw_random_numbers_are_reseeded():
-    # Dropout stages are found drawing on their first forward and reseeded per
-    # (step, stage, microbatch) after it: step 1 of a pipeline equals step 1 of
-    # another that starts there (and measures there). A GPT without dropout draws
-    # nothing and is never reseeded.
+    # Dropout stages (their forward program has random ops) are reseeded per
+    # (step, stage, microbatch): step 1 of a pipeline equals step 1 of another
+    # that starts there. A GPT without dropout draws nothing and is never
+    # reseeded.
     torch.manual_seed(0)
     model = models.DropoutMLP(d=8)
     x, y = torch.randn(8, 8), torch.randn(8, 8)
@@ -256,15 +256,15 @@ def test_only_stages_that_draw_random_numbers_are_reseeded():
                              schedule="gpipe", stages_per_rank=2, seed=7)
 
     a, b = pipe_of(model), pipe_of(model)
-    a.step(x, target=y)   # step 0: measures which stages draw
-    b._mpmd_step = 1      # b starts at step 1, measuring there
+    a.step(x, target=y)   # step 0
+    b._mpmd_step = 1      # b starts at step 1
     losses = [float(p.step(x, target=y)) for p in (a, b)]
     assert losses[0] == losses[1]
-    assert a._runtime().runner._draws_rng == {(0, False, True): True, (1, False, True): True}
+    assert {s: p.draws_rng for s, p in a._runtime().runner.programs.items()} == {0: True, 1: True}
     gpt, gx, gy = gpt_and_batch()
     g = mpmd.pipeline(gpt, loss_fn=lm_loss, num_microbatches=4)
     g.step(gx, target=gy)
-    assert g._runtime().runner._draws_rng == {(0, False, True): False}
+    assert {s: p.draws_rng for s, p in g._runtime().runner.programs.items()} == {0: False}
 
 
 def test_compute_actions_carry_profiler_labels():

@@ -24,6 +24,7 @@ import torch.utils._pytree as pytree
 from torch_mpmd.backend import check_stage_count
 from torch_mpmd import meta_init, trace
 from torch_mpmd.data_parallel import mesh_groups
+from torch_mpmd.programs import resolve_compiler
 from torch_mpmd.microbatch import first_microbatch, merge_microbatches, split_tree
 from torch_mpmd.runtime import V_SCHEDULES, PipelineError, RankRuntime, StagedModel
 from torch_mpmd.schedules import Schedule, get_schedule, names as schedule_names
@@ -81,7 +82,8 @@ class Pipeline(torch.nn.Module):
                  device: Any, timeout: datetime.timedelta, seed: int | None,
                  lookahead: int, dp_group: Any = None,
                  replicas: list[list[int]] | None = None,
-                 init_fn: Callable[[torch.nn.Module], None] | None = None) -> None:
+                 init_fn: Callable[[torch.nn.Module], None] | None = None,
+                 compile: Any = False) -> None:
         super().__init__()
         # Not registered as a submodule: parameters() must list this rank's only.
         object.__setattr__(self, "_mpmd_module", module)
@@ -104,6 +106,8 @@ class Pipeline(torch.nn.Module):
         self._mpmd_replicas = replicas
         self.dp_size = dist.get_world_size(dp_group) if dp_group is not None else 1
         self._mpmd_init_fn = init_fn
+        self._mpmd_compile = compile
+        self._mpmd_compiler = resolve_compiler(compile)
         self._mpmd_meta = meta_init.has_meta_tensors(module)
         self.parameter_bytes = 0  # this rank's materialized bytes (meta-device models)
         self._mpmd_runtime: RankRuntime | None = None
@@ -199,12 +203,12 @@ class Pipeline(torch.nn.Module):
                           "num_stages")
         settings = repr((type(self._mpmd_module).__name__, self.num_microbatches,
                          schedule if isinstance(schedule, str) else type(schedule).__name__,
-                         split.num_stages, sig))
+                         split.num_stages, sig, _compile_label(self._mpmd_compile)))
         runtime = RankRuntime(StagedModel.from_split(split), schedule=schedule, num_microbatches=self.num_microbatches,
                               group=self._mpmd_group, device=self.device, timeout=self.timeout,
                               lookahead=self._mpmd_lookahead, settings=settings,
                               seed=self._mpmd_seed, dp_group=self._mpmd_dp_group,
-                              replicas=self._mpmd_replicas)
+                              replicas=self._mpmd_replicas, compiler=self._mpmd_compiler)
         if previous is not None:
             old = sorted(n for n, _ in self.named_parameters(remove_duplicate=False))
             new = sorted(self._local_tensors(runtime, split)[0])
@@ -293,6 +297,7 @@ class Pipeline(torch.nn.Module):
         targets = split_tree(target, m, "target") if target is not None else [None] * m
         rt = self._ensure_built(args0, kwargs0)
         inputs = self._mpmd_split.named_microbatches(args, kwargs, m)
+        rt.prepare_programs(inputs, targets, self._mpmd_loss_fn)
         rng = _RngState(self.device)
         rt.runner.begin_step(inputs, targets, self._mpmd_loss_fn, rt.seed,
                              self._mpmd_step, training=True)
@@ -454,6 +459,13 @@ def _forward_programs(rt: RankRuntime) -> list[list[str]]:
     return rows
 
 
+def _compile_label(compile: Any) -> str:
+    """The compile setting as every rank spells it (a callable by its name)."""
+    if callable(compile) and not isinstance(compile, bool):
+        return f"{getattr(compile, '__module__', '')}.{getattr(compile, '__qualname__', '')}"
+    return repr(compile)
+
+
 def _default_device(module: torch.nn.Module) -> torch.device:
     for t in module.parameters():
         if t.device.type != "meta":
@@ -467,7 +479,8 @@ def pipeline(module: torch.nn.Module, *, loss_fn: Callable[..., torch.Tensor] | 
              num_stages: int | None = None, group: Any = None, mesh: Any = None,
              device: Any = None, timeout: float | datetime.timedelta = 60.0,
              seed: int | None = None, lookahead: int = 2,
-             init_fn: Callable[[torch.nn.Module], None] | None = None) -> Pipeline:
+             init_fn: Callable[[torch.nn.Module], None] | None = None,
+             compile: Any = False) -> Pipeline:
     """Wrap ``module`` for pipeline-parallel training over ``group`` (default: the
     default process group; none initialized means one rank).
 
@@ -483,11 +496,24 @@ def pipeline(module: torch.nn.Module, *, loss_fn: Callable[..., torch.Tensor] | 
     ``lookahead`` is the number of receives posted ahead. A model built on the
     meta device is captured without memory and only this rank's part is
     materialized, initialized by ``init_fn(module)`` per submodule (default:
-    its ``reset_parameters()``; see meta_init.py). Arguments are checked
-    here, before any communication; capture happens on the first call.
+    its ``reset_parameters()``; see meta_init.py). ``compile``: training
+    steps run each stage as functional programs (F, B, or I and W; see
+    programs.py) with no autograd engine; ``False`` runs them as FX graphs,
+    ``True``/``"inductor"`` compiles them with Inductor, a callable
+    ``(GraphModule, example_inputs) -> callable`` is used as the compiler. A
+    ``torch.compile``'d module is pipelined with its stages compiled by
+    Inductor. Arguments are checked here, before any communication; capture
+    happens on the first call.
     """
+    orig = getattr(module, "_orig_mod", None)
+    if isinstance(orig, torch.nn.Module) and type(module).__name__ == "OptimizedModule":
+        # pipeline(torch.compile(model)): pipeline the model, compile its stages.
+        module = orig
+        if compile is False:
+            compile = "inductor"
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"pipeline() takes an nn.Module, got {type(module).__name__}")
+    resolve_compiler(compile)
     _positive_int("num_microbatches", num_microbatches)
     _positive_int("stages_per_rank", stages_per_rank, optional=True)
     _positive_int("num_stages", num_stages, optional=True)
@@ -544,4 +570,4 @@ def pipeline(module: torch.nn.Module, *, loss_fn: Callable[..., torch.Tensor] | 
                     num_microbatches=num_microbatches, stages_per_rank=stages_per_rank,
                     split_points=split_points, num_stages=num_stages, group=grp, device=device,
                     timeout=td, seed=seed, lookahead=lookahead, dp_group=dp_group,
-                    replicas=replicas, init_fn=init_fn)
+                    replicas=replicas, init_fn=init_fn, compile=compile)

@@ -15,6 +15,7 @@ and so does a rank whose stages cannot be traced into programs
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -24,11 +25,12 @@ import torch.utils._pytree as pytree
 
 from torch_mpmd.programs import (Compiler, ProgramsUnsupported, StagePrograms,
                                  build_stage_programs, flatten_target, loss_tail)
-from torch_mpmd.runner import EdgeLayout, StageRunner, _seed_rng, stage_seed
+from torch_mpmd.runner import EdgeLayout, StageRunner, _label, _seed_rng, stage_seed
 
 __all__ = ["ProgramRunner"]
 
 log = logging.getLogger("torch_mpmd")
+_NO_LABEL = contextlib.nullcontext()  # reusable: nullcontext keeps no state
 
 
 def _accumulate(p: torch.Tensor, g: torch.Tensor) -> None:
@@ -52,11 +54,16 @@ class ProgramRunner(StageRunner):
                  layout: EdgeLayout, producers: Sequence[Sequence[int]],
                  consumers: Sequence[Sequence[int]], rebuild_output: Callable, *,
                  split_backward: bool = False, compiler: Compiler | None = None,
-                 rank: int = 0, device: torch.device | None = None) -> None:
+                 rank: int = 0, device: torch.device | None = None,
+                 kinds: Mapping[int, set[str]] | None = None) -> None:
         self.programs: dict[int, StagePrograms] | None = None  # (begin_step reads it)
         super().__init__(modules, signatures, layout, producers, consumers, rebuild_output,
                          split_backward=split_backward)
         self.split_backward = split_backward
+        # Which of F, B, I, W each local stage runs (dualpipev mixes B with I/W):
+        # only those programs are built and compiled.
+        self.kinds = {s: set(kinds[s]) if kinds is not None else
+                      ({"F", "I", "W"} if split_backward else {"F", "B"}) for s in modules}
         self.compiler = compiler
         self.rank = rank
         self.device = device or torch.device("cpu")
@@ -104,17 +111,18 @@ class ProgramRunner(StageRunner):
             received.append(torch.zeros(meta.shape, dtype=meta.dtype, device=self.device))
         if any(not isinstance(t, torch.Tensor) for t in target_leaves):
             raise ProgramsUnsupported("the target has non-tensor leaves")
+        kinds = self.kinds[s]
         if self.compiler is not None and self.rank == 0:
-            print(f"[torch_mpmd] compiling stage {s}: F B" + (" I W" if self.split_backward
-                                                              else "") + " ...", flush=True)
+            print(f"[torch_mpmd] compiling stage {s}: "
+                  f"{' '.join(k for k in 'FBIW' if k in kinds)} ...", flush=True)
         return build_stage_programs(
             s, st.module, num_user=len(sig.user_inputs), received=received,
             received_grad=[v.node in grad_nodes for v in sig.received],
             user_inputs=[inputs0[n] for n in sig.user_inputs], num_sent=len(sig.sent),
             loss=(loss_tail(loss_fn, self.rebuild_output, sig.user_inputs, target_spec)
                   if last else None),
-            target_leaves=target_leaves if last else [], split_backward=self.split_backward,
-            compiler=self.compiler)
+            target_leaves=target_leaves if last else [], split_backward="I" in kinds,
+            run_backward="B" in kinds, compiler=self.compiler)
 
     # ------------------------------------------------------------ per step
     def begin_step(self, inputs: Sequence[Mapping[str, Any]], targets: Sequence[Any],
@@ -144,7 +152,8 @@ class ProgramRunner(StageRunner):
             args.extend(self._targets_flat[mb])
         if prog.draws_rng:
             _seed_rng(stage_seed(self.seed, self.step, stage, mb))
-        with torch.no_grad():
+        profiling = torch.autograd.profiler._is_profiler_enabled
+        with torch.no_grad(), (_label(stage, "F", mb) if profiling else _NO_LABEL):
             outs = prog.forward(*args)
             for i, t in prog.mutations:
                 t.copy_(outs[i])
@@ -196,7 +205,9 @@ class ProgramRunner(StageRunner):
             return super().backward(stage, mb, grads, input_only), None
         prog = self.programs[stage]
         tangents = self._tangents(stage, mb, grads, prog)
-        with torch.no_grad():
+        profiling = torch.autograd.profiler._is_profiler_enabled
+        label = _label(stage, "I" if input_only else "B", mb) if profiling else _NO_LABEL
+        with torch.no_grad(), label:
             if input_only:
                 outs = prog.input_backward(*state, *tangents)
                 n = len(prog.i_input_slots)
@@ -217,7 +228,8 @@ class ProgramRunner(StageRunner):
             return super().backward_weight(stage, mb)
         prog = self.programs[stage]
         self.live_bytes[stage] -= prog.saved_bytes
-        with torch.no_grad():
+        profiling = torch.autograd.profiler._is_profiler_enabled
+        with torch.no_grad(), (_label(stage, "W", mb) if profiling else _NO_LABEL):
             grads = prog.weight_backward(*carry)
             for p, g in zip(prog.w_params, grads):
                 _accumulate(p, g)

@@ -194,14 +194,15 @@ def build_stage_programs(stage: int, module: torch.fx.GraphModule, *, num_user: 
                          user_inputs: Sequence[Any], num_sent: int,
                          loss: Callable[[tuple, tuple, list], torch.Tensor] | None,
                          target_leaves: Sequence[torch.Tensor], split_backward: bool,
-                         compiler: Compiler | None) -> StagePrograms:
+                         compiler: Compiler | None, run_backward: bool = True) -> StagePrograms:
     """Trace ``module`` (the stage) and cut it into programs.
 
     ``received``: example values of the received inputs (fresh tensors of the
     right shape); ``received_grad``: which of them carry a gradient back.
     ``loss(flat_outputs, user_inputs, target_leaves)`` is given on the last
     stage (training): F then returns the microbatch's loss as its one output.
-    Raises ProgramsUnsupported when the stage cannot be expressed this way.
+    ``split_backward``: build I and W; ``run_backward``: B runs too (compiled
+    only when it does). Raises ProgramsUnsupported when the stage cannot be expressed this way.
     """
     from torch._functorch._aot_autograd import descriptors as d
     from torch._functorch.partitioners import default_partition
@@ -343,7 +344,7 @@ def build_stage_programs(stage: int, module: torch.fx.GraphModule, *, num_user: 
     if split_backward:
         _split(programs, bw, param_grads, input_grads)
     if compiler is not None:
-        _compile(programs, compiler)
+        _compile(programs, compiler, skip=() if run_backward else ("B",))
     return programs
 
 
@@ -406,14 +407,14 @@ def _example(node: torch.fx.Node) -> Any:
     return v
 
 
-def _compile(programs: StagePrograms, compiler: Compiler) -> None:
+def _compile(programs: StagePrograms, compiler: Compiler, skip: Sequence[str] = ()) -> None:
     for kind, attr in (("F", "forward"), ("B", "backward"), ("I", "input_backward"),
                        ("W", "weight_backward")):
         gm = programs.graphs.get(kind)
         if gm is None:
             continue
-        if kind == "B" and "I" in programs.graphs:
-            setattr(programs, attr, None)  # a split stage never runs B
+        if kind in skip:  # a program the schedule never runs for this stage
+            setattr(programs, attr, None)
             continue
         examples = [_example(n) for n in gm.graph.nodes if n.op == "placeholder"]
         setattr(programs, attr, compiler(gm, examples))

@@ -27,7 +27,9 @@ import torch.fx
 
 from torch_mpmd import _runtime
 from torch_mpmd.data_parallel import DataParallel, new_replica_group
-from torch_mpmd.runner import EdgeLayout, StageRunner
+from torch_mpmd.program_runner import ProgramRunner
+from torch_mpmd.programs import Compiler
+from torch_mpmd.runner import EdgeLayout
 from torch_mpmd.trace import action_kind
 from torch_mpmd.schedules import Schedule, get_schedule, names as schedule_names
 from torch_mpmd.stage import SplitModel, StageSignature
@@ -37,6 +39,7 @@ __all__ = ["PipelineError", "RankRuntime", "StagedModel", "resolve_schedule",
 
 V_SCHEDULES = ("zbv", "dualpipev")
 _STARTUP_TIMEOUT_S = 120.0  # least wait for the other ranks' captures at start-up
+_BUILD_TIMEOUT_S = 1800.0  # least wait for the other ranks' program builds (Inductor)
 _FORWARD_KINDS = ("F", "SEND_F", "RECV_F")
 _BACKWARD_KINDS = ("B", "I", "W", "SEND_B", "RECV_B", "REDUCE_GRAD")
 
@@ -177,7 +180,8 @@ class RankRuntime:
     def __init__(self, model: StagedModel, *, schedule: Any, num_microbatches: int,
                  group: Any, device: torch.device, timeout: datetime.timedelta,
                  lookahead: int, settings: str, seed: int | None,
-                 dp_group: Any = None, replicas: list[list[int]] | None = None) -> None:
+                 dp_group: Any = None, replicas: list[list[int]] | None = None,
+                 compiler: Compiler | None = None) -> None:
         self.model = model
         self.group = group
         self.dp_group = dp_group
@@ -203,10 +207,12 @@ class RankRuntime:
         for p, c in self.layout.edges():
             producers[c].append(p)
             consumers[p].append(c)
-        self.runner = StageRunner({s: model.stages[s] for s in self.local_stages},
-                                  model.signatures, self.layout, producers, consumers,
-                                  model.rebuild_output,
-                                  split_backward=self.schedule._cpp.splits_backward)
+        self.runner = ProgramRunner({s: model.stages[s] for s in self.local_stages},
+                                    model.signatures, self.layout, producers, consumers,
+                                    model.rebuild_output,
+                                    split_backward=self.schedule._cpp.splits_backward,
+                                    compiler=compiler, rank=self.rank, device=device,
+                                    kinds=self._compute_kinds())
         self.transport = self._transport() if self.pp_size > 1 else None
         self.seed = self._handshake(settings, seed)
         self.executor = self._executor(self.schedule.to_text())
@@ -219,6 +225,15 @@ class RankRuntime:
             self.runner.on_reduce_grad = self.dp.reduce
 
     # ------------------------------------------------------------ construction
+    def _compute_kinds(self) -> dict[int, set[str]]:
+        """Per local stage, the compute kinds (F, B, I, W) this rank's program runs."""
+        kinds: dict[int, set[str]] = {s: set() for s in self.local_stages}
+        for token in self.schedule.actions[self.rank]:
+            kind = action_kind(token)
+            if kind in ("F", "B", "I", "W"):
+                kinds[int(token[:len(token) - len(token.lstrip("0123456789"))])].add(kind)
+        return kinds
+
     def _transport(self) -> Any:
         backend = dist.get_backend(self.group)
         up = down = self.group
@@ -309,6 +324,22 @@ class RankRuntime:
             self.runner.on_reduce_grad = None
 
     # ------------------------------------------------------------ stepping
+    def prepare_programs(self, inputs: Sequence[Mapping[str, Any]], targets: Sequence[Any],
+                         loss_fn: Callable | None) -> None:
+        """Build this rank's stage programs for a training step (once per capture
+        and target shape), then wait for every rank to have built its own: a
+        rank still compiling would otherwise make the others' first transfers
+        time out. Every rank builds at the same step (the key is the same)."""
+        if not self.runner.prepare(inputs, targets, loss_fn):
+            return
+        flag = torch.zeros(1, device=self.device)
+        limit = max(self.timeout_s, _BUILD_TIMEOUT_S)
+        for group, label in ((self.group, "pp"), (self.dp_group, "dp")):
+            if group is not None and dist.get_world_size(group) > 1:
+                self.wait(dist.all_reduce(flag, group=group, async_op=True),
+                          f"waiting for the other {label} ranks to build their stage programs",
+                          timeout_s=limit)
+
     @property
     def forward_executor(self) -> Any:
         """Runs the forward part of the schedule only (inference, compile path)."""
