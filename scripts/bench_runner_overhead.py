@@ -3,10 +3,12 @@
     torchrun --standalone --nproc-per-node 1 scripts/bench_runner_overhead.py
 
 A one-stage pipeline of one 8x8-linear model (m=32). Alternating, median of
---rounds: the stage graph run directly (forward, loss, one engine call per
-microbatch), the same through the StageRunner's Python methods, through the
-C++ executor (which calls the runner), and the whole Pipeline.step. Each line
-prints the microseconds per compute action above the direct loop.
+--rounds: the stage's functional programs called directly (F, then B with
+the loss's 1/m tangent, gradients added into .grad), the same through the
+ProgramRunner's methods, through the C++ executor (which calls the runner and
+holds the saved values), and the whole Pipeline.step. Each line prints the
+microseconds per compute action above the direct loop: the runtime's
+overhead, the programs' own time excluded.
 """
 
 from __future__ import annotations
@@ -25,8 +27,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch_mpmd as mpmd  # noqa: E402
 from bench_overhead import Tiny  # noqa: E402
 
-_ENGINE = torch.autograd.Variable._execution_engine
-
 
 def main() -> None:
     p = argparse.ArgumentParser()
@@ -42,20 +42,26 @@ def main() -> None:
     pipe = mpmd.pipeline(Tiny(), loss_fn=F.mse_loss, schedule="1f1b", num_microbatches=m)
     pipe.step(x, target=y)
     rt = pipe._runtime()
-    runner, graph = rt.runner, rt.runner.stages[0].module
+    runner = rt.runner
+    prog = runner.programs[0]
     inv_m = torch.full((), 1.0 / m)
     inputs = pipe._mpmd_split.named_microbatches((x,), {}, m)
+    params = [p for p, _ in prog.param_grads]
+    positions = [pos for _, pos in prog.param_grads]
 
     def direct() -> None:
-        for a, b in zip(xs, ys):
-            loss = F.mse_loss(graph.forward(a)[0], b)
-            _ENGINE.run_backward((loss,), (inv_m,), False, False, (), True, True)
+        with torch.no_grad():
+            for a, b in zip(xs, ys):
+                outs = prog.forward(*prog.state_tensors, a, b)
+                grads = prog.backward(*outs[prog.output_offset + prog.num_outputs:], inv_m)
+                for p, pos in zip(params, positions):
+                    p.grad.add_(grads[pos])
 
     def through_runner() -> None:
         runner.begin_step(inputs, list(ys), F.mse_loss, 1, 1, training=True)
         for k in range(m):
-            runner.forward(0, k, [])
-            runner.backward(0, k, [], False)
+            _, saved = runner.forward(0, k, [])
+            runner.backward(0, k, [], False, saved)
 
     def through_executor() -> None:
         runner.begin_step(inputs, list(ys), F.mse_loss, 1, 1, training=True)

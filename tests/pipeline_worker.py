@@ -210,7 +210,13 @@ def run_case(case: dict[str, Any], group, timeout: float) -> dict[str, Any]:
         res["loss_meta"] = dict(dim=loss.dim(), requires_grad=loss.requires_grad)
         res["loss_diff"] = _diff(loss.reshape(()), ref_loss.detach(), *tol)
         res.update(_compare_grads(pipe.named_parameters(), model, ref, tol))
-        res["functional"] = pipe._mpmd_runtime.runner.fallback_reason is None
+        runner = pipe._mpmd_runtime.runner
+        res["functional"] = runner.fallback_reason is None
+        if res["functional"]:
+            res["memory"] = dict(
+                peak_bytes=pipe.last_step_stats["peak_activation_bytes"],
+                saved_bytes={s: p.saved_bytes for s, p in runner.programs.items()},
+                simulated_peak_forwards=pipe.schedule.simulate().peak_activations[pipe.rank])
         res["layout"] = dict(rank=pipe.rank, pp_size=pipe.pp_size, num_stages=pipe.num_stages,
                              local_stages=list(pipe.local_stages))
         res["expected_layout"] = dict(

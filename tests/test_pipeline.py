@@ -159,6 +159,17 @@ def test_training_steps_run_functional_stage_programs(case_id):
         assert res["functional"], f"rank {rank} fell back to the autograd runner"
 
 
+@pytest.mark.parametrize("case_id", [c for c in CASE_IDS
+                                     if c.split("-")[0] in ("gpipe", "1f1b")])
+def test_peak_saved_bytes_are_the_schedules_bound_times_one_microbatchs(case_id):
+    for rank, res in enumerate(case_results(case_id)):
+        mem = res["memory"]
+        (stage,) = mem["saved_bytes"]  # one stage per rank under gpipe and 1f1b
+        assert mem["saved_bytes"][stage] > 0
+        assert mem["peak_bytes"][stage] == (mem["simulated_peak_forwards"] *
+                                            mem["saved_bytes"][stage]), (rank, mem)
+
+
 @pytest.mark.parametrize("case_id", CASE_IDS)
 def test_stages_are_placed_as_the_schedule_requires(case_id):
     for res in case_results(case_id):

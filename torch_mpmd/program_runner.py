@@ -45,6 +45,37 @@ def _accumulate(p: torch.Tensor, g: torch.Tensor) -> None:
         p.grad.add_(g)
 
 
+class _AutogradView:
+    """The runner as the executor sees it on the autograd path only
+    (returns_state False): for executors that run part of a schedule
+    (forward-only, backward-only), whose state the runner keeps itself."""
+
+    returns_state = False
+
+    def __init__(self, runner: "ProgramRunner") -> None:
+        self._runner = runner
+
+    def forward(self, stage: int, mb: int, inputs: Any) -> Any:
+        return StageRunner.forward(self._runner, stage, mb, inputs)
+
+    def backward(self, stage: int, mb: int, grads: Any, input_only: bool) -> Any:
+        return StageRunner.backward(self._runner, stage, mb, grads, input_only)
+
+    def backward_weight(self, stage: int, mb: int) -> None:
+        StageRunner.backward_weight(self._runner, stage, mb)
+
+    def reduce_grad(self, stage: int) -> None:
+        self._runner.reduce_grad(stage)
+
+    @property
+    def error(self) -> BaseException | None:
+        return self._runner.error
+
+    @error.setter
+    def error(self, value: BaseException | None) -> None:
+        self._runner.error = value
+
+
 class ProgramRunner(StageRunner):
     """Runs this rank's stages as functional programs (see the module docstring)."""
 
@@ -60,6 +91,7 @@ class ProgramRunner(StageRunner):
         super().__init__(modules, signatures, layout, producers, consumers, rebuild_output,
                          split_backward=split_backward)
         self.split_backward = split_backward
+        self.autograd_view = _AutogradView(self)
         # Which of F, B, I, W each local stage runs (dualpipev mixes B with I/W):
         # only those programs are built and compiled.
         self.kinds = {s: set(kinds[s]) if kinds is not None else
@@ -209,6 +241,11 @@ class ProgramRunner(StageRunner):
         label = _label(stage, "I" if input_only else "B", mb) if profiling else _NO_LABEL
         with torch.no_grad(), label:
             if input_only:
+                # The forward's saved values go now; the carry lives until W.
+                live = self.live_bytes[stage] + prog.carry_bytes - prog.saved_bytes
+                self.live_bytes[stage] = live
+                if live > self.peak_bytes[stage]:
+                    self.peak_bytes[stage] = live
                 outs = prog.input_backward(*state, *tangents)
                 n = len(prog.i_input_slots)
                 by_slot = dict(zip(prog.i_input_slots, outs[:n]))
@@ -227,7 +264,7 @@ class ProgramRunner(StageRunner):
         if not self._functional:
             return super().backward_weight(stage, mb)
         prog = self.programs[stage]
-        self.live_bytes[stage] -= prog.saved_bytes
+        self.live_bytes[stage] -= prog.carry_bytes
         profiling = torch.autograd.profiler._is_profiler_enabled
         with torch.no_grad(), (_label(stage, "W", mb) if profiling else _NO_LABEL):
             grads = prog.weight_backward(*carry)

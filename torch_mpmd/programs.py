@@ -122,6 +122,7 @@ class StagePrograms:
     # W's outputs: the parameter each gradient belongs to.
     w_params: list[torch.Tensor] = field(default_factory=list)
     saved_bytes: int = 0          # bytes of `saved` per microbatch (parameters excluded)
+    carry_bytes: int = 0          # bytes of the carry I hands W (the same rule)
     draws_rng: bool = False       # F has random ops: seed it per (stage, microbatch)
     graphs: dict[str, torch.fx.GraphModule] = field(default_factory=dict)  # F, B, I, W
 
@@ -342,7 +343,8 @@ def build_stage_programs(stage: int, module: torch.fx.GraphModule, *, num_user: 
     # with no module hooks to run (nn.Module.__call__ costs microseconds).
     programs.forward, programs.backward = fw.forward, bw.forward
     if split_backward:
-        _split(programs, bw, param_grads, input_grads)
+        existing = {n.name for n in fw_outs[num_fwd:] if n.op == "placeholder"}
+        _split(programs, bw, param_grads, input_grads, existing)
     if compiler is not None:
         _compile(programs, compiler, skip=() if run_backward else ("B",))
     return programs
@@ -353,8 +355,10 @@ def build_stage_programs(stage: int, module: torch.fx.GraphModule, *, num_user: 
 
 def _split(programs: StagePrograms, bw: torch.fx.GraphModule,
            param_grads: list[tuple[torch.Tensor, int]],
-           input_grads: list[tuple[int, int]]) -> None:
-    """Cut B into I and W with the C++ partitioner (NOTE [Backward split])."""
+           input_grads: list[tuple[int, int]], existing: set[str]) -> None:
+    """Cut B into I and W with the C++ partitioner (NOTE [Backward split]).
+    ``existing``: saved values that are F's own inputs (parameters, inputs),
+    not counted in the carry's bytes."""
     nodes = [n for n in bw.graph.nodes if n.op != "output"]
     index = {n: i for i, n in enumerate(nodes)}
     outs = list(bw.graph.output_node().args[0])
@@ -393,6 +397,8 @@ def _split(programs: StagePrograms, bw: torch.fx.GraphModule,
     programs.input_backward = gi.forward
     programs.weight_backward = gw.forward
     programs.i_input_slots = [slot for slot, _ in input_grads]
+    programs.carry_bytes = sum(_nbytes(nodes[j].meta["val"]) for j in carry
+                               if nodes[j].name not in existing)
     programs.w_params = [p for p, _ in param_grads]
     programs.graphs.update({"I": gi, "W": gw})
 

@@ -244,9 +244,12 @@ class RankRuntime:
         return _runtime.C10dTransport(up.group_name, down.group_name, self.layout.specs(),
                                       str(self.device))
 
-    def _executor(self, text: str) -> Any:
-        # Tracing is always on: two clock reads per action (trace.py).
-        return _runtime.Executor(text, self.rank, self.runner, self.transport,
+    def _executor(self, text: str, *, stateful: bool = True) -> Any:
+        # Tracing is always on: two clock reads per action (trace.py). The
+        # forward-only and backward-only executors (inference, the compile
+        # door) run the autograd path, whose state the runner keeps itself.
+        runner = self.runner if stateful else self.runner.autograd_view
+        return _runtime.Executor(text, self.rank, runner, self.transport,
                                  lookahead=self.lookahead, timeout_s=self.timeout_s, trace=True)
 
     def _handshake(self, settings: str, seed: int | None) -> int:
@@ -336,22 +339,27 @@ class RankRuntime:
         limit = max(self.timeout_s, _BUILD_TIMEOUT_S)
         for group, label in ((self.group, "pp"), (self.dp_group, "dp")):
             if group is not None and dist.get_world_size(group) > 1:
+                me = dist.get_rank(group)
+                peers = [r for r in range(dist.get_world_size(group)) if r != me]
                 self.wait(dist.all_reduce(flag, group=group, async_op=True),
-                          f"waiting for the other {label} ranks to build their stage programs",
-                          timeout_s=limit)
+                          f"waiting for the other {label} ranks (peer rank"
+                          f"{'s' if len(peers) > 1 else ''} {', '.join(map(str, peers))}) to "
+                          "build their stage programs", timeout_s=limit)
 
     @property
     def forward_executor(self) -> Any:
         """Runs the forward part of the schedule only (inference, compile path)."""
         if self._forward_executor is None:
-            self._forward_executor = self._executor(forward_only_text(self.schedule))
+            self._forward_executor = self._executor(forward_only_text(self.schedule),
+                                                   stateful=False)
         return self._forward_executor
 
     @property
     def backward_executor(self) -> Any:
         """Runs the backward part only, after forward_executor (compile path)."""
         if self._backward_executor is None:
-            self._backward_executor = self._executor(backward_only_text(self.schedule))
+            self._backward_executor = self._executor(backward_only_text(self.schedule),
+                                                    stateful=False)
         return self._backward_executor
 
     def run(self, executor: Any) -> None:

@@ -62,13 +62,21 @@ Executor::Executor(Schedule schedule, int rank, StageRunner& runner, Transport& 
   states_.resize(static_cast<size_t>(local_stages) * schedule_.num_microbatches);
   keeps_state_.assign(prog.size(), 0);
   std::vector<uint8_t> backward_later(states_.size(), 0), weight_later(states_.size(), 0);
+  forward_in_program_.assign(states_.size(), 0);
+  input_in_program_.assign(states_.size(), 0);
   for (size_t i = prog.size(); i-- > 0;) {
     const Action& a = prog[i];
     if (!isCompute(a.kind)) continue;
     const size_t slot = stateIndex(a.stage, a.microbatch);
     switch (a.kind) {
-      case ActionKind::Forward: keeps_state_[i] = backward_later[slot]; break;
-      case ActionKind::BackwardInput: keeps_state_[i] = weight_later[slot]; [[fallthrough]];
+      case ActionKind::Forward:
+        keeps_state_[i] = backward_later[slot];
+        forward_in_program_[slot] = 1;
+        break;
+      case ActionKind::BackwardInput:
+        keeps_state_[i] = weight_later[slot];
+        input_in_program_[slot] = 1;
+        [[fallthrough]];
       case ActionKind::FullBackward: backward_later[slot] = 1; break;
       case ActionKind::BackwardWeight: weight_later[slot] = 1; break;
       default: break;
@@ -125,6 +133,11 @@ void Executor::put(const TransferKey& key, Values values) {
 void Executor::checkState(const StateSlot& slot, StatePhase expected,
                           const Action& reader) const {
   if (slot.phase == expected) return;
+  if (expected == StatePhase::kNone) {
+    throw std::runtime_error(fmt::format(
+        "internal error: {} finds a state held although this program runs no action that "
+        "produces it (stage {} mb {})", toString(reader), reader.stage, reader.microbatch));
+  }
   const char* wanted = expected == StatePhase::kSaved ? "state of its forward"
                                                       : "carry of its I";
   const char* found = slot.phase == StatePhase::kNone
@@ -245,7 +258,8 @@ void Executor::execute(int64_t index, const Action& a) {
       grads.reserve(consumers_[a.stage].size());
       for (int c : consumers_[a.stage]) grads.push_back(take({a.stage, c, a.microbatch, true}, a));
       StateSlot& state = stateSlot(a);
-      checkState(state, StatePhase::kSaved, a);
+      checkState(state, forward_in_program_[stateIndex(a.stage, a.microbatch)]
+                            ? StatePhase::kSaved : StatePhase::kNone, a);
       const int64_t saved = static_cast<int64_t>(state.values.size());
       const bool input_only = a.kind == ActionKind::BackwardInput;
       std::vector<Values> input_grads =
@@ -272,7 +286,8 @@ void Executor::execute(int64_t index, const Action& a) {
     }
     case ActionKind::BackwardWeight: {
       StateSlot& state = stateSlot(a);
-      checkState(state, StatePhase::kCarry, a);
+      checkState(state, input_in_program_[stateIndex(a.stage, a.microbatch)]
+                            ? StatePhase::kCarry : StatePhase::kNone, a);
       addStateValues(-static_cast<int64_t>(state.values.size()));
       state.phase = StatePhase::kNone;
       runner_.backwardWeight(a.stage, a.microbatch, std::move(state.values));

@@ -164,6 +164,11 @@ class Executor {
   std::vector<int> local_stage_;           // stage -> index among this rank's stages, or -1
   // Per action: F whose state a later B/I reads, I whose carry a later W reads.
   std::vector<uint8_t> keeps_state_;
+  // Per state slot: the program runs its F (its I). A backward-only program
+  // (the compile door runs forward and backward as two programs) has B/I/W
+  // whose state no action of this program produced: they get an empty one.
+  std::vector<uint8_t> forward_in_program_;
+  std::vector<uint8_t> input_in_program_;
 
   // Per-step state.
   std::unordered_map<int64_t, Values> buffers_;

@@ -370,7 +370,7 @@ TEST(Executor, BackwardThatFindsNoForwardStateIsAnInternalError) {
     const char* message;
   };
   for (const Case& c : {
-           Case{"0F0 0B0 0W0", "0W0 finds no carry of its I (stage 0 mb 0: no forward ran"},
+           Case{"0F0 0I0 0W0 0W0", "0W0 finds no carry of its I (stage 0 mb 0: no forward ran"},
            Case{"0F0 0I0 0B0", "0B0 finds no state of its forward (stage 0 mb 0: no forward"},
            Case{"0F0 0F0 0B0", "0F0 runs while the state of an earlier forward"},
        }) {
@@ -380,6 +380,19 @@ TEST(Executor, BackwardThatFindsNoForwardStateIsAnInternalError) {
                          [](FakeRunner& runner, int) { runner.state_values = 1; });
     EXPECT_NE(r.errors[0].find(std::string("internal error: ") + c.message), std::string::npos)
         << c.row << ": " << r.errors[0];
+  }
+}
+
+TEST(Executor, BackwardOnlyProgramGivesEachBackwardAnEmptyState) {
+  // The compile door runs a schedule's forward part and backward part as two
+  // programs: a B/I/W whose producer is not in the program gets no state.
+  for (const char* row : {"0B0 0B1", "0I0 0W0", "0W0"}) {
+    const Schedule s = testing::scheduleFromRows({0}, 2, {row});
+    Tables tables;
+    tables.activation = {{{0, 0}, 1}, {{0, 1}, 1}};  // the forward program ran before
+    if (std::string(row) == "0W0") tables.gradient[{0, 0}] = 1;  // and the I
+    RunResult r = runAll(s, tables, {}, {}, [](FakeRunner&, int) {});
+    EXPECT_TRUE(r.errors[0].empty()) << row << ": " << r.errors[0];
   }
 }
 
