@@ -11,7 +11,7 @@ from torch.testing import assert_close
 import models
 import torch_mpmd as mpmd
 from torch_mpmd import _C
-from torch_mpmd.stage import StageSignature
+from torch_mpmd.stage import StageSignature, partition
 
 TOL = dict(rtol=1e-6, atol=1e-6)
 
@@ -239,12 +239,19 @@ def test_no_grad_regions_are_kept_per_stage_and_restored_after_each():
     assert not out.requires_grad
 
 
-def test_balanced_split_of_uneven_layers_is_within_ten_percent_of_optimal():
+def test_balanced_split_of_uneven_layers_is_optimal_for_compute_alone_and_with_traffic():
     sm = mpmd.split_model(models.UnevenLayers(), torch.randn(4, 8), num_stages=3)
     costs = [n.cost for n in sm.ir.graph.nodes if n.kind == _C.NodeKind.COMPUTE]
-    best = optimal_max_stage_cost(costs, 3)
-    assert max(sm.plan.stage_cost) <= 1.1 * best
-    assert sum(sm.plan.stage_cost) == pytest.approx(sum(costs))
+    # bytes_cost=0: the largest stage's compute is the optimum over contiguous splits.
+    compute_only = partition(sm.ir, num_stages=3, bytes_cost=0)
+    assert max(compute_only.stage_cost) == pytest.approx(optimal_max_stage_cost(costs, 3))
+    assert sum(compute_only.stage_cost) == pytest.approx(sum(costs))
+    # The default prices traffic: the plan's objective (compute plus bytes_cost
+    # times the bytes crossing each stage's boundaries) is the reference optimum.
+    for bytes_cost, plan in ((_C.DEFAULT_BYTES_COST, sm.plan),
+                             (3.0, partition(sm.ir, num_stages=3, bytes_cost=3.0))):
+        best, cross = optimal_max_stage_cost_with_traffic(sm.ir.graph, 3, bytes_cost)
+        assert plan_objective(sm.ir.graph, plan, cross, bytes_cost) == pytest.approx(best)
     assert_split_reproduces(models.UnevenLayers, (torch.randn(4, 8),), num_stages=3)
 
 
@@ -262,6 +269,131 @@ def optimal_max_stage_cost(costs, k):
             best[parts][end] = min(max(best[parts - 1][start], prefix[end] - prefix[start])
                                    for start in range(parts - 1, end)) if end >= parts else inf
     return best[k][n]
+
+
+def crossing_bytes(graph):
+    """Per cut c (a stage starting at the c-th Compute node), the bytes of
+    Compute values made before it and read at or after it (None: none cross)."""
+    nodes = graph.nodes
+    items = [n.id for n in nodes if n.kind == _C.NodeKind.COMPUTE]
+    position = {node_id: k for k, node_id in enumerate(items)}
+    last = {}
+    for k, node_id in enumerate(items):
+        for i in nodes[node_id].inputs:
+            if i in position:
+                last[i] = max(last.get(i, -1), k)
+    for i in nodes[-1].inputs:  # the Output, on the last stage
+        if i in position:
+            last[i] = len(items) - 1
+    cross = [0] * (len(items) + 1)
+    for c in range(1, len(items)):
+        crossing = [i for i, k in last.items() if position[i] < c <= k]
+        cross[c] = sum(nodes[i].output_bytes for i in crossing) if crossing else None
+    return cross
+
+
+def optimal_max_stage_cost_with_traffic(graph, k, bytes_cost):
+    """Reference: min over contiguous k-splits at cuts some value crosses of the
+    largest (compute + bytes_cost * bytes crossing its two boundaries)."""
+    costs = [n.cost for n in graph.nodes if n.kind == _C.NodeKind.COMPUTE]
+    cross = crossing_bytes(graph)
+    n = len(costs)
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(k + 1)]
+    best[0][0] = 0.0
+    for parts in range(1, k + 1):
+        for end in range(parts, n + 1):
+            if cross[end] is None:
+                continue
+            for start in range(parts - 1, end):
+                if cross[start] is None or best[parts - 1][start] == inf:
+                    continue
+                stage = sum(costs[start:end]) + bytes_cost * (cross[start] + cross[end])
+                best[parts][end] = min(best[parts][end], max(best[parts - 1][start], stage))
+    return best[k][n], cross
+
+
+def plan_objective(graph, plan, cross, bytes_cost):
+    stages = [plan.node_stage[n.id] for n in graph.nodes if n.kind == _C.NodeKind.COMPUTE]
+    bounds = [0] + [c for c in range(1, len(stages)) if stages[c] != stages[c - 1]] + [len(stages)]
+    return max(plan.stage_cost[s] + bytes_cost * (cross[bounds[s]] + cross[bounds[s + 1]])
+               for s in range(plan.num_stages))
+
+
+def test_balanced_split_of_a_llama_cuts_between_decoder_layers_and_moves_fewer_bytes():
+    # With compute alone the cuts fall inside decoder layers, where q/k/v or
+    # the MLP's halves cross as well as the residual stream; priced traffic
+    # puts every cut between two layers: only the hidden state and the rotary
+    # cos/sin cross.
+    import transformers
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=4, num_attention_heads=4,
+                                      num_key_value_heads=2, max_position_embeddings=64,
+                                      bos_token_id=0, eos_token_id=0)
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(0)
+    sm = mpmd.split_model(transformers.LlamaForCausalLM(config), ids, num_stages=4,
+                          use_cache=False)
+    nodes = sm.ir.graph.nodes
+
+    def boundaries(plan):
+        compute = [n for n in nodes if n.kind == _C.NodeKind.COMPUTE]
+        return [(before.module_fqn, after.module_fqn) for before, after in zip(compute, compute[1:])
+                if plan.node_stage[before.id] != plan.node_stage[after.id]]
+
+    def sent(plan):
+        return sum(v.bytes * len(v.consumer_stages) for v in plan.cross_stage_values)
+
+    assert boundaries(sm.plan) == [(f"model.layers.{i}", f"model.layers.{i + 1}.input_layernorm")
+                                   for i in range(3)]
+    hidden = 2 * 12 * 32 * 4
+    rotary = {nodes[v.node].name: v.bytes for v in sm.plan.cross_stage_values
+              if v.consumer_stages == [1, 2, 3]}
+    assert len(rotary) == 2 and sum(rotary.values()) == 2 * 12 * 8 * 4  # cos and sin
+    assert sent(sm.plan) == 3 * hidden + 3 * sum(rotary.values())
+
+    compute_only = partition(sm.ir, num_stages=4, bytes_cost=0)
+    assert any(not after.endswith("input_layernorm") for _, after in boundaries(compute_only))
+    assert sent(compute_only) > 2 * sent(sm.plan)
+    assert max(compute_only.stage_cost) < max(sm.plan.stage_cost)  # what the traffic buys
+
+
+def test_balanced_split_of_char_gpt_cuts_between_blocks_and_reproduces_the_model():
+    sm = assert_split_reproduces(models.CharGPT, gpt_input(), num_stages=4)
+    nodes = sm.ir.graph.nodes
+    starts = [next(n for n in nodes if n.kind == _C.NodeKind.COMPUTE
+                   and sm.plan.node_stage[n.id] == s).module_fqn for s in range(1, 4)]
+    assert starts == ["blocks.1.ln1", "blocks.2.ln1", "blocks.3.ln1"]
+    assert [v.bytes for v in sm.plan.cross_stage_values] == [2 * 16 * 32 * 4] * 3
+
+
+def test_bytes_cost_passes_through_partition_and_is_checked():
+    sm = mpmd.split_model(models.CharGPT(), *gpt_input(), num_stages=2)
+    default = partition(sm.ir, num_stages=2)
+    assert default.hash == sm.plan.hash
+    assert partition(sm.ir, num_stages=2, bytes_cost=_C.DEFAULT_BYTES_COST).hash == default.hash
+    assert partition(sm.ir, num_stages=2, bytes_cost=0.0).hash != default.hash
+    with pytest.raises(ValueError, match=r"bytes_cost=-1 must be finite and >= 0"):
+        partition(sm.ir, num_stages=2, bytes_cost=-1.0)
+
+
+def test_describe_tabulates_compute_parameter_bytes_and_traffic_per_stage():
+    sm = mpmd.split_model(models.SkipNet(), torch.randn(3, 16))
+    text = sm.describe()
+    assert text.startswith("partition plan: 4 stages")
+    table = text[text.index("  per stage, per microbatch:\n"):].splitlines()[1:]
+    assert table[0].split() == ["stage", "compute", "cost", "parameter", "bytes", "bytes",
+                                "sent", "bytes", "received"]
+    rows = [line.split() for line in table[1:]]
+    value = 3 * 16 * 4  # every crossing value is a 3 x 16 float32 tensor
+    # h0 goes from stage 0 to stages 1, 2 and 3; h1 from 1 to 2 and 3; h2 from 2 to 3.
+    sent = [3 * value, 2 * value, value, 0]
+    received = [0, value, 2 * value, 3 * value]
+    assert [r[0] for r in rows] == ["0", "1", "2", "3"]
+    for s, row in enumerate(rows):
+        assert float(row[1]) == pytest.approx(sm.plan.stage_cost[s], rel=1e-3)
+        assert row[2] == f"{(16 * 16 + 16) * 4:,}" == f"{sm.plan.stage_parameter_bytes[s]:,}"
+        assert row[3:] == [f"{sent[s]:,}", f"{received[s]:,}"]
 
 
 # ----------------------------------------------------------------- errors

@@ -104,6 +104,20 @@ def test_text_round_trip_preserves_compute_and_lowered_schedules(name, spr):
         assert back.to_text() == sched.to_text()
 
 
+def test_twenty_thousand_one_line_ranks_load_from_text_and_csv(tmp_path):
+    # Loading checks the schedule; its per-channel counters were once a dense
+    # rank x rank table (3.2 GB here). The memory bound itself is a GTest
+    # (ScheduleIo.LoadingTwentyThousandOneLineRanksTakesMemoryLinearInTheText).
+    p = 20_000
+    text = "".join(f"{r}: {r}F0 {r}B0\n" for r in range(p))
+    s = Schedule.from_text(text)
+    assert (s.num_ranks, s.num_stages, s.num_microbatches) == (p, p, 1)
+    assert s.actions[-1] == [f"{p - 1}F0", f"{p - 1}B0"]
+    path = tmp_path / "wide.csv"
+    s.to_csv(path)
+    assert Schedule.from_csv(path).actions == s.actions
+
+
 def test_csv_round_trip_through_a_file(tmp_path):
     s = make("interleaved_1f1b", spr=2)
     path = tmp_path / "sched.csv"

@@ -216,8 +216,12 @@ class PartitionPlan:
 
 def partition_by_markers(graph: Graph) -> PartitionPlan: ...
 def partition_at_nodes(graph: Graph, stage_starts: list[int]) -> PartitionPlan: ...
+DEFAULT_BYTES_COST: float
 def partition_balanced(
-    graph: Graph, num_stages: int, max_stage_parameter_bytes: int = 0
+    graph: Graph,
+    num_stages: int,
+    max_stage_parameter_bytes: int = 0,
+    bytes_cost: float = ...,
 ) -> PartitionPlan: ...
 def describe_plan(graph: Graph, plan: PartitionPlan) -> str: ...
 

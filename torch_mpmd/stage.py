@@ -87,9 +87,14 @@ class StageSignature:
 
 def partition(ir: GraphIR, *, split_points: Sequence[str] | None = None,
               num_stages: int | None = None, known_modules: Sequence[str] | None = None,
-              what: str = "the model", default_num_stages: int = 1) -> Any:
+              what: str = "the model", default_num_stages: int = 1,
+              bytes_cost: float | None = None) -> Any:
     """The plan for ``ir``: from its markers, else ``split_points``, else
-    ``num_stages`` (or ``default_num_stages``) balanced by cost."""
+    ``num_stages`` (or ``default_num_stages``) balanced by cost.
+
+    ``bytes_cost`` prices, in cost units per byte, the values crossing each
+    boundary of a balanced split (None: ``_C.DEFAULT_BYTES_COST``, derived from
+    a measured p2p rate; see NOTE [Bytes cost] in csrc/core/partition.h)."""
     if num_stages is not None and (not isinstance(num_stages, int) or num_stages < 1):
         raise ValueError(f"num_stages must be a positive int, got {num_stages!r}")
     try:
@@ -113,7 +118,10 @@ def partition(ir: GraphIR, *, split_points: Sequence[str] | None = None,
             plan = _C.partition_at_nodes(ir.graph, starts)
             source = f"split_points={list(split_points)!r}"
         else:
-            return _C.partition_balanced(ir.graph, num_stages or default_num_stages)
+            if bytes_cost is None:
+                return _C.partition_balanced(ir.graph, num_stages or default_num_stages)
+            return _C.partition_balanced(ir.graph, num_stages or default_num_stages,
+                                         bytes_cost=bytes_cost)
     except ValueError as e:
         raise ValueError(f"cannot split {what} into stages: {e}") from None
     if num_stages is not None and num_stages != plan.num_stages:
@@ -476,13 +484,32 @@ class SplitModel:
     __call__ = run
 
     def describe(self) -> str:
-        """The plan summary plus every stage's signature."""
+        """The plan summary, every stage's signature, then a table per stage:
+        estimated compute cost, parameter/buffer bytes, and the activation
+        bytes it sends and receives per microbatch (per call with the example
+        inputs; a Pipeline splits with one microbatch). A value read by several
+        later stages is sent to each; backward sends the gradients of those
+        that require grad back the same way."""
         lines = [_C.describe_plan(self.ir.graph, self.plan).rstrip()]
         for sig in self.stage_signatures:
             lines.append(
                 f"  stage {sig.stage}: inputs ({', '.join(sig.input_names)}) -> outputs "
                 f"({', '.join(sig.output_names)}); {len(sig.parameters)} parameters, "
                 f"{len(sig.buffers)} buffers")
+        n = self.plan.num_stages
+        sent, received = [0] * n, [0] * n
+        for v in self.plan.cross_stage_values:
+            sent[v.producer_stage] += v.bytes * len(v.consumer_stages)
+            for c in v.consumer_stages:
+                received[c] += v.bytes
+        header = ("stage", "compute cost", "parameter bytes", "bytes sent", "bytes received")
+        rows = [(str(s), f"{self.plan.stage_cost[s]:.4g}",
+                 f"{self.plan.stage_parameter_bytes[s]:,}", f"{sent[s]:,}", f"{received[s]:,}")
+                for s in range(n)]
+        widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+        lines.append("  per stage, per microbatch:")
+        for r in [header, *rows]:
+            lines.append("    " + "  ".join(cell.rjust(w) for cell, w in zip(r, widths)))
         return "\n".join(lines)
 
     def __repr__(self) -> str:

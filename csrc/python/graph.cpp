@@ -178,10 +178,15 @@ void bindGraph(py::module_& m) {
         py::call_guard<py::gil_scoped_release>(),
         "Stages 1..n-1 begin at the Compute node ids in `stage_starts` (ascending). Same errors "
         "as partition_by_markers.");
+  m.attr("DEFAULT_BYTES_COST") = kDefaultBytesCost;
   m.def("partition_balanced", &partitionBalanced, py::arg("graph"), py::arg("num_stages"),
-        py::arg("max_stage_parameter_bytes") = 0, py::call_guard<py::gil_scoped_release>(),
-        "`num_stages` contiguous runs of Compute nodes minimizing the largest stage cost, "
-        "optionally capping each stage's parameter bytes (0 = no cap).");
+        py::arg("max_stage_parameter_bytes") = 0, py::arg("bytes_cost") = kDefaultBytesCost,
+        py::call_guard<py::gil_scoped_release>(),
+        "`num_stages` contiguous runs of Compute nodes minimizing the largest stage cost: its "
+        "Compute costs plus `bytes_cost` (cost units per byte; default DEFAULT_BYTES_COST, see "
+        "NOTE [Bytes cost] in core/partition.h) times the bytes crossing its boundaries; at "
+        "equal cost, boundaries between shallower modules. Optionally caps each stage's "
+        "parameter bytes (0 = no cap).");
   m.def("describe_plan", &describePlan, py::arg("graph"), py::arg("plan"),
         "Text summary: per-stage cost, nodes, parameters, cross-stage values.");
 }

@@ -1,7 +1,12 @@
 // Text and CSV forms of schedules: round trips, torch-style tables, errors
-// naming their position, and fuzzed tables.
+// naming their position, fuzzed tables, and the memory a 20,000-rank text
+// takes to load (counted by the global operator new below).
 #include <gtest/gtest.h>
 
+#include <atomic>
+#include <cstdint>
+#include <cstdlib>
+#include <new>
 #include <random>
 #include <string>
 #include <vector>
@@ -10,6 +15,69 @@
 #include "core/errors.h"
 #include "core/schedule.h"
 #include "core/schedule_io.h"
+#include "core/validate.h"
+
+// NOTE [Counted allocations]: this test binary replaces the global (not
+// over-aligned) operator new/delete with ones that keep the number of bytes
+// live and its peak, so a test can bound the memory a call allocates
+// portably. Each block carries its size in a header of the default new
+// alignment, which the returned pointer keeps. Over-aligned new/delete are
+// left to the library (they pair with each other).
+namespace mpmd::testing {
+
+std::atomic<int64_t> live_bytes{0}, peak_bytes{0};
+
+void* countedNew(std::size_t n) {
+  constexpr std::size_t kHeader = __STDCPP_DEFAULT_NEW_ALIGNMENT__;
+  void* block = std::malloc(n + kHeader);
+  if (block == nullptr) throw std::bad_alloc();
+  *static_cast<std::size_t*>(block) = n;
+  const int64_t now = live_bytes.fetch_add(static_cast<int64_t>(n)) + static_cast<int64_t>(n);
+  int64_t peak = peak_bytes.load();
+  while (now > peak && !peak_bytes.compare_exchange_weak(peak, now)) {
+  }
+  return static_cast<char*>(block) + kHeader;
+}
+
+void countedDelete(void* p) noexcept {
+  if (p == nullptr) return;
+  constexpr std::size_t kHeader = __STDCPP_DEFAULT_NEW_ALIGNMENT__;
+  char* block = static_cast<char*>(p) - kHeader;
+  live_bytes.fetch_sub(static_cast<int64_t>(*reinterpret_cast<std::size_t*>(block)));
+  std::free(block);
+}
+
+// The peak of live bytes while f runs, above what was live when it began.
+template <typename F>
+int64_t peakBytesOf(F&& f) {
+  const int64_t before = live_bytes.load();
+  peak_bytes.store(before);
+  f();
+  return peak_bytes.load() - before;
+}
+
+}  // namespace mpmd::testing
+
+void* operator new(std::size_t n) { return mpmd::testing::countedNew(n); }
+void* operator new[](std::size_t n) { return mpmd::testing::countedNew(n); }
+void* operator new(std::size_t n, const std::nothrow_t&) noexcept {
+  try {
+    return mpmd::testing::countedNew(n);
+  } catch (const std::bad_alloc&) {
+    return nullptr;
+  }
+}
+void* operator new[](std::size_t n, const std::nothrow_t&) noexcept {
+  return operator new(n, std::nothrow);
+}
+void operator delete(void* p) noexcept { mpmd::testing::countedDelete(p); }
+void operator delete[](void* p) noexcept { mpmd::testing::countedDelete(p); }
+void operator delete(void* p, std::size_t) noexcept { mpmd::testing::countedDelete(p); }
+void operator delete[](void* p, std::size_t) noexcept { mpmd::testing::countedDelete(p); }
+void operator delete(void* p, const std::nothrow_t&) noexcept { mpmd::testing::countedDelete(p); }
+void operator delete[](void* p, const std::nothrow_t&) noexcept {
+  mpmd::testing::countedDelete(p);
+}
 
 namespace mpmd {
 namespace {
@@ -314,6 +382,64 @@ TEST(ScheduleIo, FuzzedTablesLoadOrThrowInvalidArgument) {
     if (HasFailure()) FAIL() << "text:\n" << text << "\ncsv:\n" << csv;
   }
   EXPECT_GT(loaded, 50);
+}
+
+// A chain of `ranks` stages, one per rank, one microbatch: each rank's line
+// holds its F and B and, when `lowered`, the transfers to its neighbours.
+Schedule wideChain(int ranks, bool lowered) {
+  std::vector<int> placement(ranks);
+  for (int r = 0; r < ranks; ++r) placement[r] = r;
+  Schedule s = makeEmptySchedule("wide", ranks, 1, placement);
+  for (int r = 0; r < ranks; ++r) {
+    auto& p = s.programs[r];
+    if (lowered && r > 0) p.push_back(commAction(r, K::RecvF, 0, r - 1));
+    p.push_back(computeAction(r, K::Forward, 0));
+    if (lowered && r + 1 < ranks) p.push_back(commAction(r, K::SendF, 0, r + 1));
+    if (lowered && r + 1 < ranks) p.push_back(commAction(r, K::RecvB, 0, r + 1));
+    p.push_back(computeAction(r, K::FullBackward, 0));
+    if (lowered && r > 0) p.push_back(commAction(r, K::SendB, 0, r - 1));
+  }
+  return s;
+}
+
+// Loading (parse, then the static checks Schedule.from_text runs) a text of
+// 20,000 one-line ranks allocates memory linear in the text: two dense
+// rank x rank tables of transfer counters in validation once made it 3.2 GB
+// for 430 KB. The bound, 64 bytes per byte of text, holds the parsed
+// programs (16-byte actions for 5-10 text bytes each), the per-stage and
+// per-transfer tables of validation, and vector slack; the quadratic tables
+// would be ~7,000 bytes per byte of text here.
+TEST(ScheduleIo, LoadingTwentyThousandOneLineRanksTakesMemoryLinearInTheText) {
+  constexpr int kRanks = 20000;
+  constexpr int64_t kBytesPerTextByte = 64;
+  for (bool lowered : {false, true}) {
+    SCOPED_TRACE(lowered ? "lowered" : "compute only");
+    const std::string text = toText(wideChain(kRanks, lowered));
+    Schedule loaded;
+    const int64_t peak = testing::peakBytesOf([&] {
+      loaded = scheduleFromText(text);
+      validateStatic(loaded);
+    });
+    EXPECT_EQ(loaded.num_ranks, kRanks);
+    EXPECT_EQ(loaded.num_stages, kRanks);
+    EXPECT_EQ(loaded.programs.back().size(), lowered ? 4u : 2u);
+    EXPECT_LE(peak, kBytesPerTextByte * static_cast<int64_t>(text.size()))
+        << peak << " bytes at peak for " << text.size() << " bytes of text";
+    // Each rank's program holds its own actions only.
+    size_t capacity = 0;
+    for (const auto& program : loaded.programs) capacity += program.capacity();
+    EXPECT_LE(capacity, 2 * loaded.numActions());
+  }
+}
+
+TEST(ScheduleIo, CountedAllocationsSeeAQuadraticTable) {
+  // The measurement itself: a rank x rank table of 4-byte counters for 2,000
+  // ranks shows as at least its 16 MB.
+  const int64_t peak = testing::peakBytesOf([] {
+    std::vector<uint32_t> table(size_t{2000} * 2000, 0);
+    EXPECT_EQ(table.size(), 4000000u);
+  });
+  EXPECT_GE(peak, int64_t{16000000});
 }
 
 }  // namespace
