@@ -56,7 +56,13 @@ class ProgramsUnsupported(RuntimeError):
 def _inductor(gm: torch.fx.GraphModule, example_inputs: list) -> Callable[..., Any]:
     from torch._inductor.compile_fx import compile_fx_inner
 
-    compiled = compile_fx_inner(gm, example_inputs)
+    from torch._inductor import config
+
+    # Random ops run as aten's (seeded per stage and microbatch before F):
+    # Inductor's own lowering of them needs its joint-graph passes, which a
+    # program compiled on its own does not go through.
+    with config.patch(fallback_random=True):
+        compiled = compile_fx_inner(gm, example_inputs)
     # Inductor's code assumes the example inputs' strides; an input laid out
     # otherwise (a user's non-contiguous batch) is copied into that layout.
     strides = [t.stride() if isinstance(t, torch.Tensor) else None for t in example_inputs]
