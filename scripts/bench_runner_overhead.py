@@ -57,12 +57,14 @@ def main() -> None:
                 for p, pos in zip(params, positions):
                     p.grad.add_(grads[pos])
 
+    @torch.no_grad()  # as Pipeline.step runs the executor
     def through_runner() -> None:
         runner.begin_step(inputs, list(ys), F.mse_loss, 1, 1, training=True)
         for k in range(m):
             _, saved = runner.forward(0, k, [])
             runner.backward(0, k, [], False, saved)
 
+    @torch.no_grad()
     def through_executor() -> None:
         runner.begin_step(inputs, list(ys), F.mse_loss, 1, 1, training=True)
         rt.executor.run()

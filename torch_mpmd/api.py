@@ -12,6 +12,7 @@ DESIGN.md example) still covers this rank's (the others never get gradients).
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 from collections.abc import Callable, Mapping, Sequence
@@ -305,7 +306,10 @@ class Pipeline(torch.nn.Module):
         if rt.dp is not None:
             rt.dp.begin_step()
         try:
-            rt.run(rt.executor)
+            # Functional programs need no autograd graph: one grad-mode switch
+            # for the whole step instead of one per action.
+            with torch.no_grad() if rt.runner.functional else contextlib.nullcontext():
+                rt.run(rt.executor)
         except BaseException:
             self._forget_last_step()  # its executor's trace is partial now
             raise

@@ -15,9 +15,9 @@ and so does a rank whose stages cannot be traced into programs
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -30,7 +30,6 @@ from torch_mpmd.runner import EdgeLayout, StageRunner, _label, _seed_rng, stage_
 __all__ = ["ProgramRunner"]
 
 log = logging.getLogger("torch_mpmd")
-_NO_LABEL = contextlib.nullcontext()  # reusable: nullcontext keeps no state
 
 
 def _accumulate(p: torch.Tensor, g: torch.Tensor) -> None:
@@ -103,7 +102,7 @@ class ProgramRunner(StageRunner):
         self._built: dict[tuple, dict[int, StagePrograms] | None] = {}
         self._functional = False
         self._targets_flat: list[list[torch.Tensor]] = []
-        self._tangent_plan: dict[int, list[tuple[int, int, int]]] = {}
+        self._plans: dict[int, _StagePlan] = {}
 
     # ------------------------------------------------------------ building
     def prepare(self, inputs: Sequence[Mapping[str, Any]], targets: Sequence[Any],
@@ -117,7 +116,9 @@ class ProgramRunner(StageRunner):
                tuple((tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else repr(t)
                      for t in leaves))
         if key in self._built:
-            self.programs = self._built[key]
+            if self.programs is not self._built[key]:
+                self.programs = self._built[key]
+                self._plans = {}
             return False
         programs: dict[int, StagePrograms] | None = {}
         try:
@@ -130,6 +131,7 @@ class ProgramRunner(StageRunner):
                         self.fallback_reason)
         self._built[key] = programs
         self.programs = programs
+        self._plans = {}
         return True
 
     def _build(self, s: int, st: Any, inputs0: Mapping[str, Any], target_leaves: list,
@@ -166,98 +168,113 @@ class ProgramRunner(StageRunner):
         if self._functional and (self.num_stages - 1) in self.stages:
             self._targets_flat = [flatten_target(t) for t in self.targets]
 
+    @property
+    def functional(self) -> bool:
+        """The step set by begin_step runs the functional programs."""
+        return self._functional
+
     # ------------------------------------------------------------ executor API
+    # The common path of each method is written out: it runs once per action,
+    # and what it costs beyond the program itself is the runtime's overhead
+    # (scripts/bench_runner_overhead.py). Pipeline.step runs the executor
+    # under no_grad; a direct caller with grad enabled gets it set here.
+
+    def _plan(self, stage: int) -> "_StagePlan":
+        plan = self._plans.get(stage)
+        if plan is None:
+            plan = self._plans[stage] = _StagePlan.build(self, stage)
+        return plan
+
     def forward(self, stage: int, mb: int, inputs: list[list[torch.Tensor]]) -> Any:
         if not self._functional:
             return super().forward(stage, mb, inputs), None
-        st = self.stages[stage]
-        prog = self.programs[stage]
-        received: list[Any] = [None] * prog.num_received
-        for plan, tensors in zip(st.receive_plan, inputs):
-            for (slot, _grad, _clone), t in zip(plan, tensors):
-                received[slot] = t
-        mb_inputs = self.inputs[mb]
-        args = [*prog.state_tensors, *map(mb_inputs.__getitem__, st.signature.user_inputs),
-                *received]
-        last = stage == self.num_stages - 1
-        if last:
-            args.extend(self._targets_flat[mb])
+        plan = self._plans.get(stage) or self._plan(stage)
+        prog = plan.prog
+        args = prog.state_tensors + [self.inputs[mb][n] for n in plan.user_names]
+        if plan.recv:
+            received: list[Any] = [None] * prog.num_received
+            for slots, tensors in zip(plan.recv, inputs):
+                for slot, t in zip(slots, tensors):
+                    received[slot] = t
+            args += received
+        if plan.last:
+            args += self._targets_flat[mb]
         if prog.draws_rng:
             _seed_rng(stage_seed(self.seed, self.step, stage, mb))
-        profiling = torch.autograd.profiler._is_profiler_enabled
-        with torch.no_grad(), (_label(stage, "F", mb) if profiling else _NO_LABEL):
+        if torch.is_grad_enabled() or torch.autograd.profiler._is_profiler_enabled:
+            with torch.no_grad(), _label(stage, "F", mb):
+                outs = prog.forward(*args)
+        else:
             outs = prog.forward(*args)
-            for i, t in prog.mutations:
+        for i, t in prog.mutations:
+            with torch.no_grad():
                 t.copy_(outs[i])
-        off = prog.output_offset
-        saved = list(outs[off + prog.num_outputs:])
         live = self.live_bytes[stage] + prog.saved_bytes
         self.live_bytes[stage] = live
         if live > self.peak_bytes[stage]:
             self.peak_bytes[stage] = live
-        if last:
-            self.losses[mb] = outs[off]
+        saved = list(outs[plan.saved_from:])
+        if plan.last:
+            self.losses[mb] = outs[prog.output_offset]
             return [], saved
-        return [[outs[off + i] for i in idx] for idx in st.send_plan], saved
+        return [[outs[i] for i in idx] for idx in plan.sends], saved
 
     def _tangents(self, stage: int, mb: int, grads: list[list[torch.Tensor]],
-                  prog: StagePrograms) -> list[torch.Tensor]:
-        st = self.stages[stage]
-        total: dict[int, torch.Tensor] = {}
-        if stage == self.num_stages - 1:  # the loss: 1/m, for the mean over microbatches
-            total[0] = self._loss_grad(self.losses[mb])
-        for c, tensors in zip(st.consumers, grads):
-            for v, g in zip(self.layout.backward[(stage, c)], tensors):
-                k = st.sent_index[v.node]
-                total[k] = g if k not in total else total[k] + g
-        try:
-            return [total[k] if k >= 0 else prog.zero_tangents[i]
-                    for i, k in enumerate(prog.tangent_outputs)]
-        except KeyError as e:
-            raise RuntimeError(f"stage {stage}: no gradient arrived for sent value "
-                               f"{st.signature.sent[e.args[0]].name!r}") from None
+                  plan: "_StagePlan") -> list[torch.Tensor]:
+        tangents = list(plan.zero_tangents)
+        if plan.loss_tangent >= 0:  # the loss: 1/m, for the mean over microbatches
+            tangents[plan.loss_tangent] = self._loss_grad(self.losses[mb])
+        for (ci, vi, k) in plan.tangent_sources:
+            g = grads[ci][vi]
+            tangents[k] = g if tangents[k] is None else tangents[k] + g
+        if plan.check_tangents and any(t is None for t in tangents):
+            k = tangents.index(None)
+            raise RuntimeError(f"stage {stage}: no gradient arrived for its output {k}")
+        return tangents
 
-    def _send_grads(self, stage: int, by_slot: dict[int, torch.Tensor]) -> list[list[torch.Tensor]]:
-        st = self.stages[stage]
+    def _send_grads(self, plan: "_StagePlan", by_slot: dict[int, torch.Tensor]
+                    ) -> list[list[torch.Tensor]]:
         out = []
-        for p in st.producers:
-            row = []
-            for v in self.layout.backward[(p, stage)]:
-                g = by_slot.get(st.received_index[v.node])
+        for row in plan.grad_rows:
+            grads = []
+            for slot, meta in row:
+                g = by_slot.get(slot)
                 if g is None:  # the value did not reach the loss: a zero gradient
-                    meta = self.layout.meta[v.node]
                     g = torch.zeros(meta.shape, dtype=meta.dtype, device=self.device)
-                row.append(g)
-            out.append(row)
+                grads.append(g)
+            out.append(grads)
         return out
 
     def backward(self, stage: int, mb: int, grads: list[list[torch.Tensor]], input_only: bool,
                  state: list[torch.Tensor] | None = None) -> Any:
         if not self._functional:
             return super().backward(stage, mb, grads, input_only), None
-        prog = self.programs[stage]
-        tangents = self._tangents(stage, mb, grads, prog)
-        profiling = torch.autograd.profiler._is_profiler_enabled
-        label = _label(stage, "I" if input_only else "B", mb) if profiling else _NO_LABEL
-        with torch.no_grad(), label:
-            if input_only:
-                # The forward's saved values go now; the carry lives until W.
-                live = self.live_bytes[stage] + prog.carry_bytes - prog.saved_bytes
-                self.live_bytes[stage] = live
-                if live > self.peak_bytes[stage]:
-                    self.peak_bytes[stage] = live
-                outs = prog.input_backward(*state, *tangents)
-                n = len(prog.i_input_slots)
-                by_slot = dict(zip(prog.i_input_slots, outs[:n]))
-                carry = list(outs[n:])
-            else:
-                self.live_bytes[stage] -= prog.saved_bytes
-                outs = prog.backward(*state, *tangents)
-                for p, pos in prog.param_grads:
-                    _accumulate(p, outs[pos])
-                by_slot = {slot: outs[pos] for slot, pos in prog.input_grads}
-                carry = None
-        return self._send_grads(stage, by_slot), carry
+        plan = self._plans.get(stage) or self._plan(stage)
+        tangents = self._tangents(stage, mb, grads, plan)
+        if torch.is_grad_enabled() or torch.autograd.profiler._is_profiler_enabled:
+            with torch.no_grad(), _label(stage, "I" if input_only else "B", mb):
+                by_slot, carry = self._backward(plan.prog, stage, state, tangents, input_only)
+        else:
+            by_slot, carry = self._backward(plan.prog, stage, state, tangents, input_only)
+        return (self._send_grads(plan, by_slot) if plan.grad_rows else []), carry
+
+    def _backward(self, prog: StagePrograms, stage: int, state: list[torch.Tensor],
+                  tangents: list[torch.Tensor], input_only: bool
+                  ) -> tuple[dict[int, torch.Tensor], list[torch.Tensor] | None]:
+        if input_only:
+            # The forward's saved values go now; the carry lives until W.
+            live = self.live_bytes[stage] + prog.carry_bytes - prog.saved_bytes
+            self.live_bytes[stage] = live
+            if live > self.peak_bytes[stage]:
+                self.peak_bytes[stage] = live
+            outs = prog.input_backward(*state, *tangents)
+            n = len(prog.i_input_slots)
+            return dict(zip(prog.i_input_slots, outs[:n])), list(outs[n:])
+        self.live_bytes[stage] -= prog.saved_bytes
+        outs = prog.backward(*state, *tangents)
+        for p, pos in prog.param_grads:
+            _accumulate(p, outs[pos])
+        return {slot: outs[pos] for slot, pos in prog.input_grads}, None
 
     def backward_weight(self, stage: int, mb: int, carry: list[torch.Tensor] | None = None
                         ) -> None:
@@ -265,9 +282,58 @@ class ProgramRunner(StageRunner):
             return super().backward_weight(stage, mb)
         prog = self.programs[stage]
         self.live_bytes[stage] -= prog.carry_bytes
-        profiling = torch.autograd.profiler._is_profiler_enabled
-        with torch.no_grad(), (_label(stage, "W", mb) if profiling else _NO_LABEL):
+        if torch.is_grad_enabled() or torch.autograd.profiler._is_profiler_enabled:
+            with torch.no_grad(), _label(stage, "W", mb):
+                grads = prog.weight_backward(*carry)
+                for p, g in zip(prog.w_params, grads):
+                    _accumulate(p, g)
+        else:
             grads = prog.weight_backward(*carry)
             for p, g in zip(prog.w_params, grads):
                 _accumulate(p, g)
         return None
+
+
+@dataclass(slots=True)
+class _StagePlan:
+    """Per stage, what forward/backward look up on every action, resolved once
+    per set of programs: argument names and slots, output positions."""
+
+    prog: StagePrograms
+    user_names: list[str]
+    recv: list[list[int]]              # per producer: received slots of its values
+    last: bool
+    sends: list[list[int]]             # per consumer: F output positions to send
+    saved_from: int                    # F outputs from here on are `saved`
+    zero_tangents: list[torch.Tensor | None]  # start of each backward's tangents
+    tangent_sources: list[tuple[int, int, int]]  # (consumer, value, tangent position)
+    check_tangents: bool               # some tangent has no source: check each step
+    loss_tangent: int                  # the loss's tangent position (-1: not the last stage)
+    grad_rows: list[list[tuple[int, torch.Tensor]]]  # per producer: (slot, meta)
+
+    @classmethod
+    def build(cls, runner: "ProgramRunner", stage: int) -> "_StagePlan":
+        st = runner.stages[stage]
+        prog = runner.programs[stage]
+        layout = runner.layout
+        off = prog.output_offset
+        position = {k: i for i, k in enumerate(prog.tangent_outputs) if k >= 0}
+        sources = []
+        for ci, c in enumerate(st.consumers):
+            for vi, v in enumerate(layout.backward[(stage, c)]):
+                k = position.get(st.sent_index[v.node])
+                if k is not None:
+                    sources.append((ci, vi, k))
+        zeros = [prog.zero_tangents.get(i) for i in range(len(prog.tangent_outputs))]
+        last = stage == runner.num_stages - 1
+        loss_tangent = position.get(0, -1) if last else -1  # the loss is output 0
+        covered = {k for _, _, k in sources} | set(prog.zero_tangents) | {loss_tangent}
+        return cls(
+            prog=prog, user_names=list(st.signature.user_inputs),
+            recv=[[slot for slot, _, _ in plan] for plan in st.receive_plan], last=last,
+            sends=[[off + i for i in idx] for idx in st.send_plan],
+            saved_from=off + prog.num_outputs, zero_tangents=zeros, tangent_sources=sources,
+            check_tangents=len(covered - {-1}) < len(prog.tangent_outputs),
+            loss_tangent=loss_tangent,
+            grad_rows=[[(st.received_index[v.node], layout.meta[v.node])
+                        for v in layout.backward[(p, stage)]] for p in st.producers])
