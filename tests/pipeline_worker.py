@@ -431,18 +431,25 @@ def compiled(case_names: list[str]) -> dict[str, Any]:
 # ------------------------------------------------------------------ failures
 
 def die_in_loss_fn(schedule: str, dying_rank: int, timeout: float) -> str:
-    """``dying_rank`` exits (code 3) in its first loss_fn call; the others must raise
-    PipelineError, which this function lets escape so the rank exits non-zero."""
+    """``dying_rank`` exits (code 3) mid-step, in its first forward of the last
+    stage (where the loss is computed); the others must raise PipelineError,
+    which this function lets escape so the rank exits non-zero. (The loss is
+    part of the last stage's program, so the rank dies in the runner.)"""
+    from torch_mpmd.program_runner import ProgramRunner
+
     rank, p = _rank_world()
+    if rank == dying_rank:
+        forward = ProgramRunner.forward
 
-    def loss_fn(out, target):
-        if rank == dying_rank:
-            os._exit(3)
-        return F.mse_loss(out, target)
+        def dying_forward(self, stage, mb, inputs):
+            if stage == self.num_stages - 1:
+                os._exit(3)
+            return forward(self, stage, mb, inputs)
 
+        ProgramRunner.forward = dying_forward
     x, y = make_batch("skip")
     splits = SKIP_SPLITS[p * STAGES_PER_RANK[schedule]]
-    pipe = mpmd.pipeline(build_model("skip"), loss_fn=loss_fn, schedule=schedule,
+    pipe = mpmd.pipeline(build_model("skip"), loss_fn=F.mse_loss, schedule=schedule,
                          num_microbatches=4, split_points=splits,
                          timeout=datetime.timedelta(seconds=timeout))  # a timedelta works too
     pipe.step(x, target=y)

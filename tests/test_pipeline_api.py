@@ -297,3 +297,28 @@ def test_tensor_default_arguments_go_whole_to_every_microbatch():
     for (n, p), (_, q) in zip(pipe.named_parameters(), ref.named_parameters()):
         assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=n)
     assert_close(pipe(x), ref(x), rtol=1e-5, atol=1e-6)
+
+
+def test_a_new_input_shape_captures_again_with_a_log_line_saying_why(caplog):
+    model, x, y = gpt_and_batch()
+    pipe = mpmd.pipeline(model, loss_fn=lm_loss, num_microbatches=2, split_points=["blocks.1"],
+                         schedule="gpipe", stages_per_rank=2)
+    pipe.step(x, target=y)
+    assert not [r for r in caplog.records if "capturing" in r.getMessage()]
+    with caplog.at_level("WARNING", logger="torch_mpmd"):
+        pipe.step(x[:, :-2], target=y[:, :-2])
+    (record,) = [r for r in caplog.records if "capturing" in r.getMessage()]
+    message = record.getMessage()
+    assert f"{(x.shape[0] // 2, x.shape[1])}" in message  # the old microbatch shape
+    assert f"{(x.shape[0] // 2, x.shape[1] - 2)}" in message  # the new one
+
+
+def test_describe_lists_every_stage_with_its_traffic():
+    model, x, y = gpt_and_batch()
+    pipe = mpmd.pipeline(model, loss_fn=lm_loss, num_microbatches=2, split_points=["blocks.1"],
+                         schedule="gpipe", stages_per_rank=2)
+    with pytest.raises(RuntimeError, match="not captured"):
+        pipe.describe()
+    pipe.step(x, target=y)
+    text = pipe.describe()
+    assert "stage 0" in text and "stage 1" in text and "sent" in text

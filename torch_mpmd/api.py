@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import logging
 import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -32,6 +33,8 @@ from torch_mpmd.schedules import Schedule, get_schedule, names as schedule_names
 from torch_mpmd.stage import _set_path, split_model
 
 __all__ = ["pipeline", "Pipeline", "PipelineError"]
+
+_log = logging.getLogger("torch_mpmd")
 
 
 def _positive_int(name: str, value: Any, *, optional: bool = False) -> int | None:
@@ -187,6 +190,11 @@ class Pipeline(torch.nn.Module):
             self._adopt_local_tensors(*cached)
             return self._mpmd_runtime
         previous = self._mpmd_runtime
+        if previous is not None and self.rank == 0:
+            # Stages and their programs are specialized to the shapes captured.
+            _log.warning("torch_mpmd: capturing%s again: the inputs or train/eval modes "
+                         "changed from %s to %s", " and compiling" if self._mpmd_compiler
+                         else "", _describe_key(self._mpmd_input_signature), _describe_key(sig))
         spr = self._mpmd_stages_per_rank
         schedule = self._mpmd_schedule
         if spr is None:
@@ -288,6 +296,15 @@ class Pipeline(torch.nn.Module):
             state_dict = {k: v for k, v in state_dict.items()
                           if k in local or k not in model_keys}
         return super().load_state_dict(state_dict, strict=strict, assign=assign)
+
+    def describe(self) -> str:
+        """The split: plan summary, every stage's inputs and outputs, and per stage
+        its compute cost, parameter bytes and bytes sent and received per
+        microbatch (SplitModel.describe)."""
+        if self._mpmd_split is None:
+            raise RuntimeError("the pipeline has not captured the model yet: call step() or the "
+                               "pipeline once first")
+        return self._mpmd_split.describe()
 
     # ------------------------------------------------------------ running
     def step(self, *args: Any, target: Any = None, **kwargs: Any) -> torch.Tensor:
@@ -461,6 +478,16 @@ def _forward_programs(rt: RankRuntime) -> list[list[str]]:
     rows = [line.split(":", 1)[1].split() for line in text.splitlines()
             if line and not line.startswith("#")]
     return rows
+
+
+def _describe_key(sig: tuple | None) -> str:
+    """A capture key for a log line: the input shapes and dtypes, the modes."""
+    if sig is None:
+        return "nothing"
+    tensors, modes = sig
+    shapes = ", ".join(f"{tuple(t[0])} {str(t[1]).replace('torch.', '')}"
+                       if isinstance(t, tuple) else str(t) for t in tensors)
+    return f"[{shapes}] ({'training' if all(modes) else 'eval' if not any(modes) else 'mixed'})"
 
 
 def _compile_label(compile: Any) -> str:
