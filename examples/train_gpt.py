@@ -77,6 +77,8 @@ def parse_args() -> argparse.Namespace:
                    help="save model and optimizer here at the end (torch.distributed.checkpoint)")
     p.add_argument("--resume", action="store_true",
                    help="start from the latest checkpoint in --checkpoint-dir")
+    p.add_argument("--compile", action="store_true",
+                   help="compile each stage's programs (F, B or I/W) with Inductor")
     p.add_argument("--sample-chars", type=int, default=100, help="characters to sample at the end (0: none)")
     args = p.parse_args()
     if args.stages_per_rank is None:
@@ -230,7 +232,8 @@ def main() -> int:
 
     pipe = mpmd.pipeline(model, loss_fn=lm_loss, schedule=args.schedule,
                          num_microbatches=args.microbatches, stages_per_rank=args.stages_per_rank,
-                         split_points=points, device=device, seed=args.seed, mesh=mesh)
+                         split_points=points, device=device, seed=args.seed, mesh=mesh,
+                         compile="inductor" if args.compile else False)
     # Before the first step (capture) this is the whole model's parameters;
     # those that end up on other ranks' stages never get a .grad here, and
     # AdamW skips parameters without one.
@@ -250,7 +253,7 @@ def main() -> int:
               f"{args.microbatches} microbatches of {args.batch_size // args.microbatches}, "
               f"device {device}")
 
-    label = f"{args.schedule} pp={pp}"
+    label = f"{args.schedule} pp={pp}" + (" compiled" if args.compile else "")
     progress = Progress(args.steps, label)
     tokens_per_step = args.batch_size * args.block_size
     losses: list[float] = []
