@@ -12,7 +12,6 @@ schedules by the test.
 from __future__ import annotations
 
 import copy
-import time
 from typing import Any
 
 import torch
@@ -21,8 +20,8 @@ import torch.nn.functional as F
 
 import models
 import torch_mpmd as mpmd
-from pipeline_worker import (_compare_grads, _diff, _drop_group, _error_text, _fresh_group,
-                             _rank_world, _report)
+import pipeline_worker
+from pipeline_worker import _compare_grads, _diff, _error_text, _rank_world
 
 M = 4
 TOL = {False: (1e-5, 1e-6), "inductor": (1e-4, 1e-5)}
@@ -127,13 +126,4 @@ def run_case(case: dict[str, Any], group, timeout: float) -> dict[str, Any]:
 
 
 def grid(cases: list[dict[str, Any]], timeout: float = 60.0) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for case in cases:
-        start = time.perf_counter()
-        torch._dynamo.reset()
-        group = _fresh_group()
-        out[case["id"]] = run_case(case, group, timeout)
-        out[case["id"]]["seconds"] = round(time.perf_counter() - start, 3)
-        _drop_group(group)
-        _report("models", out)
-    return out
+    return pipeline_worker.grid(cases, timeout, task="models", run=run_case)

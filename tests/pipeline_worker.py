@@ -236,15 +236,17 @@ def _report(task: str, value: Any) -> None:
     partial_result(_PROGRESS)
 
 
-def grid(cases: list[dict[str, Any]], timeout: float = 30.0, *, task: str = "grid"
-         ) -> dict[str, Any]:
-    """Run every case on this rank; {case id: this rank's result}."""
+def grid(cases: list[dict[str, Any]], timeout: float = 30.0, *, task: str = "grid",
+         run: Any = None) -> dict[str, Any]:
+    """Run every case on this rank (``run(case, group, timeout)``, default
+    run_case); {case id: this rank's result}."""
+    run = run or run_case
     out: dict[str, Any] = {}
     for case in cases:
         start = time.perf_counter()
         torch._dynamo.reset()
         group = _fresh_group()
-        out[case["id"]] = run_case(case, group, timeout)
+        out[case["id"]] = run(case, group, timeout)
         out[case["id"]]["seconds"] = round(time.perf_counter() - start, 3)
         _drop_group(group)
         _report(task, out)
