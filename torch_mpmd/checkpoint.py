@@ -1,40 +1,168 @@
 """Checkpoints through torch.distributed.checkpoint, under the original FQNs.
 
-    mpmd.checkpoint.save(pipe, opt, "ckpt")     # collective: every rank calls it
-    mpmd.checkpoint.load(pipe, opt, "ckpt")     # any pipeline size, or a plain module
+    mpmd.checkpoint.save(pipe, opt, "ckpt",                      # collective
+                         extra={"step": i, "lr_scheduler": sched, "data": loader_state},
+                         extra_per_rank={"rng": mpmd.checkpoint.RNGState()})
+    got = mpmd.checkpoint.load(pipe, opt, "ckpt",                # collective
+                               extra={"lr_scheduler": sched},
+                               extra_per_rank={"rng": mpmd.checkpoint.RNGState()})
+    got["extra"]["step"], got["extra"]["data"], got["step"], got["directory"]
 
 Each rank writes its stages' parameters, buffers and optimizer state under the
 module's own FQNs (DCP stores a tensor held by several ranks once), so a
 checkpoint saved with one pipeline size loads into another, or into the
-unsplit module in one process. Every save goes to a new directory
-``path/step_<k>``; only when all ranks have finished does rank 0 replace the
-small file ``path/latest`` (write, then atomic rename) to point at it, so a
-save interrupted part-way leaves the previous checkpoint the latest one, whole.
+unsplit module in one process.
+
+User state (``extra``): a value with ``state_dict()``/``load_state_dict()``
+(DCP's Stateful: an LR scheduler, a stateful data loader, :class:`RNGState`)
+is saved through its ``state_dict()`` and restored in place by ``load`` when
+passed there under the same name; any other value (ints, floats, strings,
+lists, tuples, dicts, tensors) is saved and comes back in ``load``'s result.
+``extra`` is saved once, from rank 0; ``extra_per_rank`` once per rank (the
+RNG) and restored on the rank of the same number. Non-tensor values are stored
+as JSON (tagged for tuples, bytes and non-string dict keys), tensors through
+DCP: nothing of ours is pickled.
+
+NOTE [Checkpoint layout]
+------------------------
+
+    path/latest                   "step_7.1\\n": the current checkpoint (atomic rename)
+    path/step_7/                  an older save of step 7, untouched by later ones
+    path/step_7.1/.metadata       DCP's index (rank 0)
+    path/step_7.1/__<r>_0.distcp  DCP's data written by rank r
+    path/step_7.1/rank_<r>.json   rank r's manifest: a CRC32 of every item it
+                                  wrote (key, file, byte range), its
+                                  extra_per_rank state, and on rank 0 ``extra``
+
+Every save goes to a directory that did not exist: ``step_<k>``, or
+``step_<k>.<n>`` (n one past the highest) when a save of step k exists, so a
+save never writes into what ``latest`` names. Only when every rank has written
+its data and manifest does rank 0 replace ``latest`` (write, fsync, rename), so
+a save that dies part-way, on any rank, leaves the previous checkpoint current
+and whole. ``keep_last=n`` then removes all but the current and the n-1 most
+recently completed checkpoints (and the directories of saves that died).
+
+``load`` checks before it reads anything (and every rank raises the same
+error, whose first line names the problem): with ``strict`` (the default) the
+checkpoint's model and optimizer keys must be exactly those of the module and
+optimizer over all ranks, with the same shapes; every file it reads must be
+there; and every item it reads must match the CRC32 recorded at save, else the
+error names the key and the file. A failed load leaves the module's parameters
+and buffers as they were. The optimizer's param-group options (lr, initial_lr,
+...) are stored per parameter and not compared: those both have load.
+The CRC32 covers each item's bytes as written (read back after the save), and
+load reads the bytes of the items it needs once more to verify them before DCP
+does; tensors of the user's state come back on the CPU.
+
 An optimizer built before the first step (the whole module's parameters) is
 trimmed to this rank's parameters on save and on load after capture.
 """
 
 from __future__ import annotations
 
+import base64
 import contextlib
+import json
+import numbers
 import os
+import random
+import re
+import shutil
 import warnings
-from collections.abc import Iterator
+import zlib
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (get_optimizer_state_dict,
+from torch.distributed.checkpoint import (DefaultLoadPlanner, DefaultSavePlanner,
+                                          FileSystemReader)
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import (StateDictOptions,
+                                                     get_optimizer_state_dict,
                                                      set_optimizer_state_dict)
 
-__all__ = ["save", "load", "latest"]
+__all__ = ["save", "load", "latest", "RNGState", "CheckpointError"]
 
 _LATEST = "latest"
+_FORMAT = "torch_mpmd.checkpoint"
+_VERSION = 1
+_NAME = re.compile(r"step_(\d+)(?:\.(\d+))?")
+_SECTIONS = ("model", "optim", "pipeline")   # checked for unexpected keys (in this order)
+_EXTRA = "extra"                             # DCP keys of extra tensors: extra.<name>.<i>
+_EXTRA_PER_RANK = "extra_per_rank"           # extra_per_rank.<rank>.<name>.<i>
+_SHOWN = 3                                   # keys named per kind in an error's first line
+_DETAIL_LINES = 10                           # problems listed in a load error
+_CHUNK = 1 << 24                             # bytes read at a time for a CRC
 
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be saved or loaded; the first line says why
+    (the keys, the file, the rank); every rank raises it."""
+
+
+class RNGState:
+    """The random number generators of this process as a Stateful, for
+    ``extra_per_rank``: torch's CPU generator, every CUDA device's (when CUDA is
+    initialized at save), and Python's ``random``."""
+
+    def state_dict(self) -> dict[str, Any]:
+        cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else []
+        return {"cpu": torch.get_rng_state(), "cuda": list(cuda), "python": random.getstate()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        torch.set_rng_state(state["cpu"])
+        if state["cuda"] and torch.cuda.is_available():
+            for device, s in enumerate(state["cuda"][:torch.cuda.device_count()]):
+                torch.cuda.set_rng_state(s, device)
+        random.setstate(state["python"])
+
+
+# ----------------------------------------------------------------- helpers
 
 def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
+
+
+def _rank() -> int:
+    return dist.get_rank() if _distributed() else 0
+
+
+def _exchange(value: Any) -> list[Any]:
+    """Every rank's ``value``, in rank order (collective when distributed)."""
+    if not _distributed():
+        return [value]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
+
+
+def _raise_agreed(problems: list[str | None], what: str) -> None:
+    """Raise on every rank when any rank reported a problem (``problems`` as
+    gathered by ``_exchange``): the first line is the first failing rank's."""
+    failed = [(r, p) for r, p in enumerate(problems) if p]
+    if not failed:
+        return
+    rank, first = failed[0]
+    head, _, rest = first.partition("\n")
+    where = f" (rank {rank})" if len(problems) > 1 else ""
+    lines = [f"{what}: {head}{where}"] + ([rest] if rest else [])
+    lines += [f"rank {r}: {p}" for r, p in failed[1:]]
+    raise CheckpointError("\n".join(lines))
+
+
+def _dcp_error(what: str, target: str, exc: CheckpointException) -> CheckpointError:
+    """DCP's CheckpointException puts the cause at the end of a traceback:
+    lead with it instead."""
+    failures = sorted(exc.failures.items())
+    rank, (cause, _) = failures[0]
+    head, _, rest = str(cause).partition("\n")
+    others = [r for r, _ in failures[1:]]
+    more = f" (and on ranks {others})" if others else ""
+    return CheckpointError(f"{what} {target} failed on rank {rank}{more}: "
+                           f"{type(cause).__name__}: {head}" + (f"\n{rest}" if rest else ""))
 
 
 @contextlib.contextmanager
@@ -43,6 +171,14 @@ def _quiet() -> Iterator[None]:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         yield
+
+
+def _fsync_dir(directory: str) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _drop_other_ranks_parameters(module: torch.nn.Module, optimizer: Any) -> None:
@@ -59,35 +195,290 @@ def _drop_other_ranks_parameters(module: torch.nn.Module, optimizer: Any) -> Non
         group["params"] = [p for p in group["params"] if id(p) in local]
 
 
+# The optimizer's state and param-group options keyed by parameter FQN
+# (optim.param_groups.<fqn>.lr), not by group number: ranks holding different
+# parameters then never write the same key with different values (DCP would
+# keep one rank's), and any split of the module reads the keys of its own.
+_OPTIM = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
 def _state(module: torch.nn.Module, optimizer: Any) -> dict[str, Any]:
     _drop_other_ranks_parameters(module, optimizer)
     state: dict[str, Any] = {"model": module.state_dict()}
     if optimizer is not None:
-        state["optim"] = get_optimizer_state_dict(module, optimizer)
+        state["optim"] = get_optimizer_state_dict(module, optimizer, options=_OPTIM)
     state["pipeline"] = {"step": torch.tensor(getattr(module, "_mpmd_step", 0))}
     return state
 
 
-def save(module: torch.nn.Module, optimizer: Any, path: str | os.PathLike) -> str:
-    """Save ``module`` (a Pipeline, or any module) and ``optimizer`` (or None)
-    under ``path``; returns the new checkpoint's directory. Collective."""
+def _is_stateful(value: Any) -> bool:
+    return callable(getattr(value, "state_dict", None)) and \
+        callable(getattr(value, "load_state_dict", None))
+
+
+def _crc_ranges(path: str, ranges: list[tuple[int, int]]) -> list[int | None]:
+    """CRC32 of each (offset, length) byte range of ``path``; None for a range
+    past the end of the file."""
+    out: list[int | None] = []
+    with open(path, "rb") as f:
+        for offset, length in ranges:
+            f.seek(offset)
+            crc, left = 0, length
+            while left:
+                block = f.read(min(left, _CHUNK))
+                if not block:
+                    break
+                crc = zlib.crc32(block, crc)
+                left -= len(block)
+            out.append(None if left else crc)
+    return out
+
+
+def _write_json(path: str, value: Any) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(value, f, indent=1)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+# ------------------------------------------------------ extra state as JSON
+#
+# JSON values stand for themselves; the rest is tagged: {"__tuple__": [...]},
+# {"__dict__": [[key, value], ...]} (keys that are not all strings, or that
+# collide with a tag), {"__bytes__": base64}, and {"__tensor__": dcp_key,
+# "dtype": "float32", "shape": [...]} whose data DCP stores under dcp_key.
+
+_TAGS = ("__tuple__", "__dict__", "__bytes__", "__tensor__")
+
+
+def _encode(value: Any, where: str, prefix: str, tensors: dict[str, torch.Tensor]) -> Any:
+    if value is None or isinstance(value, (bool, str)):
+        return value
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        return float(value)
+    if isinstance(value, torch.Tensor):
+        key = f"{prefix}.{len(tensors)}"
+        tensors[key] = value.detach()
+        return {"__tensor__": key, "dtype": str(value.dtype).removeprefix("torch."),
+                "shape": list(value.shape)}
+    if isinstance(value, (bytes, bytearray)):
+        return {"__bytes__": base64.b64encode(bytes(value)).decode("ascii")}
+    if isinstance(value, list):
+        return [_encode(v, f"{where}[{i}]", prefix, tensors) for i, v in enumerate(value)]
+    if isinstance(value, tuple):
+        return {"__tuple__": [_encode(v, f"{where}[{i}]", prefix, tensors)
+                              for i, v in enumerate(value)]}
+    if isinstance(value, Mapping):
+        if all(isinstance(k, str) for k in value) and not any(t in value for t in _TAGS):
+            return {k: _encode(v, f"{where}[{k!r}]", prefix, tensors) for k, v in value.items()}
+        return {"__dict__": [[_encode(k, f"{where} key {k!r}", prefix, tensors),
+                              _encode(v, f"{where}[{k!r}]", prefix, tensors)]
+                             for k, v in value.items()]}
+    raise TypeError(f"{where}: a value of type {type(value).__name__} cannot be saved "
+                    f"(JSON values, tuples, bytes, tensors and dicts/lists of them, or "
+                    f"an object with state_dict()/load_state_dict())")
+
+
+def _walk_tensors(value: Any, where: str, found: dict[str, torch.Tensor]) -> None:
+    """Empty tensors for the tensor references in an encoded value (DCP loads
+    into them); raises ValueError on a malformed reference."""
+    if isinstance(value, list):
+        for i, v in enumerate(value):
+            _walk_tensors(v, f"{where}[{i}]", found)
+    elif isinstance(value, dict):
+        if "__tensor__" in value:
+            dtype = getattr(torch, str(value.get("dtype")), None)
+            shape = value.get("shape")
+            if (not isinstance(value["__tensor__"], str) or not isinstance(dtype, torch.dtype)
+                    or not isinstance(shape, list)
+                    or not all(isinstance(s, int) and s >= 0 for s in shape)):
+                raise ValueError(f"{where}: malformed tensor entry {value!r}")
+            found[value["__tensor__"]] = torch.empty(shape, dtype=dtype)
+        else:
+            for k, v in value.items():
+                _walk_tensors(v, f"{where}[{k!r}]", found)
+
+
+def _decode(value: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
+    if isinstance(value, list):
+        return [_decode(v, tensors) for v in value]
+    if not isinstance(value, dict):
+        return value
+    if "__tensor__" in value:
+        return tensors[value["__tensor__"]]
+    if "__tuple__" in value:
+        return tuple(_decode(v, tensors) for v in value["__tuple__"])
+    if "__bytes__" in value:
+        return base64.b64decode(value["__bytes__"])
+    if "__dict__" in value:
+        return {_decode(k, tensors): _decode(v, tensors) for k, v in value["__dict__"]}
+    return {k: _decode(v, tensors) for k, v in value.items()}
+
+
+def _encode_extra(values: Mapping[str, Any] | None, where: str, prefix: str,
+                  tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """{name: {"state_dict": ...}} for a Stateful, {name: {"value": ...}} otherwise."""
+    out: dict[str, Any] = {}
+    for name, value in (values or {}).items():
+        if not isinstance(name, str):
+            raise TypeError(f"{where} names must be strings, not {name!r}")
+        at = f"{where}[{name!r}]"
+        if _is_stateful(value):
+            out[name] = {"state_dict": _encode(value.state_dict(), f"{at}.state_dict()",
+                                               f"{prefix}.{name}", tensors)}
+        else:
+            out[name] = {"value": _encode(value, at, f"{prefix}.{name}", tensors)}
+    return out
+
+
+# --------------------------------------------------------------------- save
+
+class _RecordingSavePlanner(DefaultSavePlanner):
+    """DCP's default planner that keeps this rank's final write items (what it
+    writes after DCP dropped duplicates held by other ranks)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.items: list[Any] = []
+
+    def finish_plan(self, new_plan: Any) -> Any:
+        plan = super().finish_plan(new_plan)
+        self.items = list(plan.items)
+        return plan
+
+
+def _fresh_directory(root: str, step: int) -> str:
+    """Create and name a directory for a save of ``step`` that no save used:
+    step_<k>, else step_<k>.<n> with n one past the highest."""
+    os.makedirs(root, exist_ok=True)
+    taken = [m for m in map(_NAME.fullmatch, os.listdir(root))
+             if m is not None and int(m.group(1)) == step]
+    while True:
+        n = max((int(m.group(2) or 0) + 1 for m in taken), default=0)
+        name = f"step_{step}" if n == 0 else f"step_{step}.{n}"
+        try:
+            os.mkdir(os.path.join(root, name))
+            return name
+        except FileExistsError:
+            taken.append(_NAME.fullmatch(name))
+
+
+def _prune(root: str, current: str, keep_last: int) -> None:
+    """Remove checkpoint directories but ``current`` and the keep_last-1 most
+    recently completed others (a save completes when rank 0's manifest is
+    written); directories of saves that never completed go too."""
+    done, dead = [], []
+    for name in os.listdir(root):
+        if name == current or not _NAME.fullmatch(name):
+            continue
+        manifest = os.path.join(root, name, "rank_0.json")
+        if os.path.exists(manifest):
+            done.append((os.stat(manifest).st_mtime_ns, name))
+        else:
+            dead.append(name)
+    done.sort(reverse=True)
+    for _, name in done[keep_last - 1:]:
+        dead.append(name)
+    for name in dead:
+        shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+
+
+def save(module: torch.nn.Module, optimizer: Any, path: str | os.PathLike, *,
+         extra: Mapping[str, Any] | None = None,
+         extra_per_rank: Mapping[str, Any] | None = None,
+         keep_last: int | None = None) -> str:
+    """Save ``module`` (a Pipeline, or any module), ``optimizer`` (or None) and
+    the user's state under ``path``; returns the new checkpoint's directory.
+
+    Collective: every rank calls it. ``extra`` is saved from rank 0,
+    ``extra_per_rank`` from every rank (see the module docstring for what a
+    value may be). The new directory becomes ``latest`` only after every rank
+    finished. ``keep_last=n`` (n >= 1) then removes older checkpoints, never
+    the current one. Raises CheckpointError (on every rank) for a value that
+    cannot be saved; a rank that dies part-way leaves ``latest`` as it was.
+    """
+    if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
+        raise ValueError(f"keep_last={keep_last!r} must be a positive int or None")
+    root = os.fspath(path)
+    rank = _rank()
     step = int(getattr(module, "_mpmd_step", 0))
-    target = os.path.join(os.fspath(path), f"step_{step}")
-    with _quiet():
-        dcp.save(_state(module, optimizer), checkpoint_id=target, no_dist=not _distributed())
+    world = dist.get_world_size() if _distributed() else 1
+    manifest: dict[str, Any] = {"format": _FORMAT, "version": _VERSION, "rank": rank,
+                                "world_size": world, "step": step}
+    tensors: dict[str, torch.Tensor] = {}
+    problem, name = None, None
+    try:  # every rank checks its extra state; rank 0's is the one saved
+        saved_extra = _encode_extra(extra, "extra", _EXTRA, tensors)
+        if rank == 0:
+            manifest["extra"] = saved_extra
+        else:
+            tensors.clear()
+        manifest["extra_per_rank"] = _encode_extra(
+            extra_per_rank, "extra_per_rank", f"{_EXTRA_PER_RANK}.{rank}", tensors)
+        if rank == 0:
+            name = _fresh_directory(root, step)
+    except TypeError as e:   # ours: the message names the value
+        problem = str(e)
+    except Exception as e:  # reported, not raised: the other ranks must hear of it
+        problem = f"{type(e).__name__}: {e}"
+    agreed = _exchange((problem, name))
+    _raise_agreed([p for p, _ in agreed], f"saving a checkpoint under {root!r}")
+    target = os.path.join(root, agreed[0][1])
+
+    state = _state(module, optimizer)
+    state.update(tensors)
+    planner = _RecordingSavePlanner()
+    try:
+        with _quiet():
+            metadata = dcp.save(state, checkpoint_id=target, planner=planner,
+                                no_dist=not _distributed())
+    except CheckpointException as e:
+        raise _dcp_error("saving", target, e) from e
+    manifest["items"] = _checksums(target, metadata, planner.items)
+    _write_json(os.path.join(target, f"rank_{rank}.json"), manifest)
+    _fsync_dir(target)
     if _distributed():
         dist.barrier()
-    if not _distributed() or dist.get_rank() == 0:
-        tmp = os.path.join(os.fspath(path), f".{_LATEST}.tmp")
+    if rank == 0:
+        tmp = os.path.join(root, f".{_LATEST}.tmp")
         with open(tmp, "w", encoding="utf-8") as f:
             f.write(os.path.basename(target) + "\n")
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, os.path.join(os.fspath(path), _LATEST))
+        os.replace(tmp, os.path.join(root, _LATEST))
+        _fsync_dir(root)
+        if keep_last is not None:
+            _prune(root, os.path.basename(target), keep_last)
     if _distributed():
         dist.barrier()
     return target
 
+
+def _checksums(target: str, metadata: Metadata, items: list[Any]) -> list[dict[str, Any]]:
+    """The manifest entries of the items this rank wrote: the CRC32 of each
+    one's bytes as written (read back from its file)."""
+    per_file: dict[str, list[tuple[Any, Any]]] = {}
+    for item in items:
+        info = metadata.storage_data[item.index]
+        per_file.setdefault(info.relative_path, []).append((item.index, info))
+    out = []
+    for file, entries in per_file.items():
+        crcs = _crc_ranges(os.path.join(target, file), [(i.offset, i.length) for _, i in entries])
+        for (index, info), crc in zip(entries, crcs):
+            if crc is None:
+                raise CheckpointError(f"saving {target}: {file} ends before the bytes of "
+                                      f"{index.fqn!r} (offset {info.offset}, length {info.length})")
+            out.append({"key": index.fqn,
+                        "chunk": None if index.offset is None else list(index.offset),
+                        "file": file, "offset": info.offset, "length": info.length,
+                        "crc32": crc})
+    return out
+
+
+# --------------------------------------------------------------------- load
 
 def latest(path: str | os.PathLike) -> str:
     """The directory of the last completed checkpoint under ``path``."""
@@ -98,20 +489,246 @@ def latest(path: str | os.PathLike) -> str:
     except FileNotFoundError:
         raise FileNotFoundError(f"no completed checkpoint under {os.fspath(path)!r} (no "
                                 f"{_LATEST!r} file)") from None
-    if not name.startswith("step_") or "/" in name or not name[5:].isdigit():
+    if not _NAME.fullmatch(name):
         raise ValueError(f"{pointer} holds {name!r}, not a checkpoint directory name")
     return os.path.join(os.fspath(path), name)
 
 
-def load(module: torch.nn.Module, optimizer: Any, path: str | os.PathLike) -> None:
-    """Load the latest checkpoint under ``path`` into ``module`` (a Pipeline of any
-    size, or the unsplit module) and ``optimizer`` (or None). Collective."""
+def _read_manifests(target: str) -> dict[int, dict[str, Any]]:
+    """Every rank's manifest; raises ValueError naming a missing or malformed one."""
+    manifests: dict[int, dict[str, Any]] = {}
+    world = None
+    rank = 0
+    while world is None or rank < world:
+        file = os.path.join(target, f"rank_{rank}.json")
+        try:
+            with open(file, encoding="utf-8") as f:
+                m = json.load(f)
+        except FileNotFoundError:
+            raise ValueError(f"{file} is missing (a checksum manifest; every completed "
+                             f"save writes one per rank)") from None
+        except (OSError, ValueError) as e:
+            raise ValueError(f"{file} is not a readable manifest: {e}") from None
+        if (not isinstance(m, dict) or m.get("format") != _FORMAT or m.get("rank") != rank
+                or not isinstance(m.get("world_size"), int) or m["world_size"] < 1
+                or not isinstance(m.get("items"), list)
+                or not all(isinstance(e, dict) and isinstance(e.get("key"), str)
+                           and isinstance(e.get("crc32"), int) for e in m["items"])
+                or not all(isinstance(m.get(kind, {}), dict)
+                           and all(isinstance(v, dict) for v in m.get(kind, {}).values())
+                           for kind in ("extra", "extra_per_rank"))):
+            raise ValueError(f"{file} is not a manifest of rank {rank} ({_FORMAT})")
+        if world is None:
+            world = m["world_size"]
+        manifests[rank] = m
+        rank += 1
+    return manifests
+
+
+def _named(keys: list[str]) -> str:
+    shown = ", ".join(keys[:_SHOWN])
+    return shown + (f" and {len(keys) - _SHOWN} more" if len(keys) > _SHOWN else "")
+
+
+def _compared(key: str) -> bool:
+    """Whether strict load compares ``key``: the model, the optimizer's state
+    and the pipeline's, but not the optimizer's param-group options (lr,
+    initial_lr, ...: those both have load, the rest keep their values)."""
+    return key.split(".", 1)[0] in _SECTIONS and not key.startswith("optim.param_groups.")
+
+
+def _section_order(key: str) -> int:
+    head = key.split(".", 1)[0]
+    return _SECTIONS.index(head) if head in _SECTIONS else len(_SECTIONS)
+
+
+def _verify(target: str, flat: Mapping[str, Any], metadata: Metadata,
+            manifests: dict[int, dict[str, Any]] | None, strict: bool) -> list[str]:
+    """Problems with the items this rank would read: missing files, bytes
+    that do not match their CRC32, items without one (``strict``)."""
+    recorded: dict[tuple[str, tuple | None], dict[str, Any]] = {}
+    for m in (manifests or {}).values():
+        for e in m["items"]:
+            chunk = None if e.get("chunk") is None else tuple(e["chunk"])
+            recorded[(e.get("key"), chunk)] = e
+    per_file: dict[str, list[tuple[Any, Any]]] = {}
+    for index, info in metadata.storage_data.items():
+        if index.fqn in flat:
+            per_file.setdefault(info.relative_path, []).append((index, info))
+    problems = []
+    for file, entries in sorted(per_file.items()):
+        shown = os.path.join(os.path.basename(target), file)
+        if not os.path.exists(os.path.join(target, file)):
+            held = sorted((i.fqn for i, _ in entries), key=_section_order)
+            problems.append(f"missing file {shown} (holds {_named(held)})")
+            continue
+        checked, truncated = [], []
+        for index, info in entries:
+            e = recorded.get((index.fqn, None if index.offset is None else tuple(index.offset)))
+            if e is None:
+                if strict and manifests is not None:
+                    problems.append(f"no checksum recorded for {index.fqn!r} in {shown}")
+            elif (e.get("file"), e.get("offset"), e.get("length")) != \
+                    (file, info.offset, info.length):
+                problems.append(f"{index.fqn!r}: the manifest's byte range ({e.get('file')} "
+                                f"{e.get('offset')}+{e.get('length')}) is not DCP's "
+                                f"({file} {info.offset}+{info.length})")
+            else:
+                checked.append((index, info, e["crc32"]))
+        crcs = _crc_ranges(os.path.join(target, file), [(i.offset, i.length) for _, i, _ in checked])
+        for (index, info, want), got in zip(checked, crcs):
+            if got is None:
+                truncated.append(index.fqn)
+            elif got != want:
+                problems.append(f"checksum mismatch for {index.fqn!r} in {shown} "
+                                f"(crc32 {got:#010x}, saved {want:#010x}): the file is corrupt")
+        if truncated:
+            problems.append(f"{shown} is truncated: it ends before the bytes of "
+                            f"{_named(truncated)}")
+    if len(problems) > _DETAIL_LINES:
+        problems[_DETAIL_LINES:] = [f"and {len(problems) - _DETAIL_LINES} more problems"]
+    return problems
+
+
+def _raise_key_issues(reports: list[dict[str, Any]], metadata: Metadata | None,
+                      strict: bool, what: str) -> None:
+    """Raise on every rank, from every rank's report, for keys the checkpoint
+    lacks, keys in it that no rank's module or optimizer has (``strict``), and
+    shapes that differ: all named in the first line."""
+    def union(lists: Any) -> list[str]:
+        return sorted(dict.fromkeys(k for keys in lists for k in keys), key=_section_order)
+
+    missing = union(r["missing"] for r in reports)
+    mismatched = union(r["mismatched"] for r in reports)
+    unexpected: list[str] = []
+    if strict and metadata is not None and all(r["keys"] is not None for r in reports):
+        wanted = {k for r in reports for k in r["keys"]}
+        sections = {k.split(".", 1)[0] for k in wanted}
+        unexpected = union([[k for k in metadata.state_dict_metadata
+                             if _compared(k) and k.split(".", 1)[0] in sections
+                             and k not in wanted]])
+    issues = []
+    if missing:
+        issues.append(f"{len(missing)} key{'s' * (len(missing) > 1)} missing from the "
+                      f"checkpoint: {_named(missing)}")
+    if unexpected:
+        issues.append(f"{len(unexpected)} key{'s' * (len(unexpected) > 1)} in the checkpoint "
+                      f"but not in the module or optimizer: {_named(unexpected)}")
+    if mismatched:
+        issues.append(f"{len(mismatched)} shape mismatch{'es' * (len(mismatched) > 1)}: "
+                      f"{_named(mismatched)}")
+    if issues:
+        hint = "\nload(..., strict=False) loads the keys both have" if missing or unexpected else ""
+        raise CheckpointError(f"{what}: " + "; ".join(issues) + hint)
+
+
+def load(module: torch.nn.Module, optimizer: Any, path: str | os.PathLike, *,
+         extra: Mapping[str, Any] | None = None,
+         extra_per_rank: Mapping[str, Any] | None = None,
+         strict: bool = True) -> dict[str, Any]:
+    """Load the latest checkpoint under ``path`` into ``module`` (a Pipeline of
+    any size, or the unsplit module), ``optimizer`` (or None) and the Stateful
+    objects of ``extra`` / ``extra_per_rank`` (restored in place through
+    ``load_state_dict``; names the checkpoint lacks are errors). Collective.
+
+    Returns ``{"directory": the checkpoint loaded, "step": the pipeline's step
+    at save, "extra": {name: value} for every plain (non-Stateful) value of
+    the saved ``extra``, "extra_per_rank": the same for this rank's}``.
+
+    Raises CheckpointError on every rank, before anything is loaded, when a
+    file is missing, an item's bytes do not match the CRC32 recorded at save
+    (naming the key and the file), or with ``strict`` (the default) when the
+    checkpoint's model/optimizer keys or shapes differ from the module's and
+    optimizer's over all ranks. ``strict=False`` loads the keys both have
+    (checksums are still verified where recorded).
+    """
     target = latest(path)
+    rank = _rank()
+    what = f"loading checkpoint {target}"
     state = _state(module, optimizer)
-    with _quiet():
-        dcp.load(state, checkpoint_id=target, no_dist=not _distributed())
+    # What this rank tells the others before anything is read: a problem (a
+    # missing manifest, file or key, a bad checksum), its keys (for the keys
+    # no rank wants), and its missing and shape-mismatched keys.
+    report: dict[str, Any] = {"problem": None, "keys": None, "missing": [], "mismatched": []}
+    metadata: Metadata | None = None
+    extra_tensors: dict[str, torch.Tensor] = {}
+    restore: list[tuple[Any, Any]] = []   # (Stateful, its encoded state_dict)
+    plain: dict[str, dict[str, Any]] = {"extra": {}, "extra_per_rank": {}}
+    try:
+        manifests: dict[int, dict[str, Any]] | None = None
+        try:
+            manifests = _read_manifests(target)
+        except ValueError:
+            if strict or extra or extra_per_rank:
+                raise
+        try:
+            metadata = FileSystemReader(target).read_metadata()
+        except FileNotFoundError:
+            raise ValueError(f"{os.path.join(target, '.metadata')} is missing") from None
+        for kind, asked, saved in (
+                ("extra", extra, (manifests or {}).get(0, {}).get("extra", {})),
+                ("extra_per_rank", extra_per_rank,
+                 (manifests or {}).get(rank, {}).get("extra_per_rank", {}))):
+            for name, obj in (asked or {}).items():
+                if not _is_stateful(obj):
+                    raise TypeError(f"load(..., {kind}=) takes objects with load_state_dict() "
+                                    f"to restore; {name!r} is a {type(obj).__name__} (plain "
+                                    f"values come back in load's result)")
+                if "state_dict" not in saved.get(name, {}):
+                    held = sorted(n for n, v in saved.items() if "state_dict" in v)
+                    whose = "" if kind == "extra" else f" of rank {rank}"
+                    raise KeyError(f"{kind}[{name!r}]: the checkpoint holds no state{whose} "
+                                   f"under that name (it holds {held})")
+                _walk_tensors(saved[name]["state_dict"], f"{kind}[{name!r}]", extra_tensors)
+                restore.append((obj, saved[name]["state_dict"]))
+            for name, entry in saved.items():
+                if "value" in entry:
+                    _walk_tensors(entry["value"], f"{kind}[{name!r}]", extra_tensors)
+                    plain[kind][name] = entry["value"]
+        state.update(extra_tensors)
+        planner = DefaultLoadPlanner()
+        planner.set_up_planner(state, metadata)   # DCP's flattening: its keys
+        flat = planner.state_dict
+        saved_md = metadata.state_dict_metadata
+        if strict:
+            report["missing"] = [k for k in flat if k not in saved_md and _compared(k)]
+        for k, v in flat.items():
+            md = saved_md.get(k)
+            if md is None:
+                continue
+            if isinstance(v, torch.Tensor) != isinstance(md, TensorStorageMetadata):
+                report["mismatched"].append(f"{k} (a tensor in only one of them)")
+            elif isinstance(v, torch.Tensor) and tuple(v.shape) != tuple(md.size):
+                report["mismatched"].append(
+                    f"{k} (checkpoint {list(md.size)}, module {list(v.shape)})")
+        report["keys"] = [k for k in flat if _compared(k)]
+        if not report["missing"] and not report["mismatched"]:
+            issues = _verify(target, flat, metadata, manifests, strict)
+            if issues:
+                report["problem"] = "\n".join(issues)
+    except (ValueError, KeyError, TypeError) as e:   # ours: the message says it
+        report["problem"] = e.args[0] if isinstance(e, KeyError) else str(e)
+    except Exception as e:  # reported, not raised: the other ranks must hear of it
+        report["problem"] = f"{type(e).__name__}: {e}"
+    reports = _exchange(report)
+    _raise_key_issues(reports, metadata, strict, what)
+    _raise_agreed([r["problem"] for r in reports], what)
+    assert metadata is not None
+    try:
+        with _quiet():
+            # Partial: the checks above decided which differences are errors.
+            dcp.load(state, checkpoint_id=target, planner=DefaultLoadPlanner(
+                allow_partial_load=True), no_dist=not _distributed())
+    except CheckpointException as e:
+        raise _dcp_error("loading", target, e) from e
     module.load_state_dict(state["model"])
     if optimizer is not None:
-        set_optimizer_state_dict(module, optimizer, state["optim"])
+        set_optimizer_state_dict(module, optimizer, state["optim"], options=_OPTIM)
     if hasattr(module, "_mpmd_step"):
         module._mpmd_step = int(state["pipeline"]["step"])
+    for obj, encoded in restore:
+        obj.load_state_dict(_decode(encoded, extra_tensors))
+    return {"directory": target, "step": int(state["pipeline"]["step"]),
+            "extra": {n: _decode(v, extra_tensors) for n, v in plain["extra"].items()},
+            "extra_per_rank": {n: _decode(v, extra_tensors)
+                               for n, v in plain["extra_per_rank"].items()}}
