@@ -121,6 +121,7 @@ class ProgramRunner(StageRunner):
                 self._plans = {}
             return False
         programs: dict[int, StagePrograms] | None = {}
+        self.fallback_reason = None  # of this build (an earlier key's may differ)
         try:
             for s, st in sorted(self.stages.items()):
                 programs[s] = self._build(s, st, inputs[0], leaves, spec, loss_fn)
@@ -203,12 +204,9 @@ class ProgramRunner(StageRunner):
             _seed_rng(stage_seed(self.seed, self.step, stage, mb))
         if torch.is_grad_enabled() or torch.autograd.profiler._is_profiler_enabled:
             with torch.no_grad(), _label(stage, "F", mb):
-                outs = prog.forward(*args)
+                outs = self._run_forward(prog, args)
         else:
-            outs = prog.forward(*args)
-        for i, t in prog.mutations:
-            with torch.no_grad():
-                t.copy_(outs[i])
+            outs = self._run_forward(prog, args)
         live = self.live_bytes[stage] + prog.saved_bytes
         self.live_bytes[stage] = live
         if live > self.peak_bytes[stage]:
@@ -218,6 +216,15 @@ class ProgramRunner(StageRunner):
             self.losses[mb] = outs[prog.output_offset]
             return [], saved
         return [[outs[i] for i in idx] for idx in plan.sends], saved
+
+    @staticmethod
+    def _run_forward(prog: StagePrograms, args: list[Any]) -> Any:
+        """F, then its new values of mutated buffers (BatchNorm's running stats)
+        written into the stage's own tensors. Under no_grad."""
+        outs = prog.forward(*args)
+        for i, t in prog.mutations:
+            t.copy_(outs[i])
+        return outs
 
     def _tangents(self, stage: int, mb: int, grads: list[list[torch.Tensor]],
                   plan: "_StagePlan") -> list[torch.Tensor]:
