@@ -120,7 +120,7 @@ def test_replacing_a_parameter_after_compiling_is_seen_by_the_stages():
 
 
 def test_unknown_option_is_a_value_error_naming_it():
-    with pytest.raises(ValueError, match="'splitpoints'.*known options: split_points"):
+    with pytest.raises(ValueError, match="'splitpoints'.*known options: .*split_points"):
         mpmd_backend(None, [], options={"splitpoints": ["blocks.1"]})
     compiled = torch.compile(models.MLP(), backend="mpmd", options={"splitpoints": ["x"]})
     with pytest.raises(Exception) as info:  # Dynamo wraps it in BackendCompilerFailed
@@ -132,7 +132,7 @@ def test_unknown_option_is_a_value_error_naming_it():
 
 
 def test_num_stages_and_stages_per_rank_that_disagree_name_both():
-    with pytest.raises(ValueError, match="num_stages=3 disagrees with stages_per_rank=2"):
+    with pytest.raises(ValueError, match="stages_per_rank=2 disagrees with the 3 stages"):
         gm = torch.fx.symbolic_trace(nn.Linear(2, 2))
         mpmd_backend(gm, [], options={"num_stages": 3, "stages_per_rank": 2})
 
@@ -168,8 +168,9 @@ def test_hugging_face_gpt2_compiles_with_split_points_and_matches_eager():
     # HF logs a warning inside forward; Dynamo breaks graphs at logging calls.
     ignore = torch._dynamo.config.ignore_logging_functions | {logging.Logger.warning_once}
     with torch._dynamo.config.patch(ignore_logging_functions=ignore):
-        got = compiled(ids, labels=ids)          # use_cache=True: the cache is rebuilt too
-    expected = eager(ids, labels=ids)
+        # A KV cache is not a pytree: the pipelined call returns no cache.
+        got = compiled(ids, labels=ids, use_cache=False)
+    expected = eager(ids, labels=ids, use_cache=False)
     assert record[0].plan.num_stages == 2
     assert_close(got.logits, expected.logits, **TOL)
     got.loss.backward()
@@ -192,12 +193,14 @@ def test_stage_count_must_fit_the_pipeline_size_naming_the_values():
 
 def test_global_tensor_and_argument_with_the_same_stripped_name_are_distinct_inputs():
     # Dynamo names them G_x_ and L_x_; both used to become input "x", and the
-    # global was fed to both placeholders.
+    # global was fed to both placeholders. Placeholders are now told apart by
+    # identity: the argument is an input, the global a (non-persistent) buffer.
     record = []
     assert_compiled_matches_eager(models.GlobalTensorAndInput, (torch.randn(2, 8),),
                                   backend=spy_backend(record))
     names = [n for sig in record[0].stage_signatures for n in sig.user_inputs]
-    assert len(names) == len(set(names)) == 2
+    assert names == ["x_"]  # the global tensor is a constant of the stage, not an input
+    assert any("x" in sig.buffers for sig in record[0].stage_signatures)
 
 
 def test_marker_inside_a_checkpoint_body_is_an_error_naming_it():

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import logging
+import math
 import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -23,8 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 
-from torch_mpmd.backend import check_stage_count
-from torch_mpmd import meta_init, trace
+from torch_mpmd import meta_init, trace, training
 from torch_mpmd.data_parallel import mesh_groups
 from torch_mpmd.programs import resolve_compiler
 from torch_mpmd.microbatch import first_microbatch, merge_microbatches, split_tree
@@ -37,6 +37,28 @@ __all__ = ["pipeline", "Pipeline", "PipelineError"]
 _log = logging.getLogger("torch_mpmd")
 
 
+def check_stage_count(num_stages: int, pp_size: int, stages_per_rank: int | None = None,
+                      *, source: str = "the markers or split points") -> int:
+    """Stages per rank for ``num_stages`` stages over ``pp_size`` pipeline ranks.
+
+    The stage count must be a multiple of the pipeline size, and an explicit
+    ``stages_per_rank`` must agree with it; otherwise a ValueError names the
+    numbers. Checked before any rank communicates.
+    """
+    if pp_size < 1:
+        raise ValueError(f"pp_size={pp_size} must be >= 1")
+    if num_stages % pp_size:
+        raise ValueError(f"{source} define {num_stages} stages, which is not a multiple of "
+                         f"the pipeline size pp_size={pp_size}; add or remove boundaries so "
+                         f"every rank holds the same number of stages")
+    per_rank = num_stages // pp_size
+    if stages_per_rank is not None and stages_per_rank != per_rank:
+        raise ValueError(f"stages_per_rank={stages_per_rank} disagrees with the {num_stages} "
+                         f"stages {source} define on pp_size={pp_size} ranks "
+                         f"({per_rank} per rank)")
+    return per_rank
+
+
 def _positive_int(name: str, value: Any, *, optional: bool = False) -> int | None:
     if value is None and optional:
         return None
@@ -45,6 +67,7 @@ def _positive_int(name: str, value: Any, *, optional: bool = False) -> int | Non
     return value
 
 
+_OUTPUT_TAG = 0x6D6F  # p2p tag of outputs sent to one rank (the executor's transfers use 0)
 _MAX_TIMEOUT_S = 1e7  # ~115 days; larger overflows the executor's clock arithmetic
 
 
@@ -52,6 +75,10 @@ def _timeout(value: Any) -> datetime.timedelta:
     if isinstance(value, datetime.timedelta):
         td = value
     elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        # nan, inf and huge numbers: timedelta() would fail without naming the setting
+        if (isinstance(value, float) and not math.isfinite(value)) or value > _MAX_TIMEOUT_S:
+            raise ValueError(f"timeout={value!r} must be a finite number of seconds, positive "
+                             f"and at most {_MAX_TIMEOUT_S:g}")
         td = datetime.timedelta(seconds=value)
     else:
         raise ValueError(f"timeout={value!r} must be seconds (a number) or a datetime.timedelta")
@@ -309,7 +336,16 @@ class Pipeline(torch.nn.Module):
     # ------------------------------------------------------------ running
     def step(self, *args: Any, target: Any = None, **kwargs: Any) -> torch.Tensor:
         """Forward and backward of all microbatches per the schedule; accumulates
-        gradients into this rank's parameters; returns the mean loss on every rank."""
+        into this rank's parameters the gradient of the mean of the microbatches'
+        losses (the loss contract: :func:`pipeline`); returns that mean loss on
+        every rank. Needs grad mode (``eval_step`` is the step without backward)."""
+        # Local checks every rank makes alike, before any communication.
+        if not torch.is_grad_enabled():
+            raise RuntimeError("Pipeline.step() runs backward and needs grad mode, but it was "
+                               "called under torch.no_grad() or inference_mode(); use "
+                               "eval_step() for the loss without backward, or the pipeline "
+                               "call for outputs")
+        self._check_target(target)
         m = self.num_microbatches
         args0, kwargs0 = first_microbatch(args, kwargs, m)
         targets = split_tree(target, m, "target") if target is not None else [None] * m
@@ -335,16 +371,7 @@ class Pipeline(torch.nn.Module):
         if rt.dp is not None:
             rt.dp.end_step(rt.wait)
         rt.sum_tied_grads(before)
-        if rt.last_rank == self.rank:
-            losses = [rt.runner.losses[k] for k in range(self.num_microbatches)]
-            loss = torch.stack(losses).float().mean().to(self.device)
-        else:
-            loss = torch.zeros((), dtype=torch.float32, device=self.device)
-        rt.broadcast_from_last(loss)
-        if rt.dp is not None:  # the global mean: replicas step on equal-sized batches
-            rt.wait(dist.all_reduce(loss, group=rt.dp_group, async_op=True),
-                    "the data-parallel loss all_reduce")
-            loss /= self.dp_size
+        loss = training.mean_loss(rt, rt.runner.losses, m, self.device)
         rt.runner.end_step()
         self.__dict__["_mpmd_step"] += 1  # (nn.Module.__setattr__ costs ~10 us)
         self._record_stats(rt, rt.executor)
@@ -413,12 +440,87 @@ class Pipeline(torch.nn.Module):
         if self.rank == 0:
             trace.save_measured_timeline(self.schedule, rows, path)
 
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """Forward only (no autograd state kept); the output on every rank."""
-        rt = self._ensure_built(*first_microbatch(args, kwargs, self.num_microbatches))
-        inputs = self._mpmd_split.named_microbatches(args, kwargs, self.num_microbatches)
+    def forward(self, *args: Any, output_rank: int | None = None, **kwargs: Any) -> Any:
+        """Forward only (no autograd state kept), in the schedule's forward order.
+
+        ``output_rank=None``: the output on every rank of the pipeline (a
+        broadcast from the last stage's rank). An int, a rank of the pipeline
+        group (``pipe.rank``): the output on that rank only, None on the others
+        (one point-to-point transfer per output tensor, none when it is the
+        last stage's rank): a large output (logits) need not reach every rank.
+        With a mesh, each replica delivers to its own rank ``output_rank``."""
+        self._check_output_rank(output_rank)
+        m = self.num_microbatches
+        rt, inputs = self._forward_only(args, kwargs, [None] * m, eval_loss=False)
+        try:
+            outputs = []
+            for k in range(m):
+                flat = self._deliver_outputs(rt, rt.runner.outputs.get(k), output_rank)
+                if flat is not None:
+                    outputs.append(self._mpmd_split.captured.rebuild_output(flat, inputs[k]))
+        finally:
+            rt.runner.end_step()
+        return merge_microbatches(outputs) if outputs else None
+
+    def eval_step(self, *args: Any, target: Any = None, **kwargs: Any) -> torch.Tensor:
+        """Forward and loss of every microbatch, in the schedule's forward order,
+        with no autograd graph kept and no gradient touched; returns the mean
+        loss on every rank (over the microbatches, and over the data-parallel
+        replicas as ``step``'s). Arguments and target are split as ``step``
+        splits them; the loss is ``loss_fn``'s, or the model's own with
+        ``loss_fn=None``. It runs in the module's current train/eval mode:
+        call ``pipe.eval()`` before (and ``pipe.train()`` after) to turn
+        dropout off; each mode keeps its own capture."""
+        self._check_target(target)
+        m = self.num_microbatches
+        targets = split_tree(target, m, "target") if target is not None else [None] * m
+        with torch.no_grad():
+            rt, _ = self._forward_only(args, kwargs, targets, eval_loss=True)
+            try:
+                return training.mean_loss(rt, rt.runner.losses, m, self.device)
+            finally:
+                rt.runner.end_step()
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
+                        foreach: bool | None = None,
+                        error_if_nonfinite: bool = False) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` for the whole model: the norm of
+        every gradient over all stages (a tied parameter counted once, a
+        data-parallel replica's averaged gradients once), the same on every
+        rank; this rank's gradients are scaled by ``max_norm / (norm + 1e-6)``
+        when that is below 1. Returns the total norm (float32). Collective over
+        the pipeline group: call it on every rank, after ``step`` (see
+        training.py)."""
+        return training.clip_grad_norm_(self._runtime(), list(self.parameters()), max_norm,
+                                        norm_type, foreach, error_if_nonfinite)
+
+    # ------------------------------------------------------------ forward-only runs
+    def _check_target(self, target: Any) -> None:
+        if target is not None and self._mpmd_loss_fn is None:
+            raise ValueError("target= was given, but the pipeline has loss_fn=None: the loss "
+                             "comes from the model's output and the target would be ignored; "
+                             "pass pipeline(loss_fn=...), or give the labels to the model as "
+                             "an argument (e.g. labels=y)")
+
+    def _check_output_rank(self, output_rank: Any) -> None:
+        if output_rank is None:
+            return
+        if (not isinstance(output_rank, int) or isinstance(output_rank, bool) or
+                not 0 <= output_rank < self.pp_size):
+            raise ValueError(f"output_rank={output_rank!r} must be None (every rank) or a rank "
+                             f"of the pipeline group, 0 to {self.pp_size - 1}")
+
+    def _forward_only(self, args: tuple, kwargs: dict, targets: list[Any], *,
+                      eval_loss: bool) -> tuple[RankRuntime, list[dict[str, Any]]]:
+        """Run the forward part of the schedule over the batch's microbatches;
+        the last stage leaves its outputs (or with ``eval_loss`` its losses) in
+        the runner. The caller ends the runner's step."""
+        m = self.num_microbatches
+        rt = self._ensure_built(*first_microbatch(args, kwargs, m))
+        inputs = self._mpmd_split.named_microbatches(args, kwargs, m)
         rng = _RngState(self.device)
-        rt.runner.begin_step(inputs, [], None, rt.seed, self._mpmd_step, training=False)
+        rt.runner.begin_step(inputs, targets, self._mpmd_loss_fn if eval_loss else None,
+                             rt.seed, self._mpmd_step, training=False, eval_loss=eval_loss)
         try:
             rt.run(rt.forward_executor)
         except BaseException:
@@ -426,16 +528,15 @@ class Pipeline(torch.nn.Module):
             raise
         finally:
             rng.restore()
-        outputs = []
-        for k in range(self.num_microbatches):
-            flat = self._broadcast_outputs(rt, rt.runner.outputs.get(k))
-            outputs.append(self._mpmd_split.captured.rebuild_output(flat, inputs[k]))
         self._record_stats(rt, rt.forward_executor)
-        rt.runner.end_step()
-        return merge_microbatches(outputs)
+        return rt, inputs
 
-    def _broadcast_outputs(self, rt: RankRuntime, flat: tuple | None) -> tuple:
-        """The last stage's flat outputs of one microbatch, on every rank."""
+    def _deliver_outputs(self, rt: RankRuntime, flat: tuple | None,
+                         output_rank: int | None) -> tuple | None:
+        """The last stage's flat outputs of one microbatch: on every rank
+        (``output_rank`` None), else on ``output_rank`` only (None elsewhere)."""
+        if output_rank is not None and self.rank not in (output_rank, rt.last_rank):
+            return None
         out_node = self._mpmd_split.ir.fx_nodes[-1]
         specs = out_node.args[0] if isinstance(out_node.args[0], (tuple, list)) else [
             out_node.args[0]]
@@ -445,14 +546,28 @@ class Pipeline(torch.nn.Module):
             if isinstance(meta, torch.Tensor):
                 t = (flat[i].detach().contiguous() if flat is not None else
                      torch.empty(meta.shape, dtype=meta.dtype, device=self.device))
-                result.append(rt.broadcast_from_last(t, f"model output {i}"))
+                if output_rank is None:
+                    rt.broadcast_from_last(t, f"model output {i}")
+                elif output_rank != rt.last_rank:
+                    self._send_output(rt, t, i, output_rank)
+                result.append(t)
             elif isinstance(spec, torch.fx.Node):
                 raise PipelineError(f"model output {i} is a {type(meta).__name__} computed by "
-                                    "the graph; only tensor outputs can be returned to every "
-                                    "rank", rank=self.rank)
+                                    "the graph; only tensor outputs can be returned to other "
+                                    "ranks", rank=self.rank)
             else:
                 result.append(spec)
-        return tuple(result)
+        return tuple(result) if output_rank is None or self.rank == output_rank else None
+
+    def _send_output(self, rt: RankRuntime, t: torch.Tensor, i: int, output_rank: int) -> None:
+        """Model output ``i`` from the last stage's rank to ``output_rank`` (the
+        one of the two this rank is). Its own tag: never paired with the
+        executor's transfers on the same group."""
+        if self.rank == rt.last_rank:
+            work = dist.isend(t, group=rt.group, group_dst=output_rank, tag=_OUTPUT_TAG)
+        else:
+            work = dist.irecv(t, group=rt.group, group_src=rt.last_rank, tag=_OUTPUT_TAG)
+        rt.wait(work, f"model output {i} from rank {rt.last_rank} to rank {output_rank}")
 
 
 class _RngState:
@@ -515,6 +630,26 @@ def pipeline(module: torch.nn.Module, *, loss_fn: Callable[..., torch.Tensor] | 
     """Wrap ``module`` for pipeline-parallel training over ``group`` (default: the
     default process group; none initialized means one rank).
 
+    The loss: ``loss_fn(output, target)`` is called on the last stage's rank,
+    once per microbatch, with the model's output for that microbatch and its
+    chunk of ``step``'s ``target`` (split along dim 0 like the inputs), and
+    must return a one-element tensor. ``step`` returns the mean of the
+    microbatches' losses and accumulates the gradient of that mean, so a
+    mean-reduced loss over equal microbatches gives the full batch's loss and
+    gradient (a sum-reduced loss gives 1/num_microbatches of the sum's). With
+    ``loss_fn=None`` the model returns its loss: a one-element tensor, or a
+    dict, dataclass or Hugging Face ``ModelOutput`` with a field ``loss`` (a
+    Hugging Face model called with ``labels=``, which are split like every
+    other input); passing ``target=`` then is a ValueError.
+
+    Parameters: until the first ``step`` or call captures the model (the
+    split is not known before), ``parameters()`` lists all of the module's
+    parameters; after, only this rank's. An optimizer built before the first
+    step holds them all but steps only this rank's: the others never get a
+    ``.grad`` here, and torch's optimizers skip parameters without one (they
+    keep their initial values on this rank; ``checkpoint.save`` trims such an
+    optimizer to this rank's parameters).
+
     Stages come from ``stage_boundary()`` markers, else ``split_points``, else
     ``pp_size * stages_per_rank`` (or ``num_stages``) stages balanced by cost;
     the stage count must be a multiple of the pipeline size. ``schedule``: a
@@ -544,6 +679,27 @@ def pipeline(module: torch.nn.Module, *, loss_fn: Callable[..., torch.Tensor] | 
             compile = "inductor"
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"pipeline() takes an nn.Module, got {type(module).__name__}")
+    settings = check_settings(schedule=schedule, num_microbatches=num_microbatches,
+                              stages_per_rank=stages_per_rank, split_points=split_points,
+                              num_stages=num_stages, group=group, mesh=mesh, timeout=timeout,
+                              lookahead=lookahead, compile=compile)
+    grp, td, dp_group, replicas = (settings["group"], settings["timeout"], settings["dp_group"],
+                                   settings["replicas"])
+    return Pipeline(module, loss_fn=loss_fn, schedule=schedule,
+                    num_microbatches=num_microbatches, stages_per_rank=stages_per_rank,
+                    split_points=split_points, num_stages=num_stages, group=grp, device=device,
+                    timeout=td, seed=seed, lookahead=lookahead, dp_group=dp_group,
+                    replicas=replicas, init_fn=init_fn, compile=compile)
+
+
+def check_settings(*, schedule: Any, num_microbatches: Any, stages_per_rank: Any = None,
+                   split_points: Any = None, num_stages: Any = None, group: Any = None,
+                   mesh: Any = None, timeout: Any = 60.0, lookahead: Any = 2,
+                   compile: Any = False) -> dict[str, Any]:
+    """Check the settings of pipeline() (and of the mpmd backend's options, which
+    are the same) before any rank communicates; a ValueError names the values.
+    Returns the pipeline group, the dp group and replicas (from ``mesh``) and
+    the timeout as a timedelta."""
     resolve_compiler(compile)
     _positive_int("num_microbatches", num_microbatches)
     _positive_int("stages_per_rank", stages_per_rank, optional=True)
@@ -597,8 +753,4 @@ def pipeline(module: torch.nn.Module, *, loss_fn: Callable[..., torch.Tensor] | 
     if isinstance(schedule, Schedule) and schedule.num_ranks != pp:
         raise ValueError(f"schedule '{schedule.name}' has {schedule.num_ranks} ranks, the "
                          f"pipeline group has pp_size={pp}")
-    return Pipeline(module, loss_fn=loss_fn, schedule=schedule,
-                    num_microbatches=num_microbatches, stages_per_rank=stages_per_rank,
-                    split_points=split_points, num_stages=num_stages, group=grp, device=device,
-                    timeout=td, seed=seed, lookahead=lookahead, dp_group=dp_group,
-                    replicas=replicas, init_fn=init_fn, compile=compile)
+    return {"group": grp, "timeout": td, "dp_group": dp_group, "replicas": replicas}

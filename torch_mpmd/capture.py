@@ -370,6 +370,8 @@ def capture(module: torch.nn.Module, args: Sequence[Any], kwargs: Mapping[str, A
     captured.module_ids = {}
     for name, m in module.named_modules(remove_duplicate=False):
         captured.module_ids.setdefault(id(m), name)
+    for m in getattr(module, "_mpmd_mirrors", ()):  # a FrameModule's root (frame.py)
+        captured.module_ids.setdefault(id(m), "")
     _map_outputs(captured, module, result, fake_outputs, inputs)
     return captured
 

@@ -42,6 +42,9 @@ def _split(value: Any, m: int, where: str, *, first_only: bool = False) -> list[
                          f"num_microbatches={m}; wrap it in torch_mpmd.Replicate(...) to give "
                          "it whole to every microbatch")
     n = value.shape[0]
+    if n == 0:  # would give empty microbatches, and a nan mean loss
+        raise ValueError(f"{where} has batch size 0 (dim 0): an empty batch cannot be split "
+                         f"into num_microbatches={m}; pass at least {m} samples")
     if n % m:
         raise ValueError(f"{where} has batch size {n} (dim 0), which num_microbatches={m} "
                          f"does not divide; use a batch size that is a multiple of {m}")

@@ -162,9 +162,9 @@ class ProgramRunner(StageRunner):
     # ------------------------------------------------------------ per step
     def begin_step(self, inputs: Sequence[Mapping[str, Any]], targets: Sequence[Any],
                    loss_fn: Callable | None, seed: int, step: int, *, training: bool,
-                   outputs_as_roots: bool = False) -> None:
+                   outputs_as_roots: bool = False, eval_loss: bool = False) -> None:
         super().begin_step(inputs, targets, loss_fn, seed, step, training=training,
-                           outputs_as_roots=outputs_as_roots)
+                           outputs_as_roots=outputs_as_roots, eval_loss=eval_loss)
         self._functional = training and not outputs_as_roots and self.programs is not None
         if self._functional and (self.num_stages - 1) in self.stages:
             self._targets_flat = [flatten_target(t) for t in self.targets]

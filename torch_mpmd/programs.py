@@ -36,6 +36,7 @@ import torch.fx
 import torch.utils._pytree as pytree
 
 from torch_mpmd import _C
+from torch_mpmd.training import microbatch_loss
 
 __all__ = ["ProgramsUnsupported", "StagePrograms", "build_stage_programs", "resolve_compiler",
            "program_ops"]
@@ -442,14 +443,11 @@ def loss_tail(loss_fn: Callable[..., torch.Tensor] | None, rebuild_output: Calla
 
     def loss(flat: tuple, user: tuple, target_leaves: list) -> torch.Tensor:
         output = rebuild_output(flat, dict(zip(user_names, user)))
-        if loss_fn is None:
-            value = output
-        else:
-            target = (pytree.tree_unflatten(target_leaves, target_spec)
-                      if target_spec is not None else None)
-            value = loss_fn(output, target)
-        if not (isinstance(value, torch.Tensor) and value.numel() == 1):
-            raise ProgramsUnsupported("the loss is not a one-element tensor")
-        return value if value.dim() == 0 else value.reshape(())
+        target = (pytree.tree_unflatten(target_leaves, target_spec)
+                  if target_spec is not None else None)
+        try:
+            return microbatch_loss(loss_fn, output, target)
+        except ValueError as e:  # the autograd path raises it again, to the caller
+            raise ProgramsUnsupported(f"the loss: {e}") from e
 
     return loss

@@ -19,6 +19,7 @@ import torch
 import torch.fx
 
 from torch_mpmd.stage import StageSignature, StageValue
+from torch_mpmd.training import microbatch_loss
 from torch_mpmd.weight_grad import WeightGradPlan
 
 __all__ = ["EdgeLayout", "StageRunner", "stage_seed"]
@@ -153,6 +154,12 @@ class _LocalStage:
     send_plan: list[list[int]] = field(default_factory=list)
     # NOTE [Weight-gradient split] (weight_grad.py); None: W re-walks the stage.
     wplan: WeightGradPlan | None = None
+    # User inputs the stage writes in place: each forward gets its own copy, as
+    # the functional programs do (a microbatch is a chunk() view of the batch,
+    # sharing one version counter with the others: a write to one would
+    # invalidate what autograd saved of another). The caller's batch is not
+    # written.
+    clone_user: frozenset[str] = frozenset()
 
 
 @dataclass(slots=True)
@@ -227,7 +234,9 @@ class StageRunner:
                 sent_index={v.node: i for i, v in enumerate(sig.sent)},
                 clone_inputs={v.node for v, name in zip(sig.received, received_names)
                               if name in mutated},
-                weights=[p for p in module.parameters() if p.requires_grad])
+                weights=[p for p in module.parameters() if p.requires_grad],
+                clone_user=frozenset(n for n, name in zip(sig.user_inputs, placeholders)
+                                     if name in mutated))
             self.stages[s].receive_plan = self._receive_plan(s, layout)
             self.stages[s].send_plan = [[self.stages[s].sent_index[v.node]
                                          for v in layout.forward[(s, c)]]
@@ -258,13 +267,16 @@ class StageRunner:
     # ------------------------------------------------------------ per step
     def begin_step(self, inputs: Sequence[Mapping[str, Any]], targets: Sequence[Any],
                    loss_fn: Callable[..., torch.Tensor] | None, seed: int, step: int,
-                   *, training: bool, outputs_as_roots: bool = False) -> None:
+                   *, training: bool, outputs_as_roots: bool = False,
+                   eval_loss: bool = False) -> None:
         """Set the microbatches of the next ``Executor.run``.
 
         ``training``: keep autograd state for backward. ``outputs_as_roots``
         (compile path): backward starts from the last stage's flat outputs,
         with the gradients set in ``output_grads`` before the backward run,
-        instead of from the loss.
+        instead of from the loss. ``eval_loss`` (with ``training`` False,
+        Pipeline.eval_step): the last stage computes each microbatch's loss
+        into ``losses`` instead of keeping its outputs.
         """
         self.inputs = list(inputs)
         self.targets = list(targets)
@@ -273,6 +285,7 @@ class StageRunner:
         self.step = step
         self.training = training
         self.outputs_as_roots = outputs_as_roots
+        self.eval_loss = eval_loss
         self.output_grads: list[Sequence[torch.Tensor | None]] = []
         self.num_microbatches = len(self.inputs)
         self.losses: dict[int, torch.Tensor] = {}
@@ -328,7 +341,12 @@ class StageRunner:
                 else:
                     received[slot] = leaf
         mb_inputs = self.inputs[mb]
-        args = [*map(mb_inputs.__getitem__, sig.user_inputs), *received]
+        if st.clone_user:
+            with torch.set_grad_enabled(training):
+                args = [mb_inputs[n].clone() if n in st.clone_user else mb_inputs[n]
+                        for n in sig.user_inputs] + received
+        else:
+            args = [*map(mb_inputs.__getitem__, sig.user_inputs), *received]
         split = training and st.wplan is not None
         rng_key = (stage, split, training)
         draws = self._draws_rng.get(rng_key)
@@ -369,6 +387,9 @@ class StageRunner:
                 loss = self._loss(flat, mb)
                 self.losses[mb] = loss.detach()
                 roots, root_nodes = [loss], [-1]  # scaled by 1/m through its gradient
+            elif self.eval_loss:
+                with torch.no_grad():
+                    self.losses[mb] = self._loss(flat, mb)
             else:
                 self.outputs[mb] = flat
         elif training:
@@ -391,24 +412,7 @@ class StageRunner:
 
     def _loss(self, flat: tuple, mb: int) -> torch.Tensor:
         output = self.rebuild_output(flat, self.inputs[mb])
-        if self.loss_fn is None:
-            loss = output
-            if not (isinstance(loss, torch.Tensor) and loss.numel() == 1):
-                raise ValueError(
-                    "pipeline(loss_fn=None) needs the model to return its loss as a scalar "
-                    f"tensor; it returned {type(output).__name__}"
-                    + (f" of shape {tuple(output.shape)}" if isinstance(output, torch.Tensor)
-                       else "") + "; pass loss_fn=")
-            return loss if loss.dim() == 0 else loss.reshape(())
-        loss = self.loss_fn(output, self.targets[mb])
-        if isinstance(loss, torch.Tensor) and loss.dim() == 0:
-            return loss
-        if not (isinstance(loss, torch.Tensor) and loss.numel() == 1):
-            raise ValueError(f"loss_fn must return a scalar tensor, it returned "
-                             f"{type(loss).__name__}"
-                             + (f" of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor)
-                                else ""))
-        return loss if loss.dim() == 0 else loss.reshape(())
+        return microbatch_loss(self.loss_fn, output, self.targets[mb])
 
     def _loss_grad(self, loss: torch.Tensor) -> torch.Tensor:
         """The gradient the loss of one microbatch starts backward with: 1/m, so
@@ -479,7 +483,8 @@ class StageRunner:
         finally:
             if label is not None:
                 label.__exit__(None, None, None)
-        result = self._input_grads(stage, saved, input_grads) if saved.leaves else []
+        result = (self._input_grads(stage, saved, input_grads) if saved.leaves else
+                  [[] for _ in self.stages[stage].producers])  # nothing received
         if input_only:  # keep only what W needs: the roots and their gradients
             saved.roots, saved.root_nodes = list(roots), [-1] * len(roots)
             saved.leaves = list(root_grads)  # type: ignore[arg-type]

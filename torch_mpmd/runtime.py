@@ -204,6 +204,12 @@ class RankRuntime:
         self.local_stages = tuple(s for s in range(num_stages) if self.stage_to_rank[s] == self.rank)
         producers: list[list[int]] = [[] for _ in range(num_stages)]
         consumers: list[list[int]] = [[] for _ in range(num_stages)]
+        # The executor's edges: the stage chain s -> s+1 (which the schedule text
+        # always declares) and the skip edges. A chain edge nothing crosses (a stage
+        # that does not read its predecessor) carries no values.
+        for edge in [*self.schedule.edges, *((s, s + 1) for s in range(num_stages - 1))]:
+            self.layout.forward.setdefault(tuple(edge), [])
+            self.layout.backward.setdefault(tuple(edge), [])
         for p, c in self.layout.edges():
             producers[c].append(p)
             consumers[p].append(c)

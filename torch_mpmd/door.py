@@ -1,0 +1,279 @@
+"""What ``torch.compile(fn, backend="mpmd")`` runs: the compile door.
+
+The backend (backend.py) hands each Dynamo graph to a :class:`Door`. The door
+does not run Dynamo's graph, which is specialized to the full batch: it
+pipelines the compiled frame's own function (frame.py) with ``pipeline()``,
+so both doors share one capture (at the microbatch shape), split, stage
+programs and runtime. Per call, from the graph's flat inputs it rebuilds the
+function's arguments, then:
+
+- training (grad enabled, the function returns one scalar that requires
+  grad, e.g. forward + loss): ``Pipeline.step`` runs the whole schedule; the
+  returned loss (mean over microbatches, or their sum with
+  ``reduction="sum"``) carries the gradients: its backward hands each local
+  parameter (and each input that requires grad, on every rank) its gradient
+  times the upstream gradient, so ``loss.backward()``, ``(loss * s).backward()``,
+  ``torch.autograd.grad`` and gradient hooks behave as for an eager model;
+- otherwise the forward part of the schedule runs and the outputs are
+  returned on every rank; with grad enabled they are roots of an autograd
+  Function whose backward runs the backward part of the schedule, filling
+  the local parameters' ``.grad`` (every rank must call backward).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.fx
+
+from torch_mpmd.frame import FrameCall, FrameModule, frame_call
+from torch_mpmd.microbatch import first_microbatch
+
+__all__ = ["Door"]
+
+
+def _output_examples(gm: torch.fx.GraphModule) -> list[Any]:
+    out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    values = out.args[0] if isinstance(out.args[0], (tuple, list)) else [out.args[0]]
+    return [v.meta.get("example_value", v.meta.get("val")) if isinstance(v, torch.fx.Node)
+            else v for v in values]
+
+
+class _StepLoss(torch.autograd.Function):
+    """The step's loss as an autograd node: backward multiplies the gradients
+    the step computed by the upstream gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, loss: torch.Tensor, grads: list, *tensors: torch.Tensor
+                ) -> torch.Tensor:
+        ctx.grads = grads
+        return loss.detach().clone()
+
+    @staticmethod
+    def backward(ctx: Any, upstream: torch.Tensor) -> Any:
+        grads = ctx.grads
+        return (None, None, *[None if g is None else g * upstream.to(g.dtype) for g in grads])
+
+
+class _PipelinedForward(torch.autograd.Function):
+    """Forward: the pipeline's forward part; backward: its backward part."""
+
+    @staticmethod
+    def forward(ctx: Any, door: "Door", *params: torch.Tensor) -> Any:
+        ctx.door = door
+        outputs = door._run_forward(keep_graph=True)
+        ctx.generation = door._generation
+        ctx.num_params = len(params)
+        ctx.mark_non_differentiable(*[o for o in outputs if not o.is_floating_point()])
+        return tuple(outputs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> Any:
+        door = ctx.door
+        if ctx.generation != door._generation:
+            # The runner keeps one forward's state per (stage, microbatch): a later
+            # forward replaced this one's. Every rank sees the same calls, so every
+            # rank raises here, before any transfer.
+            raise RuntimeError(
+                "torch.compile(backend='mpmd') keeps the pipeline state of the latest forward "
+                "only: call backward() on an output before the next forward with grad enabled "
+                "(run forwards you do not backpropagate under torch.no_grad())")
+        door._run_backward(grads)
+        return (None,) * (1 + ctx.num_params)
+
+
+class Door:
+    """The callable the mpmd backend returns for one Dynamo graph (see the
+    module docstring). ``pipeline`` is the Pipeline it runs."""
+
+    def __init__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
+                 settings: Mapping[str, Any], reduction: str = "mean") -> None:
+        self.call: FrameCall = frame_call(example_inputs)
+        self.settings = dict(settings)
+        self.reduction = reduction
+        self.outputs = _output_examples(gm)
+        out = self.outputs
+        self.returns_loss = (len(out) == 1 and isinstance(out[0], torch.Tensor)
+                             and out[0].dim() == 0 and out[0].is_floating_point()
+                             and out[0].requires_grad)
+        self.pipeline = self._new_pipeline()
+        self._anchor = torch.zeros((), requires_grad=True)  # a loss with no local parameter
+        self._generation = 0
+        self._pending: tuple[list, list] | None = None
+
+    def _new_pipeline(self) -> Any:
+        from torch_mpmd.api import pipeline
+
+        fn = self.call.fn
+        module = fn if isinstance(fn, torch.nn.Module) else FrameModule(self.call)
+        return pipeline(module, loss_fn=None, **self.settings)
+
+    # ------------------------------------------------------------ what tests read
+    @property
+    def plan(self) -> Any:
+        return self.pipeline.split.plan
+
+    @property
+    def stages(self) -> list[torch.fx.GraphModule]:
+        return self.pipeline.split.stages
+
+    @property
+    def stage_signatures(self) -> list[Any]:
+        return self.pipeline.split.stage_signatures
+
+    # ------------------------------------------------------------ calls
+    def __call__(self, *flat: Any) -> tuple:
+        replaced = self.call.replaced_tensors(flat)
+        if replaced:  # a parameter or buffer was replaced: capture the model again
+            for i in replaced:
+                self.call.root_inputs[i] = flat[i]
+            self.pipeline = self._new_pipeline()
+        if torch.is_grad_enabled() and self.returns_loss:
+            return (self._train(flat),)
+        args, kwargs = self.call.arguments(flat)
+        self._pending = (args, kwargs)
+        if torch.is_grad_enabled() and any(isinstance(o, torch.Tensor) and o.requires_grad
+                                           for o in self.outputs):
+            params = self._local_trainable(args, kwargs) or [self._anchor]
+            return _PipelinedForward.apply(self, *params)
+        return tuple(self._run_forward(keep_graph=False))
+
+    def _local_trainable(self, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+        pipe = self.pipeline
+        pipe._ensure_built(*first_microbatch(args, kwargs, pipe.num_microbatches))
+        return [p for p in pipe.parameters() if p.requires_grad]
+
+    # ------------------------------------------------------------ training
+    def _train(self, flat: Sequence[Any]) -> torch.Tensor:
+        pipe = self.pipeline
+        grad_inputs = sorted(i for i in self.call.leaf_inputs.values()
+                             if isinstance(flat[i], torch.Tensor) and flat[i].requires_grad)
+        flat = list(flat)
+        originals = [flat[i] for i in grad_inputs]
+        for i in grad_inputs:  # leaves of their own: their gradients land in .grad
+            flat[i] = flat[i].detach().requires_grad_(True)
+        args, kwargs = self.call.arguments(flat)
+        every = list(dict.fromkeys(pipe.module.parameters()))
+        stash = [p.grad for p in every]
+        for p in every:
+            p.grad = None
+        try:
+            loss = pipe.step(*args, **kwargs)
+            local = [p for p in pipe.parameters() if p.requires_grad]
+            grads = [p.grad for p in local]
+        finally:
+            for p, g in zip(every, stash):
+                p.grad = g
+        grads += self._input_grads([flat[i] for i in grad_inputs])
+        if self.reduction == "sum":
+            m = pipe.num_microbatches
+            loss = loss * m
+            grads = [g * m if g is not None else None for g in grads]
+        tensors = local + originals
+        if not any(t.requires_grad for t in tensors):
+            tensors, grads = [self._anchor], [None]
+        return _StepLoss.apply(loss, grads, *tensors)
+
+    def _input_grads(self, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Every rank's gradient of the inputs that require grad: only ranks
+        whose stages read an input computed one; they are summed over the
+        pipeline group (scaled like the loss under data parallelism)."""
+        if not leaves:
+            return []
+        grads = [leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+                 for leaf in leaves]
+        rt = self.pipeline._runtime()
+        if rt.pp_size > 1:
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            rt.wait(dist.all_reduce(flat, group=rt.group, async_op=True),
+                    f"the sum of input gradients ({len(grads)} tensors, all_reduce)")
+            grads = [part.view_as(g) for part, g in
+                     zip(flat.split([g.numel() for g in grads]), grads)]
+        if rt.dp is not None:
+            grads = [g / self.pipeline.dp_size for g in grads]
+        return grads
+
+    # ------------------------------------------------------------ forward part
+    def _run_forward(self, keep_graph: bool) -> list[torch.Tensor]:
+        """The forward part of the schedule over the pending call's
+        microbatches; ``keep_graph``: with the autograd state _run_backward needs."""
+        assert self._pending is not None
+        args, kwargs = self._pending
+        self._pending = None
+        pipe = self.pipeline
+        m = pipe.num_microbatches
+        if keep_graph:
+            rt = self._forward_keeping_graph(args, kwargs)
+        else:
+            rt, _ = pipe._forward_only(args, kwargs, [None] * m, eval_loss=False)
+        try:
+            per_mb = [pipe._deliver_outputs(rt, rt.runner.outputs.get(k), None)
+                      for k in range(m)]
+        finally:
+            if not keep_graph:
+                rt.runner.end_step()
+        return self._merge(per_mb)
+
+    def _forward_keeping_graph(self, args: tuple, kwargs: dict) -> Any:
+        from torch_mpmd.api import _RngState
+
+        pipe = self.pipeline
+        m = pipe.num_microbatches
+        rt = pipe._ensure_built(*first_microbatch(args, kwargs, m))
+        inputs = pipe.split.named_microbatches(args, kwargs, m)
+        rt.runner.end_step()  # a forward never backpropagated leaves state behind
+        rng = _RngState(pipe.device)
+        rt.runner.begin_step(inputs, [], None, rt.seed, pipe._mpmd_step, training=True,
+                             outputs_as_roots=True)
+        pipe.__dict__["_mpmd_step"] += 1
+        self._generation += 1
+        try:
+            with torch.enable_grad():
+                rt.run(rt.forward_executor)
+        finally:
+            rng.restore()
+        return rt
+
+    def _merge(self, per_mb: list[tuple]) -> list[torch.Tensor]:
+        """The graph's outputs from each microbatch's flat outputs: batched
+        outputs concatenated, scalars averaged (exact for mean-reduced values
+        over equal microbatches)."""
+        n = len(per_mb[0])
+        if n != len(self.outputs):
+            raise RuntimeError(
+                f"the mpmd backend's capture of {self.call.name} returns {n} tensors where "
+                f"Dynamo's graph returns {len(self.outputs)}; return tensors (or containers "
+                "of them) only, or use torch_mpmd.pipeline()")
+        merged = []
+        for i in range(n):
+            parts = [mb[i] for mb in per_mb]
+            first = parts[0]
+            if not isinstance(first, torch.Tensor) or len(parts) == 1:
+                merged.append(first)
+            elif first.dim() == 0:
+                merged.append(torch.stack(parts).mean(0) if first.is_floating_point()
+                              else first)
+            else:
+                merged.append(torch.cat(parts))
+        return merged
+
+    def _run_backward(self, grads: Sequence[torch.Tensor | None]) -> None:
+        rt = self.pipeline._runtime()
+        m = self.pipeline.num_microbatches
+        chunks = []
+        for g in grads:
+            if g is None:
+                chunks.append([None] * m)
+            elif g.dim() == 0:  # an averaged scalar: each microbatch's share
+                chunks.append([g / m] * m)
+            else:
+                chunks.append(list(g.chunk(m)))
+        rt.runner.output_grads = [[c[k] for c in chunks] for k in range(m)]
+        before = rt.tied_grads_before()
+        self._generation += 1  # a second backward through the same output is refused too
+        rt.run(rt.backward_executor)
+        rt.sum_tied_grads(before)
+        rt.runner.end_step()

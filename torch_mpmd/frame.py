@@ -1,0 +1,237 @@
+"""The function a torch.compile backend was handed, called again.
+
+Dynamo hands a backend a graph of one frame (a function or a module's
+forward) traced at the call's shapes, and later calls what the backend
+returns with that graph's flat inputs (parameters, buffers, the tensors of
+the arguments, symbolic sizes). The mpmd backend does not run that graph: it
+pipelines the frame's function through the same capture as ``pipeline()``, at
+the microbatch shape. This module recovers what that needs, once, while the
+backend runs: the function (code, globals, closure), the modules and tensors
+it reads (the roots, which name parameters by FQN, as capture.py does), and
+how to rebuild the call's arguments from the graph's flat inputs.
+
+It reads Dynamo's current InstructionTranslator (``f_code``, ``f_locals``,
+``f_globals``, ``closure``): the frame being compiled. The arguments are
+matched to graph inputs by identity (Dynamo hands backends the real tensors),
+never by placeholder names.
+"""
+
+from __future__ import annotations
+
+import inspect
+import types
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+__all__ = ["FrameCall", "FrameModule", "frame_call"]
+
+_CO_VARARGS = inspect.CO_VARARGS
+_CO_VARKEYWORDS = inspect.CO_VARKEYWORDS
+_BAKED = object()  # a module-valued argument: the FrameModule passes it itself
+
+
+def _current_frame() -> Any:
+    from torch._dynamo.symbolic_convert import InstructionTranslator
+
+    tx = InstructionTranslator.current_tx()
+    if tx is None:
+        raise RuntimeError("the mpmd backend must be called by torch.compile (no frame is being "
+                           "compiled)")
+    return tx
+
+
+def _code_names(code: types.CodeType) -> set[str]:
+    """Global names a code object (and the functions, lambdas and
+    comprehensions defined in it) reads."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _code_names(const)
+    return names
+
+
+@dataclass
+class FrameCall:
+    """How to call the compiled frame's function again.
+
+    ``fn(*args, **kwargs)`` is the call; :meth:`arguments` rebuilds
+    ``(args, kwargs)`` from the graph's flat inputs. Module-valued arguments
+    (``self`` of a compiled method, a model passed in) are not in them: the
+    FrameModule puts them back, so they are never microbatched or hashed.
+    """
+
+    fn: Callable[..., Any]
+    name: str
+    template: tuple[tuple, dict]             # the first call's (args, kwargs), tensors taken out
+    leaf_inputs: dict[int, int]              # template leaf -> index of the graph input
+    baked: dict[Any, Any] = field(default_factory=dict)  # position or keyword -> module
+    roots: dict[str, torch.nn.Module] = field(default_factory=dict)
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)  # tensors read from globals
+    root_inputs: dict[int, torch.Tensor] = field(default_factory=dict)  # graph input -> tensor
+
+    def __post_init__(self) -> None:
+        self._leaves, self._spec = pytree.tree_flatten(self.template)
+
+    def arguments(self, flat: Sequence[Any]) -> tuple[tuple, dict]:
+        """The call's ``(args, kwargs)`` for the graph inputs ``flat``."""
+        leaves = list(self._leaves)
+        for leaf, i in self.leaf_inputs.items():
+            leaves[leaf] = flat[i]
+        return pytree.tree_unflatten(leaves, self._spec)
+
+    def replaced_tensors(self, flat: Sequence[Any]) -> list[int]:
+        """Graph inputs that were a parameter or buffer and are another tensor
+        now (``model.w = nn.Parameter(...)`` after compiling)."""
+        return [i for i, t in self.root_inputs.items() if flat[i] is not t]
+
+
+class FrameModule(torch.nn.Module):
+    """The frame's function as a module to pipeline.
+
+    With one root module its parameters keep their FQNs (``layers.4.w``);
+    with several, each is named by the variable it was read from
+    (``model.layers.4.w``, ``head.w``). Plain tensors the function reads from
+    globals or its closure are attributes, so capture takes them for
+    (non-persistent) buffers rather than inputs.
+    """
+
+    def __init__(self, call: FrameCall) -> None:
+        super().__init__()
+        roots = call.roots
+        if len(roots) == 1:
+            (root,) = roots.values()
+            # Mirror the root's tree: the same FQNs, the same tensors.
+            self._modules = root._modules
+            self._parameters = root._parameters
+            self._buffers = root._buffers
+            self._non_persistent_buffers_set = root._non_persistent_buffers_set
+            self.training = root.training
+            object.__setattr__(self, "_mpmd_mirrors", (root,))
+        else:
+            for name, root in roots.items():
+                self._modules[name] = root
+            object.__setattr__(self, "_mpmd_mirrors", ())
+        for name, t in call.tensors.items():
+            object.__setattr__(self, name, t)
+        object.__setattr__(self, "_mpmd_call", call)
+        signature = _free_signature(call)
+        fn, baked = call.fn, call.baked
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            if not baked:
+                return fn(*args, **kwargs)
+            full = list(args)
+            for pos in sorted(k for k in baked if isinstance(k, int)):
+                full.insert(pos, baked[pos])
+            extra = {k: v for k, v in baked.items() if isinstance(k, str)}
+            return fn(*full, **kwargs, **extra)
+
+        forward.__signature__ = signature  # type: ignore[attr-defined]
+        object.__setattr__(self, "forward", forward)
+
+    def _get_name(self) -> str:
+        return f"FrameModule[{self._mpmd_call.name}]"
+
+
+def _free_signature(call: FrameCall) -> inspect.Signature | None:
+    """The function's signature without the baked (module-valued) parameters."""
+    try:
+        sig = inspect.signature(call.fn)
+    except (TypeError, ValueError):
+        return None
+    params = list(sig.parameters.values())
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    drop = {positional[k].name for k in call.baked if isinstance(k, int) and k < len(positional)}
+    drop |= {k for k in call.baked if isinstance(k, str)}
+    return sig.replace(parameters=[p.replace(default=p.empty) for p in params
+                                   if p.name not in drop])
+
+
+def _is_dynamo_wrapper(code: types.CodeType) -> bool:
+    """torch.compile(module) traces a wrapper ``inner(*args, **kwargs)`` calling
+    the module (torch/_dynamo/external_utils.py): pipeline the module."""
+    return (code.co_filename.replace("\\", "/").endswith("torch/_dynamo/external_utils.py")
+            and "fn" in code.co_freevars)
+
+
+def frame_call(example_inputs: Sequence[Any]) -> FrameCall:
+    """The FrameCall of the frame Dynamo is compiling now (call it from a backend)."""
+    tx = _current_frame()
+    code: types.CodeType = tx.f_code
+    f_locals = dict(tx.f_locals)
+    cells = dict(zip(code.co_freevars, (c.cell_contents for c in (tx.closure or ()))))
+    if _is_dynamo_wrapper(code) and isinstance(cells.get("fn"), torch.nn.Module):
+        module = cells["fn"]
+        fn: Callable[..., Any] = module
+        name = type(module).__name__
+        args, kwargs = tuple(f_locals.get("args", ())), dict(f_locals.get("kwargs", {}))
+        baked: dict[Any, Any] = {}
+        roots = {"self": module}
+    else:
+        fn = types.FunctionType(code, tx.f_globals, code.co_name, None, tx.closure)
+        name = code.co_qualname if hasattr(code, "co_qualname") else code.co_name
+        args, kwargs, baked, roots = _bind(code, f_locals)
+        for var, value in cells.items():
+            if isinstance(value, torch.nn.Module):
+                roots.setdefault(var, value)
+        for var in sorted(_code_names(code)):
+            value = tx.f_globals.get(var)
+            if isinstance(value, torch.nn.Module):
+                roots.setdefault(var, value)
+    tensors = {}
+    if not _is_dynamo_wrapper(code):
+        for var, value in [*cells.items(), *((v, tx.f_globals.get(v))
+                                             for v in sorted(_code_names(code)))]:
+            if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter):
+                tensors.setdefault(var, value)
+    template = (args, kwargs)
+    leaves, _ = pytree.tree_flatten(template)
+    by_id = {id(t): i for i, t in enumerate(example_inputs) if isinstance(t, torch.Tensor)}
+    leaf_inputs = {k: by_id[id(leaf)] for k, leaf in enumerate(leaves)
+                   if isinstance(leaf, torch.Tensor) and id(leaf) in by_id}
+    owned = {id(t) for r in roots.values() for t in [*r.parameters(), *r.buffers()]}
+    owned |= {id(t) for t in tensors.values()}
+    root_inputs = {i: t for i, t in enumerate(example_inputs)
+                   if isinstance(t, torch.Tensor) and id(t) in owned}
+    # Hold no reference to the first call's batch: its tensors come from the
+    # graph inputs on every call.
+    stripped = [None if k in leaf_inputs else leaf for k, leaf in enumerate(leaves)]
+    template = pytree.tree_unflatten(stripped, pytree.tree_flatten(template)[1])
+    return FrameCall(fn=fn, name=name, template=template, leaf_inputs=leaf_inputs,
+                     baked=baked, roots=roots, tensors=tensors, root_inputs=root_inputs)
+
+
+def _bind(code: types.CodeType, f_locals: dict[str, Any]
+          ) -> tuple[tuple, dict, dict[Any, Any], dict[str, torch.nn.Module]]:
+    """The frame's arguments as a call: ``(args, kwargs, baked, roots)``."""
+    n_pos, n_kw = code.co_argcount, code.co_kwonlyargcount
+    names = code.co_varnames
+    args: list[Any] = []
+    kwargs: dict[str, Any] = {}
+    baked: dict[Any, Any] = {}
+    roots: dict[str, torch.nn.Module] = {}
+    for pos, var in enumerate(names[:n_pos]):
+        value = f_locals[var]
+        if isinstance(value, torch.nn.Module):
+            baked[pos] = value
+            roots[var] = value
+        else:
+            args.append(value)
+    at = n_pos + n_kw
+    if code.co_flags & _CO_VARARGS:
+        args.extend(f_locals.get(names[at], ()))
+        at += 1
+    for var in names[n_pos:n_pos + n_kw]:
+        value = f_locals[var]
+        if isinstance(value, torch.nn.Module):
+            baked[var] = value
+            roots[var] = value
+        else:
+            kwargs[var] = value
+    if code.co_flags & _CO_VARKEYWORDS:
+        kwargs.update(f_locals.get(names[at], {}))
+    return tuple(args), kwargs, baked, roots

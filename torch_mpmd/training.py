@@ -1,0 +1,166 @@
+"""What a training loop needs around ``Pipeline.step``: the loss contract, the
+global gradient norm, and the mean loss every rank returns.
+
+The loss contract (``pipeline(loss_fn=...)``): on the last stage, for each
+microbatch ``k``, ``loss_fn(output_k, target_k)`` is called with the model's
+output of that microbatch and its chunk of ``target`` and must return a
+one-element tensor. With ``loss_fn=None`` the model's output carries the loss
+itself: a one-element tensor, or a mapping, dataclass or named tuple with a
+field ``loss`` (a Hugging Face ``ModelOutput`` called with ``labels=``). A
+step returns the mean of the microbatches' losses and accumulates the gradient
+of that mean: for a mean-reduced loss and equal microbatches, the full batch's
+loss and gradient.
+
+Gradient clipping over a pipeline (:func:`clip_grad_norm_`): each rank holds
+its stages' gradients only, so the norm of all of them is reduced over the
+pipeline ranks. A parameter used by stages on several ranks (tied embeddings)
+has the same summed gradient on each of them after a step: only the first of
+those ranks counts it. Data-parallel replicas hold the same averaged
+gradients after a step: the norm is one replica's, never reduced over "dp".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from torch_mpmd.runtime import RankRuntime
+
+__all__ = ["microbatch_loss", "loss_from_output", "clip_grad_norm_", "counted_parameters",
+           "mean_loss"]
+
+
+# ------------------------------------------------------------------ the loss
+
+
+def _loss_field(output: Any) -> Any:
+    """The ``loss`` entry of a mapping, dataclass or named tuple; None when absent."""
+    if isinstance(output, Mapping):  # a dict, or a Hugging Face ModelOutput
+        return output.get("loss")
+    if dataclasses.is_dataclass(output) and not isinstance(output, type):
+        return getattr(output, "loss", None)
+    if isinstance(output, tuple) and "loss" in getattr(output, "_fields", ()):
+        return output.loss
+    return None
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)}"
+    return f"a value of type {type(value).__name__}"
+
+
+def loss_from_output(output: Any) -> torch.Tensor:
+    """The loss a model returned itself (``loss_fn=None``): the output when it is
+    a one-element tensor, else its field ``loss``. ValueError otherwise."""
+    loss = output if isinstance(output, torch.Tensor) else _loss_field(output)
+    if not (isinstance(loss, torch.Tensor) and loss.numel() == 1):
+        found = (f"; its field 'loss' is {_describe(loss)}"
+                 if loss is not None and loss is not output else "")
+        raise ValueError(
+            "pipeline(loss_fn=None) needs the model to return its loss as a scalar tensor, or "
+            "a dict, dataclass or Hugging Face ModelOutput with a field 'loss' (e.g. called "
+            f"with labels=); it returned {_describe(output)}{found}; pass loss_fn=")
+    return loss if loss.dim() == 0 else loss.reshape(())
+
+
+def microbatch_loss(loss_fn: Callable[..., torch.Tensor] | None, output: Any,
+                    target: Any) -> torch.Tensor:
+    """One microbatch's loss on the last stage, a 0-dim tensor (the loss
+    contract in the module docstring)."""
+    if loss_fn is None:
+        return loss_from_output(output)
+    loss = loss_fn(output, target)
+    if not (isinstance(loss, torch.Tensor) and loss.numel() == 1):
+        raise ValueError(f"loss_fn must return a one-element tensor, it returned "
+                         f"{_describe(loss)}")
+    return loss if loss.dim() == 0 else loss.reshape(())
+
+
+def mean_loss(rt: "RankRuntime", losses: Mapping[int, torch.Tensor], num_microbatches: int,
+              device: torch.device) -> torch.Tensor:
+    """The mean of the microbatches' losses, computed on the last stage's rank,
+    on every rank of the pipeline; averaged over the data-parallel replicas
+    (they step on equal-sized batches). Collective over pp and dp."""
+    if rt.last_rank == rt.rank:
+        loss = torch.stack([losses[k] for k in range(num_microbatches)]).float().mean()
+        loss = loss.to(device)
+    else:
+        loss = torch.zeros((), dtype=torch.float32, device=device)
+    rt.broadcast_from_last(loss)
+    if rt.dp_group is not None:
+        rt.wait(dist.all_reduce(loss, group=rt.dp_group, async_op=True),
+                "the data-parallel loss all_reduce")
+        loss /= dist.get_world_size(rt.dp_group)
+    return loss
+
+
+# ------------------------------------------------------------------ the global norm
+
+
+def counted_parameters(rt: "RankRuntime", local: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The parameters of ``local`` (this rank's) whose gradients this rank counts
+    in the global norm: a parameter that stages on several ranks use counts on
+    the lowest of those ranks only (each holds the same summed gradient)."""
+    skip: set[int] = set()
+    for p in rt.model.plan.parameters:
+        ranks = {rt.stage_to_rank[s] for s in p.stages}
+        t = rt.model.tensors.get(p.fqn)
+        if t is not None and len(ranks) > 1 and rt.rank != min(ranks):
+            skip.add(id(t))
+    return [p for p in local if id(p) not in skip]
+
+
+def _combine(local: torch.Tensor, norm_type: float, rt: "RankRuntime") -> torch.Tensor:
+    """The global norm from this rank's norm of its counted gradients, reduced
+    over the pipeline ranks (in float64: a p-th power of a float32 norm can
+    overflow). The same value on every rank."""
+    if rt.pp_size == 1:
+        return local
+    x = local.double()
+    if math.isinf(norm_type):
+        op = dist.ReduceOp.MAX if norm_type > 0 else dist.ReduceOp.MIN
+    else:
+        op = dist.ReduceOp.SUM
+        if norm_type != 0:  # ||g|| = (sum over ranks of ||g_r||^p)^(1/p); the 0-"norm" counts
+            x = x.pow(norm_type)
+    rt.wait(dist.all_reduce(x, op=op, group=rt.group, async_op=True),
+            "the global gradient norm (all_reduce over the pipeline ranks)")
+    if not math.isinf(norm_type) and norm_type != 0:
+        x = x.pow(1.0 / norm_type)
+    return x.to(local.dtype)
+
+
+def clip_grad_norm_(rt: "RankRuntime", parameters: list[torch.Tensor], max_norm: float,
+                    norm_type: float = 2.0, foreach: bool | None = None,
+                    error_if_nonfinite: bool = False) -> torch.Tensor:
+    """Scale the gradients of ``parameters`` (this rank's, deduplicated) so that
+    the norm of every gradient of the model, over all stages, is at most
+    ``max_norm``; return that total norm (float32, on every rank the same).
+    Collective over the pipeline group. Non-finite norms behave as in
+    ``torch.nn.utils.clip_grad_norm_``: with ``error_if_nonfinite`` every rank
+    raises the same RuntimeError, else the gradients are scaled by a nan or
+    zero factor as torch's would be."""
+    max_norm = float(max_norm)
+    norm_type = float(norm_type)
+    grads = [p.grad for p in counted_parameters(rt, parameters) if p.grad is not None]
+    if grads:
+        local = torch.nn.utils.get_total_norm(grads, norm_type, False, foreach)
+        local = local.to(device=rt.device, dtype=torch.float32)
+    else:  # the identity of the reduction: no gradients contribute nothing
+        local = torch.full((), math.inf if norm_type == -math.inf else 0.0,
+                           dtype=torch.float32, device=rt.device)
+    total = _combine(local, norm_type, rt)
+    if error_if_nonfinite and not bool(torch.isfinite(total)):
+        raise RuntimeError(
+            f"The total norm of order {norm_type} for gradients from all pipeline stages is "
+            "non-finite, so it cannot be clipped. To disable this error and scale the "
+            "gradients by the non-finite norm anyway, set `error_if_nonfinite=False`")
+    torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total, foreach)
+    return total
