@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 
 #include <sstream>
+#include <stdexcept>
 
 #include "runtime/tensor_payload.h"
 
@@ -90,25 +91,36 @@ std::unique_ptr<PendingTransfer> C10dTransport::send(int peer, const TransferKey
   const auto& specs = specsOf(key, peer);
   const std::string what = "send of " + describe(key) + " to rank " + std::to_string(peer);
   if (values.size() != specs.size()) {
-    throw TransportError(peer, what + ": " + std::to_string(values.size()) +
-                                   " tensors, the captured plan has " +
-                                   std::to_string(specs.size()));
+    throw std::invalid_argument(what + ": " + std::to_string(values.size()) +
+                                " tensors, the captured plan has " +
+                                std::to_string(specs.size()));
+  }
+  for (size_t i = 0; i < values.size(); ++i) {  // all checked before anything is sent
+    const at::Tensor& t = tensorOf(values[i]);
+    if (t.sizes() != specs[i].sizes() || t.scalar_type() != specs[i].scalar_type()) {
+      throw std::invalid_argument(what + ": tensor " + std::to_string(i) + " is " +
+                                  shapeOf(t) + ", the plan captured " + shapeOf(specs[i]) +
+                                  "; the batch differs from the one captured");
+    }
   }
   std::vector<c10::intrusive_ptr<c10d::Work>> works;
   Values keep;
   for (size_t i = 0; i < values.size(); ++i) {
     const at::Tensor& t = tensorOf(values[i]);
-    if (t.sizes() != specs[i].sizes() || t.scalar_type() != specs[i].scalar_type()) {
-      throw TransportError(peer, what + ": tensor " + std::to_string(i) + " is " + shapeOf(t) +
-                                     ", the plan captured " + shapeOf(specs[i]) +
-                                     "; the batch differs from the one captured");
-    }
     at::Tensor c = t.is_contiguous() ? t : t.contiguous();
     std::vector<at::Tensor> one{c};
     works.push_back(groupFor(rank_, peer).send(one, peer, tag_));
     keep.push_back(c.is_same(t) ? values[i] : tensorValue(c));
   }
   return std::make_unique<C10dPending>(peer, what, std::move(works), std::move(keep));
+}
+
+std::unique_ptr<PendingTransfer> C10dTransport::sendStandIn(int peer, const TransferKey& key) {
+  Values zeros;
+  for (const at::Tensor& spec : specsOf(key, peer)) {
+    zeros.push_back(tensorValue(at::zeros(spec.sizes(), spec.options().device(device_))));
+  }
+  return send(peer, key, std::move(zeros));
 }
 
 std::unique_ptr<PendingTransfer> C10dTransport::recv(int peer, const TransferKey& key) {

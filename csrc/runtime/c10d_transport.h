@@ -5,7 +5,9 @@
 // contiguous tensor per call). Receives allocate their tensors from the specs
 // known at capture (shape, dtype, per stage edge and direction), so start-up
 // needs no dry run and a sender whose tensor differs from its spec fails with
-// an error naming both, before anything is sent.
+// an error naming both, before anything is sent (a std::invalid_argument, not
+// a TransportError: the failure is the sender's own and its channels still
+// work, NOTE [Draining a failed step] in executor.h).
 //
 // NOTE [Direction groups]: NCCL p2p matches by order on one communicator per
 // rank pair, shared by both directions; the lowering orders each direction on
@@ -40,6 +42,8 @@ class C10dTransport : public Transport {
 
   std::unique_ptr<PendingTransfer> send(int peer, const TransferKey& key, Values values) override;
   std::unique_ptr<PendingTransfer> recv(int peer, const TransferKey& key) override;
+  // Zeros of the captured shapes and dtypes, on the transport's device.
+  std::unique_ptr<PendingTransfer> sendStandIn(int peer, const TransferKey& key) override;
 
   int rank() const { return rank_; }
 

@@ -200,20 +200,23 @@ void Executor::reapSends(bool wait_all) {
   sends_.erase(sends_.begin(), sends_.begin() + static_cast<std::ptrdiff_t>(done));
 }
 
+Values Executor::receive(int64_t index) {
+  postReceivesFor(index);
+  auto& [at, pending] = posted_[posted_head_];
+  if (at != index) throw std::logic_error("receives posted out of program order");
+  Values values = pending->wait(options_.timeout);
+  pending.reset();
+  ++posted_head_;
+  postReceivesFor(index);
+  return values;
+}
+
 void Executor::execute(int64_t index, const Action& a) {
   switch (a.kind) {
     case ActionKind::RecvF:
-    case ActionKind::RecvB: {
-      postReceivesFor(index);
-      auto& [at, pending] = posted_[posted_head_];
-      if (at != index) throw std::logic_error("receives posted out of program order");
-      Values values = pending->wait(options_.timeout);
-      pending.reset();
-      ++posted_head_;
-      put(transferKey(a), std::move(values));
-      postReceivesFor(index);
+    case ActionKind::RecvB:
+      put(transferKey(a), receive(index));
       break;
-    }
     case ActionKind::SendF:
     case ActionKind::SendB: {
       const TransferKey key = transferKey(a);
@@ -300,25 +303,65 @@ void Executor::execute(int64_t index, const Action& a) {
   }
 }
 
+void Executor::drainAction(int64_t index, const Action& a) {
+  switch (a.kind) {
+    case ActionKind::RecvF:
+    case ActionKind::RecvB:
+      receive(index);  // dropped: nothing computes any more
+      break;
+    case ActionKind::SendF:
+    case ActionKind::SendB: {
+      const TransferKey key = transferKey(a);
+      buffers_.erase(keyId(key));  // a value computed before the failure, if any
+      auto standIn = transport_.sendStandIn(peerRank(a), key);
+      if (!standIn) {
+        throw TransportError(peerRank(a), "the transport has no stand-in values to finish the "
+                                          "failed step's transfers with");
+      }
+      sends_.push_back({index, std::move(standIn)});
+      reapSends(false);
+      break;
+    }
+    case ActionKind::ReduceGrad:
+      try {
+        runner_.reduceGrad(a.stage);  // pairs with the other replicas' reductions
+      } catch (const std::exception&) {
+        // The step has failed already; the first failure is the one reported.
+      }
+      break;
+    default:
+      break;  // compute: skipped
+  }
+}
+
 void Executor::run() {
   reset();
+  stats_.peak_live_forwards = stats_.peak_buffered = stats_.peak_state_values = 0;
   const auto& prog = program();
   if (options_.trace) stats_.trace.reserve(prog.size());
   for (size_t i = 0; i < prog.size(); ++i) {
     const Action& a = prog[i];
+    const int64_t index = static_cast<int64_t>(i);
     const int64_t begin = options_.trace ? nowNs() : 0;
     try {
-      execute(static_cast<int64_t>(i), a);
+      if (failure_) {
+        drainAction(index, a);
+      } else {
+        execute(index, a);
+      }
     } catch (const ExecutorError&) {
       throw;
     } catch (const TransportError& e) {
-      fail(static_cast<int64_t>(i), e.what(), e.peer());
+      fail(index, e.what(), e.peer());
     } catch (const std::exception& e) {
-      fail(static_cast<int64_t>(i), e.what(), isCommunication(a.kind) ? peerRank(a) : -1);
+      const int peer = isCommunication(a.kind) ? peerRank(a) : -1;
+      if (!options_.drain || failure_) fail(index, e.what(), peer);
+      failure_ = Failure{index, e.what(), peer};  // NOTE [Draining a failed step]
     }
     if (options_.trace) stats_.trace.push_back({static_cast<int32_t>(i), begin, nowNs()});
   }
   reapSends(true);
+  if (failure_) failDrained();
   if (!buffers_.empty()) {
     std::vector<std::string> left;
     const int64_t per_edge = schedule_.num_microbatches;
@@ -348,21 +391,46 @@ void Executor::reset() {
     slot.phase = StatePhase::kNone;
   }
   state_values_ = 0;
+  failure_.reset();
   stats_.trace.clear();
 }
 
-void Executor::fail(int64_t index, const std::string& cause, int peer) {
-  const std::string action = index >= 0 ? toString(program()[index]) : std::string();
-  std::string where = index >= 0 ? fmt::format("action {} (#{})", action, index)
+std::string Executor::failureText(int64_t index, const std::string& cause, int peer) const {
+  std::string where = index >= 0 ? fmt::format("action {} (#{})", toString(program()[index]), index)
                                  : std::string("the end of the step");
-  std::string msg = fmt::format("rank {}: {} failed{}: {}\nprogram of rank {}:\n{}", rank_,
-                                where, peer >= 0 ? fmt::format(" (peer rank {})", peer) : "",
-                                cause, rank_, formatProgram(index));
+  return fmt::format("rank {}: {} failed{}: {}", rank_, where,
+                     peer >= 0 ? fmt::format(" (peer rank {})", peer) : "", cause);
+}
+
+void Executor::fail(int64_t index, const std::string& cause, int peer) {
+  std::string msg;
+  int64_t mark = index;
+  std::string action = index >= 0 ? toString(program()[index]) : std::string();
+  if (failure_) {  // the first failure is the cause; finishing its transfers failed too
+    mark = failure_->index;
+    action = toString(program()[mark]);
+    msg = fmt::format("{}\nFinishing the step's transfers with stand-ins then failed: {}",
+                      failureText(mark, failure_->cause, failure_->peer),
+                      failureText(index, cause, peer));
+  } else {
+    msg = failureText(index, cause, peer);
+  }
+  msg += fmt::format("\nprogram of rank {}:\n{}", rank_, formatProgram(mark));
   transport_.abort(msg);
   // Drop outstanding work before unwinding; buffers and runner state of a
   // failed step are never reused (run() resets).
   reset();
   throw ExecutorError(msg, rank_, action, peer);
+}
+
+void Executor::failDrained() {
+  const Failure f = *failure_;
+  const std::string msg = fmt::format(
+      "{}\n(this rank then finished the step's transfers with stand-in values, so that its "
+      "peers could end the step)\nprogram of rank {}:\n{}",
+      failureText(f.index, f.cause, f.peer), rank_, formatProgram(f.index));
+  reset();
+  throw ExecutorError(msg, rank_, toString(program()[f.index]), f.peer, /*drained=*/true);
 }
 
 std::string Executor::formatProgram(int64_t mark) const {

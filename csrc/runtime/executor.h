@@ -21,7 +21,25 @@
 // exception, transport error, timeout, a program that reads a value nothing
 // produced) throws ExecutorError naming this rank, the action, the peer rank
 // for transfers, and listing the program with the failing step marked; the
-// transport is aborted first so peers stop early where it can.
+// transport is aborted first so peers stop early where it can. With
+// options.drain a failure of this rank's own code is reported only after the
+// program's transfers are finished with stand-ins (NOTE [Draining a failed
+// step]).
+//
+// NOTE [Draining a failed step]: when this rank's own code fails mid-step
+// (the runner raised, or the program is malformed), its transfers still
+// work. Aborting would leave every peer waiting on this rank until its
+// timeout and the channels out of step for any later step. With
+// options.drain the executor finishes the program's communication instead:
+// each later RECV is still received (its values dropped), each SEND sends a
+// stand-in of the captured shapes (Transport::sendStandIn; zeros over c10d),
+// compute actions are skipped, and REDUCE_GRAD still tells the runner (a
+// data-parallel reduction pairs with the other replicas'). The peers complete
+// their step on stand-in values; the caller tells them afterwards that the
+// step failed (torch_mpmd/lockstep.py). The ExecutorError thrown at the end
+// names the first failure and has drained() true: every channel is in step
+// and usable again. A transport failure (timeout, dead peer) or a transport
+// without stand-ins ends the run at once, as without drain.
 //
 // NOTE [Runner state]: the `state` of StageRunner::forward and the carry of
 // an I are kept in a table of their own, one slot per (local stage,
@@ -50,6 +68,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <unordered_map>
@@ -65,6 +84,7 @@ struct ExecutorOptions {
   int lookahead = 2;                          // receives posted ahead; >= 1
   std::chrono::milliseconds timeout{60000};   // bound of every single wait
   bool trace = false;                         // record a TraceEvent per action
+  bool drain = false;                         // NOTE [Draining a failed step]
 };
 
 // Begin and end of one action, in ns of std::chrono::steady_clock.
@@ -74,8 +94,10 @@ struct TraceEvent {
   int64_t end_ns = 0;
 };
 
+// What the last run did (peaks and trace are per run), and how many runs
+// completed so far.
 struct ExecutorStats {
-  int64_t steps = 0;
+  int64_t steps = 0;            // runs completed since construction
   int peak_live_forwards = 0;   // forwards whose backward (B or I) had not run
   int peak_buffered = 0;        // keys held in the buffers at once
   int peak_state_values = 0;    // Values held as runner state at once (NOTE [Runner state])
@@ -84,16 +106,22 @@ struct ExecutorStats {
 
 class ExecutorError : public std::runtime_error {
  public:
-  ExecutorError(const std::string& what, int rank, std::string action, int peer)
-      : std::runtime_error(what), rank_(rank), action_(std::move(action)), peer_(peer) {}
+  ExecutorError(const std::string& what, int rank, std::string action, int peer,
+                bool drained = false)
+      : std::runtime_error(what), rank_(rank), action_(std::move(action)), peer_(peer),
+        drained_(drained) {}
   int rank() const { return rank_; }
   const std::string& action() const { return action_; }  // text form; "" if none
   int peer() const { return peer_; }                      // -1 if none
+  // The failure was this rank's own and the program's transfers were finished
+  // with stand-ins: the channels are in step (NOTE [Draining a failed step]).
+  bool drained() const { return drained_; }
 
  private:
   int rank_;
   std::string action_;
   int peer_;
+  bool drained_;
 };
 
 class Executor {
@@ -107,7 +135,8 @@ class Executor {
 
   // Runs the program once (one training step). Blocks; throws ExecutorError.
   // After an error the executor is reset and may run again, if the transport
-  // still works (the in-memory one does; a c10d group may not after a timeout).
+  // still works (the in-memory one does; a c10d group may not after a timeout;
+  // it does after a drained failure).
   void run();
 
   const Schedule& schedule() const { return schedule_; }
@@ -127,6 +156,13 @@ class Executor {
     std::unique_ptr<PendingTransfer> transfer;
   };
 
+  // The first failure of a run being drained (NOTE [Draining a failed step]).
+  struct Failure {
+    int64_t index;
+    std::string cause;
+    int peer;
+  };
+
   // Where a (stage, microbatch) is between F and its last B/I/W (NOTE [Runner state]).
   enum class StatePhase : uint8_t { kNone, kSaved, kCarry };
   struct StateSlot {
@@ -136,6 +172,8 @@ class Executor {
 
   void checkProgram() const;
   void execute(int64_t index, const Action& action);
+  void drainAction(int64_t index, const Action& action);  // NOTE [Draining a failed step]
+  Values receive(int64_t index);  // waits for the RECV at `index`, posted ahead
   void postReceivesFor(int64_t index);
   void reapSends(bool wait_all);
   int64_t keyId(const TransferKey& key) const;
@@ -151,6 +189,8 @@ class Executor {
   void addStateValues(int64_t delta);
   int peerRank(const Action& action) const { return schedule_.stage_to_rank[action.peer_stage]; }
   [[noreturn]] void fail(int64_t index, const std::string& cause, int peer);
+  [[noreturn]] void failDrained();
+  std::string failureText(int64_t index, const std::string& cause, int peer) const;
   void reset();
 
   Schedule schedule_;
@@ -179,6 +219,7 @@ class Executor {
   int live_forwards_ = 0;
   std::vector<StateSlot> states_;  // (local stage, microbatch); NOTE [Runner state]
   int64_t state_values_ = 0;       // Values in states_
+  std::optional<Failure> failure_;  // set while draining
   ExecutorStats stats_;
 };
 

@@ -126,6 +126,10 @@ std::unique_ptr<PendingTransfer> MemoryTransport::recv(int peer, const TransferK
   return std::make_unique<MemoryRecv>(network_, peer, rank_, seq, key);
 }
 
+std::unique_ptr<PendingTransfer> MemoryTransport::sendStandIn(int peer, const TransferKey& key) {
+  return send(peer, key, Values{});
+}
+
 void MemoryTransport::abort(const std::string& reason) noexcept {
   try {
     network_->kill(rank_, reason.substr(0, reason.find('\n')));

@@ -51,6 +51,14 @@ class Transport {
                                                 Values values) = 0;
   // Posts the receive of the values of `key` from rank `peer`; does not block.
   virtual std::unique_ptr<PendingTransfer> recv(int peer, const TransferKey& key) = 0;
+  // Starts sending a stand-in for the values of `key` to `peer`: what a rank
+  // whose own step failed sends so that the peer, which waits for these
+  // values, can finish its step (NOTE [Draining a failed step] in
+  // executor.h). Does not block. Returns nullptr when the transport has no
+  // stand-ins (the executor then aborts instead).
+  virtual std::unique_ptr<PendingTransfer> sendStandIn(int /*peer*/, const TransferKey& /*key*/) {
+    return nullptr;
+  }
   // This rank failed: make peers that wait on it fail soon instead of at
   // their timeout, where the transport can. Never throws.
   virtual void abort(const std::string& /*reason*/) noexcept {}

@@ -67,6 +67,7 @@ class FakeRunner : public StageRunner {
   int state_values = 0;     // values per forward state; 0: a runner without state
   bool states_kept = true;  // false: the program has no backward to keep them for
   int step = 0;             // names the states of this step
+  bool stand_ins = false;   // an empty value (a drained peer's stand-in) counts as 0
 
   // State values alive now.
   int liveStates() const { return live_.load(); }
@@ -84,6 +85,7 @@ class FakeRunner : public StageRunner {
     if (states_kept) expected_live_ += state_values;
     int64_t sum = 0;
     for (const Values& from : inputs) {
+      if (stand_ins && from.empty()) continue;
       EXPECT_EQ(from.size(), 1u);
       sum += valueOf(from.at(0));
     }
@@ -114,7 +116,7 @@ class FakeRunner : public StageRunner {
       }
     }
     int64_t g = grads.empty() ? 1 : 0;
-    for (const Values& from : grads) g += valueOf(from.at(0));
+    for (const Values& from : grads) g += stand_ins && from.empty() ? 0 : valueOf(from.at(0));
     std::lock_guard lock(tables_.mu);
     EXPECT_TRUE(tables_.activation.count({stage, mb})) << "backward before forward";
     EXPECT_TRUE(tables_.gradient.emplace(std::pair{stage, mb}, g).second) << "B twice";
@@ -196,6 +198,7 @@ struct RunResult {
   std::vector<std::string> errors;  // per rank, "" when it succeeded
   std::vector<int> error_peers;
   std::vector<std::string> error_actions;
+  std::vector<bool> error_drained;
   std::vector<ExecutorStats> stats;
 };
 
@@ -213,6 +216,7 @@ RunResult runAll(const Schedule& lowered, Tables& tables, ExecutorOptions option
   result.errors.resize(lowered.num_ranks);
   result.error_peers.assign(lowered.num_ranks, -2);
   result.error_actions.resize(lowered.num_ranks);
+  result.error_drained.assign(lowered.num_ranks, false);
   result.stats.resize(lowered.num_ranks);
   std::vector<std::thread> threads;
   for (int r : ranks) {
@@ -228,6 +232,7 @@ RunResult runAll(const Schedule& lowered, Tables& tables, ExecutorOptions option
         result.errors[r] = e.what();
         result.error_peers[r] = e.peer();
         result.error_actions[r] = e.action();
+        result.error_drained[r] = e.drained();
       }
       // Done or failed, the executor holds no state of the step any more.
       EXPECT_EQ(runner.liveStates(), 0) << "rank " << r;
@@ -449,6 +454,88 @@ TEST(Executor, RunnerFailureNamesRankActionAndMarksProgram) {
   }
   EXPECT_EQ(r.error_peers[1], 2);
   EXPECT_EQ(r.error_peers[3], 2);
+}
+
+TEST(Executor, DrainedRunnerFailureLetsEveryPeerEndItsStepAndTheNextStepRuns) {
+  // NOTE [Draining a failed step]: rank 2's runner raises at 2F1; it finishes
+  // its transfers with stand-ins, so ranks 0, 1 and 3 end the step (on
+  // stand-in values) instead of waiting for their timeout, and the channels
+  // stay in step: the next step on the same network and executors is exact.
+  const Schedule lowered = lower(makeSchedule("1f1b", {4, 1, 4}));
+  auto net = std::make_shared<MemoryNetwork>(4);
+  std::vector<std::string> errors(4);
+  std::vector<std::string> actions(4);
+  std::vector<bool> drained(4, false);
+  Tables first, second;
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 4; ++r) {
+    threads.emplace_back([&, r] {
+      FakeRunner runner(lowered, first);
+      runner.stand_ins = true;
+      if (r == 2) {
+        runner.before = [](const char* kind, int stage, int mb) {
+          if (std::string(kind) == "F" && stage == 2 && mb == 1) throw std::runtime_error("boom");
+        };
+      }
+      MemoryTransport transport(net, r);
+      // A silent peer would make the others fail at this timeout, not end.
+      Executor exec(lowered, r, runner, transport, {.timeout = 10s, .drain = true});
+      try {
+        exec.run();
+      } catch (const ExecutorError& e) {
+        errors[r] = e.what();
+        actions[r] = e.action();
+        drained[r] = e.drained();
+      }
+      FakeRunner next(lowered, second);
+      Executor again(lowered, r, next, transport, {.timeout = 10s, .drain = true});
+      again.run();
+    });
+  }
+  for (auto& t : threads) t.join();
+  EXPECT_NE(errors[2].find("rank 2: action 2F1 (#"), std::string::npos) << errors[2];
+  EXPECT_NE(errors[2].find("boom"), std::string::npos) << errors[2];
+  EXPECT_NE(errors[2].find("stand-in"), std::string::npos) << errors[2];
+  EXPECT_NE(errors[2].find("2F1  <-- FAILED HERE"), std::string::npos) << errors[2];
+  EXPECT_EQ(actions[2], "2F1");
+  EXPECT_TRUE(drained[2]);
+  for (int r : {0, 1, 3}) EXPECT_EQ(errors[r], "") << "rank " << r;
+  expectMatchesReference(lowered, second);
+  EXPECT_EQ(net->inFlight(), 0u);
+}
+
+TEST(Executor, WithoutDrainARunnerFailureIsNotMarkedDrained) {
+  const Schedule lowered = lower(makeSchedule("gpipe", {1, 2, 2}));
+  Tables tables;
+  RunResult r = runAll(lowered, tables, {}, {}, [](FakeRunner& runner, int) {
+    runner.before = [](const char* kind, int, int) {
+      if (std::string(kind) == "B") throw std::runtime_error("boom");
+    };
+  });
+  EXPECT_NE(r.errors[0].find("boom"), std::string::npos);
+  EXPECT_FALSE(r.error_drained[0]);
+  EXPECT_EQ(r.errors[0].find("stand-in"), std::string::npos);
+}
+
+TEST(Executor, PeaksArePerRunNotSinceConstruction) {
+  // gpipe holds every forward; a run of a forward-only program on the same
+  // executor is impossible, so compare two runs where the second fails early.
+  const Schedule lowered = lower(makeSchedule("gpipe", {1, 1, 4}));
+  MemoryTransport transport(std::make_shared<MemoryNetwork>(1), 0);
+  Tables tables;
+  FakeRunner runner(lowered, tables);
+  Executor exec(lowered, 0, runner, transport);
+  exec.run();
+  EXPECT_EQ(exec.stats().peak_live_forwards, 4);
+  EXPECT_EQ(exec.stats().steps, 1);
+  tables.activation.clear();
+  tables.gradient.clear();
+  runner.before = [](const char* kind, int, int mb) {
+    if (std::string(kind) == "F" && mb == 1) throw std::runtime_error("stop");
+  };
+  EXPECT_THROW(exec.run(), ExecutorError);
+  EXPECT_EQ(exec.stats().peak_live_forwards, 1);  // only F0 ran in this run
+  EXPECT_EQ(exec.stats().steps, 1);               // runs completed
 }
 
 TEST(Executor, InjectedSendFailureNamesThePeer) {

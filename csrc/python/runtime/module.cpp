@@ -301,6 +301,7 @@ PYBIND11_MODULE(_runtime, m) {
       err.attr("rank") = e.rank();
       err.attr("action") = e.action();
       err.attr("peer") = e.peer();
+      err.attr("drained") = e.drained();
       PyErr_SetObject(executor_error->ptr(), err.ptr());
     }
   });
@@ -324,25 +325,42 @@ PYBIND11_MODULE(_runtime, m) {
            "giving the shape and dtype of each transferred tensor (meta tensors are fine).")
       .def_property_readonly("rank", &C10dTransport::rank);
 
+  m.def("keep_until_exit", [](const std::string& group_name) {
+          // Leaked on purpose (see the docstring): destroyed at exit it would join
+          // its worker threads, which wait out their work first.
+          static auto* kept = new std::vector<c10::intrusive_ptr<c10d::ProcessGroup>>();
+          kept->push_back(groupNamed(group_name));
+        },
+        py::arg("group_name"),
+        "Keep the process group named `group_name` alive until the process exits, never "
+        "destroying it: a gloo group's destructor waits for the collectives still running on "
+        "its worker threads, up to the group's own timeout (30 min by default), and gloo has "
+        "no abort. For a group left with such work after a failure (NOTE [Abandoned "
+        "groups] in torch_mpmd/lockstep.py).");
+
   py::class_<PyExecutor>(m, "Executor")
       .def(py::init([](const std::string& schedule_text, int rank, py::object runner,
                        std::shared_ptr<Transport> transport, int lookahead, double timeout_s,
-                       bool trace) {
+                       bool trace, bool drain) {
              ExecutorOptions options;
              options.lookahead = lookahead;
              options.timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000));
              options.trace = trace;
+             options.drain = drain;
              return std::make_unique<PyExecutor>(schedule_text, rank, std::move(runner),
                                                  std::move(transport), options);
            }),
            py::arg("schedule_text"), py::arg("rank"), py::arg("runner"), py::arg("transport"),
            py::arg("lookahead") = 2, py::arg("timeout_s") = 60.0, py::arg("trace") = false,
+           py::arg("drain") = false,
            "Executor of rank `rank`'s program of a lowered schedule (text form). `transport` "
            "may be None only when the program has no SEND/RECV. `runner` has methods forward, "
            "backward, backward_weight and reduce_grad; with `runner.returns_state` True the "
            "executor holds the forward's saved tensors and I's carry for W: forward returns "
            "(sends, state), backward takes the state and returns (input_grads, carry), "
-           "backward_weight takes the carry.")
+           "backward_weight takes the carry. With `drain`, a failure of this rank's own code "
+           "is raised only after the program's transfers were finished with stand-in values "
+           "(ExecutorError.drained is then True; NOTE [Draining a failed step]).")
       .def("run", [](PyExecutor& self) {
              py::gil_scoped_release nogil;
              self.executor->run();
@@ -356,6 +374,20 @@ PYBIND11_MODULE(_runtime, m) {
         for (const auto& a : self.executor->program()) out.push_back(mpmd::toString(a));
         return out;
       })
+      .def_property_readonly("trace_array", [](PyExecutor& self) {
+             // One copy into an int64 tensor [n, 3] of (action index, begin ns,
+             // end ns): cheap enough to keep every step's (no tuple per action).
+             const auto& trace = self.executor->stats().trace;
+             at::Tensor out = at::empty({static_cast<int64_t>(trace.size()), 3}, at::kLong);
+             int64_t* row = out.data_ptr<int64_t>();
+             for (const TraceEvent& e : trace) {
+               *row++ = e.action_index;
+               *row++ = e.begin_ns;
+               *row++ = e.end_ns;
+             }
+             return out;
+           },
+           "The last run's trace as an int64 tensor of rows (action index, begin ns, end ns).")
       .def_property_readonly("stats", [](PyExecutor& self) {
         const ExecutorStats& s = self.executor->stats();
         py::dict d;
