@@ -15,16 +15,21 @@ Options: --schedule {gpipe,1f1b,interleaved_1f1b,looped_bfs,zero_bubble,zbv,dual
 --stages-per-rank (default 2 for interleaved_1f1b, looped_bfs, zbv and dualpipev, else 1),
 --device cpu, --out-dir out (the last step's Chrome trace and measured timeline PNG),
 --dp 2 (pipeline replicas: torchrun 4 processes = dp 2 x pp 2), --checkpoint-dir ckpt
-(save at the end), --resume (start from its latest checkpoint; any pipeline size).
+(save at the end, with the step and the LR scheduler), --resume (start from its latest
+checkpoint; any pipeline size), --clip 1.0 (global gradient-norm clipping over all stages;
+0: none), --eval-every 20 (the loss on a held-out batch, forward only; 0: never).
 
 The model is examples/gpt_model.py's GPT (token embedding tied to the
 unembedding, so the first and last stage share one weight); the corpus is a
-few KB of English embedded in examples/corpus.py. Every rank builds the same
-model from the same seed and reads the same batches; the pipeline splits the
-model at split_points=["blocks.K", ...], each rank runs only its own stages,
-and `pipe.step` returns the same mean loss on every rank. Rank 0 prints a
-progress line, the first and last loss, and a short sample; the run exits
-non-zero if the loss did not fall.
+few KB of English embedded in examples/corpus.py (its last tenth held out for
+evaluation). Every rank builds the same model from the same seed and reads the
+same batches; the pipeline splits the model at split_points=["blocks.K", ...],
+each rank runs only its own stages, and `pipe.step` returns the same mean loss
+on every rank. A step is the usual loop: `pipe.step`, `pipe.clip_grad_norm_`
+(the norm over every stage, the tied weight counted once), the optimizer and
+the LR scheduler; every --eval-every steps `pipe.eval_step` gives the
+held-out loss. Rank 0 prints a progress line, the first and last loss, and a
+short sample; the run exits non-zero if the loss did not fall.
 """
 
 from __future__ import annotations
@@ -77,6 +82,10 @@ def parse_args() -> argparse.Namespace:
                    help="save model and optimizer here at the end (torch.distributed.checkpoint)")
     p.add_argument("--resume", action="store_true",
                    help="start from the latest checkpoint in --checkpoint-dir")
+    p.add_argument("--clip", type=float, default=1.0,
+                   help="clip the global gradient norm to this (0: no clipping)")
+    p.add_argument("--eval-every", type=int, default=20,
+                   help="held-out loss every N steps and at the last (0: never)")
     p.add_argument("--compile", action="store_true",
                    help="compile each stage's programs (F, B or I/W) with Inductor")
     p.add_argument("--sample-chars", type=int, default=100, help="characters to sample at the end (0: none)")
@@ -94,13 +103,18 @@ class CharData:
     """The embedded corpus as character ids, and a deterministic batch sampler.
 
     Every rank seeds the sampler identically, so all ranks read the same
-    batches without communicating.
+    batches without communicating. ``part``: "train" samples the first
+    ``1 - HELD_OUT`` of the text, "held_out" the rest (one vocabulary for both).
     """
 
-    def __init__(self, text: str, block_size: int, seed: int) -> None:
+    HELD_OUT = 0.1
+
+    def __init__(self, text: str, block_size: int, seed: int, part: str = "train") -> None:
         self.chars = sorted(set(text))
         self.stoi = {c: i for i, c in enumerate(self.chars)}
-        self.ids = torch.tensor([self.stoi[c] for c in text], dtype=torch.long)
+        ids = torch.tensor([self.stoi[c] for c in text], dtype=torch.long)
+        cut = int(len(ids) * (1 - self.HELD_OUT))
+        self.ids = ids[:cut] if part == "train" else ids[cut:]
         self.block_size = block_size
         self.gen = torch.Generator().manual_seed(seed)
         if len(self.ids) <= block_size + 1:
@@ -164,11 +178,13 @@ class Progress:
     def __init__(self, total: int, label: str, every: int = 10, width: int = 24) -> None:
         self.total, self.label, self.every, self.width = total, label, every, width
 
-    def update(self, step: int, loss: float, tokens_per_s: float) -> None:
+    def update(self, step: int, loss: float, tokens_per_s: float,
+               held_out: float | None = None) -> None:
         filled = self.width * step // self.total
         bar = "#" * filled + "." * (self.width - filled)
+        val = f"held-out {held_out:6.3f}  " if held_out is not None else ""
         line = (f"\r[{bar}] step {step:>{len(str(self.total))}}/{self.total}  loss {loss:6.3f}  "
-                f"{tokens_per_s:8.0f} tok/s  {self.label}")
+                f"{val}{tokens_per_s:8.0f} tok/s  {self.label}")
         end = "\n" if step % self.every == 0 or step == self.total else ""
         print(line, end=end, flush=True)
 
@@ -194,6 +210,20 @@ def sample(pipe, data: CharData, batch_size: int, n_chars: int, seed: int,
         context.append(nxt)
         out.append(nxt)
     return data.decode(context[: data.block_size]), data.decode(out)
+
+
+def held_out_loss(pipe, batch: tuple[torch.Tensor, torch.Tensor]) -> float:
+    """The mean loss on a held-out batch: forward and loss only, in eval mode
+    (the pipeline keeps one capture per mode, so switching back is free)."""
+    pipe.eval()
+    loss = pipe.eval_step(batch[0], target=batch[1])
+    pipe.train()
+    return float(loss)
+
+
+def linear_decay(total_steps: int):
+    """LR factor: from 1 down to 0.1 over ``total_steps``, then 0.1."""
+    return lambda step: max(0.1, 1.0 - 0.9 * step / max(1, total_steps))
 
 
 # ---------------------------------------------------------------- main
@@ -223,6 +253,8 @@ def main() -> int:
     is_main = rank == 0
 
     data = CharData(TEXT, args.block_size, args.seed + 1000 * dp_rank)
+    held_out = CharData(TEXT, args.block_size, args.seed + 1, part="held_out")
+    eval_batch = tuple(t.to(device) for t in held_out.batch(args.batch_size))
     cfg = GPTConfig(vocab_size=data.vocab_size, block_size=args.block_size, n_layer=args.layers,
                     n_head=4, d_model=args.d_model)
     model = build_model(cfg, args.seed).to(device)
@@ -238,12 +270,17 @@ def main() -> int:
     # those that end up on other ranks' stages never get a .grad here, and
     # AdamW skips parameters without one.
     opt = torch.optim.AdamW(pipe.parameters(), lr=args.lr)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, linear_decay(args.steps))
+    start = 0  # steps taken before this run (a resumed run continues the count)
     if args.resume:
         if not args.checkpoint_dir:
             raise SystemExit("--resume needs --checkpoint-dir")
-        mpmd.checkpoint.load(pipe, opt, args.checkpoint_dir)
+        got = mpmd.checkpoint.load(pipe, opt, args.checkpoint_dir,
+                                   extra={"lr_scheduler": sched})
+        start = int(got["extra"].get("step", 0))
         if is_main:
-            print(f"resumed from {mpmd.checkpoint.latest(args.checkpoint_dir)}")
+            print(f"resumed from {got['directory']} at step {start} "
+                  f"(lr {sched.get_last_lr()[0]:.2e})")
 
     if is_main:
         print(f"GPT: {args.layers} layers, d_model {args.d_model}, vocab {data.vocab_size}, "
@@ -257,22 +294,29 @@ def main() -> int:
     progress = Progress(args.steps, label)
     tokens_per_step = args.batch_size * args.block_size
     losses: list[float] = []
+    held_out_losses: list[float] = []
     timed_tokens, timed_seconds = 0, 0.0
     t_start = time.perf_counter()
     for step in range(1, args.steps + 1):
         x, y = data.batch(args.batch_size)
         t0 = time.perf_counter()
         loss = pipe.step(x.to(device), target=y.to(device))
+        if args.clip > 0:  # the norm over every stage: the same scaling on every rank
+            pipe.clip_grad_norm_(args.clip)
         opt.step()
         opt.zero_grad()
+        sched.step()
         dt = time.perf_counter() - t0
         losses.append(float(loss))
         if step > 1:  # the first step includes capture and partitioning
             timed_tokens += tokens_per_step
             timed_seconds += dt
+        if args.eval_every > 0 and step % args.eval_every == 0 and step < args.steps:
+            held_out_losses.append(held_out_loss(pipe, eval_batch))
         if is_main:
             tps = timed_tokens / timed_seconds if timed_seconds else tokens_per_step / dt
-            progress.update(step, losses[-1], tps)
+            progress.update(step, losses[-1], tps,
+                            held_out_losses[-1] if held_out_losses else None)
             if step == 1:  # captured now: the stages are known
                 print(f"\nrank 0 runs stages {pipe.local_stages} of {pipe.num_stages}"
                       f" (capture + first step {dt:.1f}s)")
@@ -299,6 +343,11 @@ def main() -> int:
               "; peak activations " + ", ".join(f"{float(t[0]) / 2**20:.1f} MiB" for t in everyone))
         print(f"trace: {trace_path} (chrome://tracing, ui.perfetto.dev); timeline: {png_path}")
 
+    # The held-out loss after the last step: evaluated after the trace was
+    # written, which shows the last run of the pipeline (a training step).
+    if args.eval_every > 0:
+        held_out_losses.append(held_out_loss(pipe, eval_batch))
+
     # Smoke check that the run trained: the mean of the last (up to 5) losses,
     # step 1 excluded, must be MIN_LOSS_DROP below the first (batch-to-batch
     # noise at a fixed model is ~0.01).
@@ -314,9 +363,15 @@ def main() -> int:
         print(f"done: {args.steps} steps in {wall:.1f}s, {tps:.0f} tok/s after the first step "
               f"({args.schedule}, pp={pp})")
         print(f"loss: first {first:.3f}, last {last:.3f} (mean of last {len(tail)}: {last_mean:.3f})")
+        if len(held_out_losses) > 1:
+            print(f"held-out loss: first {held_out_losses[0]:.3f}, last {held_out_losses[-1]:.3f}"
+                  f" ({len(held_out_losses)} evaluations)")
+        elif held_out_losses:
+            print(f"held-out loss: {held_out_losses[0]:.3f}")
 
-    if args.checkpoint_dir:
-        where = mpmd.checkpoint.save(pipe, opt, args.checkpoint_dir)
+    if args.checkpoint_dir:  # with the loop's own state: the step count and the LR schedule
+        where = mpmd.checkpoint.save(pipe, opt, args.checkpoint_dir,
+                                     extra={"step": start + args.steps, "lr_scheduler": sched})
         if is_main:
             print(f"checkpoint: {where}")
 
