@@ -283,7 +283,8 @@ def _named_module_tensors(module: torch.nn.Module) -> tuple[
 
 def _tensor_attribute_fqn(module: torch.nn.Module, tensor: torch.Tensor) -> str | None:
     """FQN of a plain (unregistered) tensor attribute, e.g. ``self.scale = torch.tensor(2.)``."""
-    for mod_fqn, mod in module.named_modules():
+    mirrors = [("", m) for m in getattr(module, "_mpmd_mirrors", ())]  # frame.FrameModule
+    for mod_fqn, mod in [*module.named_modules(), *mirrors]:
         for name, value in vars(mod).items():
             if value is tensor:
                 return f"{mod_fqn}.{name}" if mod_fqn else name

@@ -112,9 +112,11 @@ class ProgramRunner(StageRunner):
         the other ranks, which may still be compiling)."""
         target0 = targets[0] if targets else None
         leaves, spec = pytree.tree_flatten(target0) if target0 is not None else ([], None)
+        grad_inputs = sorted(n for n, v in (inputs[0] if inputs else {}).items()
+                             if isinstance(v, torch.Tensor) and v.requires_grad)
         key = (id(loss_fn), str(spec),
                tuple((tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else repr(t)
-                     for t in leaves))
+                     for t in leaves), tuple(grad_inputs))
         if key in self._built:
             if self.programs is not self._built[key]:
                 self.programs = self._built[key]
@@ -124,6 +126,9 @@ class ProgramRunner(StageRunner):
         self.fallback_reason = None  # of this build (an earlier key's may differ)
         try:
             for s, st in sorted(self.stages.items()):
+                wanted = [n for n in st.signature.user_inputs if n in grad_inputs]
+                if wanted:  # the programs return no input gradients
+                    raise ProgramsUnsupported(f"user input(s) {', '.join(wanted)} require grad")
                 programs[s] = self._build(s, st, inputs[0], leaves, spec, loss_fn)
         except ProgramsUnsupported as e:
             programs = None

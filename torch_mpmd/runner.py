@@ -294,6 +294,15 @@ class StageRunner:
         self.live_bytes = {s: 0 for s in self.stages}
         self.peak_bytes = {s: 0 for s in self.stages}
         self._loss_grads: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+        # Stages reading a user input that requires grad (the compile door's
+        # inputs): their backward is never split, so the input's gradient
+        # accumulates in one engine call (I runs all of B, W nothing).
+        first = self.inputs[0] if self.inputs else {}
+        wanted = [n for n, v in first.items() if isinstance(v, torch.Tensor) and v.requires_grad]
+        self.whole_backward: frozenset[int] = frozenset(
+            s for s, st in self.stages.items()
+            if wanted and any(n in wanted for n in st.signature.user_inputs)) if training \
+            else frozenset()
 
     def end_step(self) -> None:
         """Drop what a step left behind (after an error, or forward-only runs)."""
@@ -347,7 +356,7 @@ class StageRunner:
                         for n in sig.user_inputs] + received
         else:
             args = [*map(mb_inputs.__getitem__, sig.user_inputs), *received]
-        split = training and st.wplan is not None
+        split = training and st.wplan is not None and stage not in self.whole_backward
         rng_key = (stage, split, training)
         draws = self._draws_rng.get(rng_key)
         if draws is not False:
@@ -454,6 +463,8 @@ class StageRunner:
 
     def backward(self, stage: int, mb: int, grads: list[list[torch.Tensor]],
                  input_only: bool) -> list[list[torch.Tensor]]:
+        if input_only and stage in self.whole_backward:
+            return self._whole_backward_as_input(stage, mb, grads)
         saved = self._saved[(stage, mb)] if input_only else self._saved.pop((stage, mb))
         if not input_only:
             self.live_bytes[stage] -= saved.saved_bytes
@@ -524,6 +535,13 @@ class StageRunner:
         dz = iter(got[len(leaves):])
         saved.dzs = [next(dz) if z.requires_grad else None for z in saved.zs]
         return [next(it) if leaf is not None else None for leaf in saved.leaves]
+
+    def _whole_backward_as_input(self, stage: int, mb: int,
+                                 grads: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
+        """I of a stage in ``whole_backward``: all of B; W then has nothing left."""
+        result = StageRunner.backward(self, stage, mb, grads, input_only=False)
+        self._saved[(stage, mb)] = _Saved([], [], [], 0, [])
+        return result
 
     def backward_weight(self, stage: int, mb: int) -> None:
         saved = self._saved.pop((stage, mb))
