@@ -17,7 +17,9 @@ Options: --schedule {gpipe,1f1b,interleaved_1f1b,looped_bfs,zero_bubble,zbv,dual
 --dp 2 (pipeline replicas: torchrun 4 processes = dp 2 x pp 2), --checkpoint-dir ckpt
 (save at the end, with the step and the LR scheduler), --resume (start from its latest
 checkpoint; any pipeline size), --clip 1.0 (global gradient-norm clipping over all stages;
-0: none), --eval-every 20 (the loss on a held-out batch, forward only; 0: never).
+0: none), --eval-every 20 (the loss on a held-out batch, forward only; 0: never),
+--compile (stage programs compiled by Inductor), --door (train through
+torch.compile(train_loss, backend="mpmd") and loss.backward() instead of pipe.step).
 
 The model is examples/gpt_model.py's GPT (token embedding tied to the
 unembedding, so the first and last stage share one weight); the corpus is a
@@ -88,6 +90,9 @@ def parse_args() -> argparse.Namespace:
                    help="held-out loss every N steps and at the last (0: never)")
     p.add_argument("--compile", action="store_true",
                    help="compile each stage's programs (F, B or I/W) with Inductor")
+    p.add_argument("--door", action="store_true",
+                   help="train through torch.compile(train_loss, backend='mpmd'): the loss "
+                        "inside the compiled function, loss.backward() (no --resume)")
     p.add_argument("--sample-chars", type=int, default=100, help="characters to sample at the end (0: none)")
     args = p.parse_args()
     if args.stages_per_rank is None:
@@ -212,11 +217,13 @@ def sample(pipe, data: CharData, batch_size: int, n_chars: int, seed: int,
     return data.decode(context[: data.block_size]), data.decode(out)
 
 
-def held_out_loss(pipe, batch: tuple[torch.Tensor, torch.Tensor]) -> float:
+def held_out_loss(pipe, batch: tuple[torch.Tensor, torch.Tensor], door: bool = False) -> float:
     """The mean loss on a held-out batch: forward and loss only, in eval mode
-    (the pipeline keeps one capture per mode, so switching back is free)."""
+    (the pipeline keeps one capture per mode, so switching back is free).
+    The compile door's pipeline computes the loss itself from (x, y)."""
     pipe.eval()
-    loss = pipe.eval_step(batch[0], target=batch[1])
+    loss = (pipe.eval_step(batch[0], batch[1]) if door else
+            pipe.eval_step(batch[0], target=batch[1]))
     pipe.train()
     return float(loss)
 
@@ -262,14 +269,26 @@ def main() -> int:
     points = split_points(args.layers, num_stages)
     n_params = sum(p.numel() for p in model.parameters())
 
-    pipe = mpmd.pipeline(model, loss_fn=lm_loss, schedule=args.schedule,
-                         num_microbatches=args.microbatches, stages_per_rank=args.stages_per_rank,
-                         split_points=points, device=device, seed=args.seed, mesh=mesh,
-                         compile="inductor" if args.compile else False)
-    # Before the first step (capture) this is the whole model's parameters;
-    # those that end up on other ranks' stages never get a .grad here, and
-    # AdamW skips parameters without one.
-    opt = torch.optim.AdamW(pipe.parameters(), lr=args.lr)
+    settings = dict(schedule=args.schedule, num_microbatches=args.microbatches,
+                    stages_per_rank=args.stages_per_rank, split_points=points, device=device,
+                    seed=args.seed, mesh=mesh, compile="inductor" if args.compile else False)
+    if args.door:  # the compile door: the same pipeline, built on the first call
+        if args.resume:
+            raise SystemExit("--door does not take --resume (its pipeline exists after the "
+                             "first call; resume with the pipeline() loop)")
+
+        @torch.compile(backend="mpmd", options=settings)
+        def train_loss(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            return lm_loss(model(x), y)
+
+        pipe = None
+        opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    else:
+        pipe = mpmd.pipeline(model, loss_fn=lm_loss, **settings)
+        # Before the first step (capture) this is the whole model's parameters;
+        # those that end up on other ranks' stages never get a .grad here, and
+        # AdamW skips parameters without one.
+        opt = torch.optim.AdamW(pipe.parameters(), lr=args.lr)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, linear_decay(args.steps))
     start = 0  # steps taken before this run (a resumed run continues the count)
     if args.resume:
@@ -290,7 +309,8 @@ def main() -> int:
               f"{args.microbatches} microbatches of {args.batch_size // args.microbatches}, "
               f"device {device}")
 
-    label = f"{args.schedule} pp={pp}" + (" compiled" if args.compile else "")
+    label = (f"{args.schedule} pp={pp}" + (" compiled" if args.compile else "")
+             + (" (compile door)" if args.door else ""))
     progress = Progress(args.steps, label)
     tokens_per_step = args.batch_size * args.block_size
     losses: list[float] = []
@@ -300,7 +320,12 @@ def main() -> int:
     for step in range(1, args.steps + 1):
         x, y = data.batch(args.batch_size)
         t0 = time.perf_counter()
-        loss = pipe.step(x.to(device), target=y.to(device))
+        if args.door:
+            loss = train_loss(x.to(device), y.to(device))  # the whole schedule
+            loss.backward()  # hands the local parameters their gradients
+            pipe = mpmd.pipeline_of(train_loss)  # for clipping, evaluation and traces
+        else:
+            loss = pipe.step(x.to(device), target=y.to(device))
         if args.clip > 0:  # the norm over every stage: the same scaling on every rank
             pipe.clip_grad_norm_(args.clip)
         opt.step()
@@ -312,7 +337,7 @@ def main() -> int:
             timed_tokens += tokens_per_step
             timed_seconds += dt
         if args.eval_every > 0 and step % args.eval_every == 0 and step < args.steps:
-            held_out_losses.append(held_out_loss(pipe, eval_batch))
+            held_out_losses.append(held_out_loss(pipe, eval_batch, args.door))
         if is_main:
             tps = timed_tokens / timed_seconds if timed_seconds else tokens_per_step / dt
             progress.update(step, losses[-1], tps,
@@ -346,7 +371,7 @@ def main() -> int:
     # The held-out loss after the last step: evaluated after the trace was
     # written, which shows the last run of the pipeline (a training step).
     if args.eval_every > 0:
-        held_out_losses.append(held_out_loss(pipe, eval_batch))
+        held_out_losses.append(held_out_loss(pipe, eval_batch, args.door))
 
     # Smoke check that the run trained: the mean of the last (up to 5) losses,
     # step 1 excluded, must be MIN_LOSS_DROP below the first (batch-to-batch
@@ -375,7 +400,7 @@ def main() -> int:
         if is_main:
             print(f"checkpoint: {where}")
 
-    if args.sample_chars > 0 and fell:
+    if args.sample_chars > 0 and fell and not args.door:  # the door's pipeline takes (x, y)
         t0 = time.perf_counter()
         prompt, generated = sample(pipe, data, args.batch_size, args.sample_chars, args.seed, device)
         if is_main:

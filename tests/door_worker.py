@@ -217,8 +217,13 @@ def autograd_grad(case: dict[str, Any], group: Any, timeout: float) -> dict[str,
         autograd=[_diff(g, r.grad, *TOL) for g, r in zip(grads, ref.parameters())
                   if g is not None],
         autograd_count=sum(g is not None for g in grads))
+    calls: list[str] = []
+    for n, p in model.named_parameters():  # hooks run once, in backward, as in eager
+        p.register_hook(lambda g, n=n: calls.append(n))
     (train_loss(x, y) * 3.0).backward()
     out["scaled"] = _grads(model, ref, 3.0)
+    out["hook_calls"] = sorted(calls)
+    out["with_grad"] = sorted(n for n, p in model.named_parameters() if p.grad is not None)
     model.zero_grad(set_to_none=True)
     torch._dynamo.reset()
 

@@ -99,6 +99,7 @@ def test_autograd_grad_scaled_losses_and_the_sum_reduction():
         assert res["autograd_count"] > 0
         assert all(d["ok"] for d in res["autograd"]), f"rank {rank}: {res['autograd']}"
         assert not _bad(rank, res["scaled"], "scaled "), _bad(rank, res["scaled"], "scaled ")
+        assert res["hook_calls"] == res["with_grad"], f"rank {rank}: hooks {res['hook_calls']}"
         assert res["sum_loss"]["ok"], f"rank {rank}: {res['sum_loss']}"
         assert not _bad(rank, res["sum_grads"], "sum "), _bad(rank, res["sum_grads"], "sum ")
 

@@ -2,7 +2,7 @@
 
 Importing the package does not import torch; ``torch_mpmd.schedules`` needs
 only the compiled ``torch_mpmd._C`` extension. The torch-dependent names
-(``pipeline``, ``Pipeline``, ``PipelineError``, ``Replicate``,
+(``pipeline``, ``Pipeline``, ``PipelineError``, ``Replicate``, ``pipeline_of``,
 ``stage_boundary``, ``split_model``, ``SplitModel``, ``CaptureError``) are
 imported on first access.
 """
@@ -26,10 +26,11 @@ _LAZY = {
     "Pipeline": "torch_mpmd.api",
     "PipelineError": "torch_mpmd.runtime",
     "Replicate": "torch_mpmd.microbatch",
+    "pipeline_of": "torch_mpmd.door",
 }
 
 __all__ = ["__version__", "schedules", "checkpoint", "trace", "pipeline", "Pipeline", "PipelineError",
-           "Replicate",
+           "Replicate", "pipeline_of",
            "stage_boundary", "split_model", "SplitModel", "CaptureError"]
 
 

@@ -22,6 +22,7 @@ function's arguments, then:
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -32,7 +33,34 @@ import torch.fx
 from torch_mpmd.frame import FrameCall, FrameModule, frame_call
 from torch_mpmd.microbatch import first_microbatch
 
-__all__ = ["Door"]
+__all__ = ["Door", "pipeline_of"]
+
+# The latest Door per compiled function (its code object) or module: what
+# pipeline_of() finds. Weak: a door lives as long as Dynamo's cache keeps it.
+_DOORS: "weakref.WeakValueDictionary[Any, Door]" = weakref.WeakValueDictionary()
+
+
+def _door_key(fn: Any) -> Any:
+    fn = getattr(fn, "_torchdynamo_orig_callable", fn)   # a torch.compile'd function
+    fn = getattr(fn, "_orig_mod", fn)                    # a torch.compile'd module
+    if isinstance(fn, torch.nn.Module):
+        return ("module", id(fn))
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        raise TypeError(f"pipeline_of() takes a function or module compiled with "
+                        f"backend='mpmd', got {type(fn).__name__}")
+    return ("code", code)
+
+
+def pipeline_of(fn: Any) -> Any:
+    """The Pipeline behind ``torch.compile(fn, backend="mpmd")`` (after its first
+    call): for ``clip_grad_norm_``, ``eval_step``, ``describe``, timelines and
+    checkpoints. ``fn``: the compiled function or module, or the original."""
+    door = _DOORS.get(_door_key(fn))
+    if door is None:
+        raise RuntimeError("no pipeline yet for this function: call it once (the mpmd backend "
+                           "builds its pipeline on the first call)")
+    return door.pipeline
 
 
 def _output_examples(gm: torch.fx.GraphModule) -> list[Any]:
@@ -100,6 +128,7 @@ class Door:
                              and out[0].dim() == 0 and out[0].is_floating_point()
                              and out[0].requires_grad)
         self.pipeline = self._new_pipeline()
+        _DOORS[_door_key(self.call.fn)] = self
         self._anchor = torch.zeros((), requires_grad=True)  # a loss with no local parameter
         self._generation = 0
         self._pending: tuple[list, list] | None = None
@@ -160,6 +189,8 @@ class Door:
         stash = [p.grad for p in every]
         for p in every:
             p.grad = None
+        rt = pipe._ensure_built(*first_microbatch(args, kwargs, pipe.num_microbatches))
+        rt.runner.hooks_run_later = True  # they run in _StepLoss.backward, once
         try:
             loss = pipe.step(*args, **kwargs)
             local = [p for p in pipe.parameters() if p.requires_grad]

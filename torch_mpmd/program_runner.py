@@ -99,6 +99,9 @@ class ProgramRunner(StageRunner):
         self.rank = rank
         self.device = device or torch.device("cpu")
         self.fallback_reason: str | None = None
+        # Set by the compile door, which hands the step's gradients to autograd
+        # afterwards (where parameter hooks run): hooks do not force a fallback.
+        self.hooks_run_later = False
         self._built: dict[tuple, dict[int, StagePrograms] | None] = {}
         self._functional = False
         self._targets_flat: list[list[torch.Tensor]] = []
@@ -162,7 +165,8 @@ class ProgramRunner(StageRunner):
             loss=(loss_tail(loss_fn, self.rebuild_output, sig.user_inputs, target_spec)
                   if last else None),
             target_leaves=target_leaves if last else [], split_backward="I" in kinds,
-            run_backward="B" in kinds, compiler=self.compiler)
+            run_backward="B" in kinds, compiler=self.compiler,
+            hooks_run_later=self.hooks_run_later)
 
     # ------------------------------------------------------------ per step
     def begin_step(self, inputs: Sequence[Mapping[str, Any]], targets: Sequence[Any],

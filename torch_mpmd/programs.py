@@ -202,7 +202,8 @@ def build_stage_programs(stage: int, module: torch.fx.GraphModule, *, num_user: 
                          user_inputs: Sequence[Any], num_sent: int,
                          loss: Callable[[tuple, tuple, list], torch.Tensor] | None,
                          target_leaves: Sequence[torch.Tensor], split_backward: bool,
-                         compiler: Compiler | None, run_backward: bool = True) -> StagePrograms:
+                         compiler: Compiler | None, run_backward: bool = True,
+                         hooks_run_later: bool = False) -> StagePrograms:
     """Trace ``module`` (the stage) and cut it into programs.
 
     ``received``: example values of the received inputs (fresh tensors of the
@@ -210,14 +211,16 @@ def build_stage_programs(stage: int, module: torch.fx.GraphModule, *, num_user: 
     ``loss(flat_outputs, user_inputs, target_leaves)`` is given on the last
     stage (training): F then returns the microbatch's loss as its one output.
     ``split_backward``: build I and W; ``run_backward``: B runs too (compiled
-    only when it does). Raises ProgramsUnsupported when the stage cannot be expressed this way.
+    only when it does). ``hooks_run_later``: parameters' gradient hooks are
+    the caller's to run (the compile door hands the gradients to autograd
+    after the step). Raises ProgramsUnsupported when the stage cannot be expressed this way.
     """
     from torch._functorch._aot_autograd import descriptors as d
     from torch._functorch.partitioners import default_partition
 
     for name, t in module.named_parameters():
-        if t.requires_grad and (t._backward_hooks or getattr(t, "_post_accumulate_grad_hooks",
-                                                             None)):
+        hooked = t._backward_hooks or getattr(t, "_post_accumulate_grad_hooks", None)
+        if not hooks_run_later and t.requires_grad and hooked:
             raise ProgramsUnsupported(f"parameter {name!r} has gradient hooks, which run only "
                                       "under the autograd engine")
     if any(not isinstance(u, torch.Tensor) for u in user_inputs):
