@@ -258,6 +258,9 @@ def batch_change(case: dict[str, Any], group: Any, timeout: float) -> dict[str, 
         ref.zero_grad(set_to_none=True)
         want = loss_of(name, ref, x, y)
         want.backward()
+        if case.get("mark_dynamic"):
+            torch._dynamo.mark_dynamic(x, 0)
+            torch._dynamo.mark_dynamic(y, 0)
         loss = train_loss(x, y)
         loss.backward()
         out[f"b{size}"] = dict(loss=_diff(loss.detach(), want.detach(), *TOL),

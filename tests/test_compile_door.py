@@ -32,6 +32,8 @@ OTHER = [
     dict(id="batch-change", kind="batch_change", model="hf_llama", schedule="1f1b", m=4),
     dict(id="batch-change-dynamic", kind="batch_change", model="gpt", schedule="zbv", m=4,
          dynamic=True),
+    dict(id="batch-change-mark-dynamic", kind="batch_change", model="hf_gpt2",
+         schedule="zero_bubble", m=4, mark_dynamic=True),
     dict(id="forward-only", kind="forward_only", model="hf_gpt2", schedule="1f1b", m=4),
 ]
 CASES = TRAIN + OTHER
@@ -104,7 +106,8 @@ def test_autograd_grad_scaled_losses_and_the_sum_reduction():
         assert not _bad(rank, res["sum_grads"], "sum "), _bad(rank, res["sum_grads"], "sum ")
 
 
-@pytest.mark.parametrize("case_id", ["batch-change", "batch-change-dynamic"])
+@pytest.mark.parametrize("case_id", ["batch-change", "batch-change-dynamic",
+                                     "batch-change-mark-dynamic"])
 def test_a_new_batch_size_mid_run_captures_again_on_every_rank(case_id):
     bad = []
     for rank, res in enumerate(_results(case_id)):

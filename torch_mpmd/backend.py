@@ -35,6 +35,19 @@ BACKEND_OPTIONS = tuple(
 """Keys ``options`` may hold (pipeline()'s keyword arguments but ``loss_fn``,
 and ``reduction``); any other key is a ValueError naming it."""
 
+def _skip_logging_calls() -> None:
+    """Let Dynamo drop logging.Logger calls from traced code instead of breaking
+    the graph there, as pipeline()'s capture does: library code logs in forward
+    (transformers' ``warning_once`` in its losses), and the door needs one
+    graph. Done when this backend is looked up, before Dynamo traces, so it
+    applies to every torch.compile in the process (documented in README)."""
+    from torch_mpmd.capture import _logging_functions
+
+    torch._dynamo.config.ignore_logging_functions = _logging_functions()
+
+
+_skip_logging_calls()
+
 _CHECKED = ("schedule", "num_microbatches", "stages_per_rank", "split_points", "num_stages",
             "group", "mesh", "timeout", "lookahead", "compile")
 
@@ -88,5 +101,6 @@ def mpmd_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
     from torch_mpmd.door import Door
 
     settings, reduction = _check_options(options)
+    _skip_logging_calls()  # for the next traces, if a library added Logger methods since
     _check_whole_graph(gm)
     return Door(gm, example_inputs, settings, reduction)
