@@ -97,7 +97,8 @@ def split_points(name: str, stages: int) -> list[str] | None:
 
 
 def _options(case: dict[str, Any], group: Any, timeout: float) -> dict[str, Any]:
-    stages = 2 * (2 if case["schedule"] in ("zbv", "interleaved_1f1b") else 1)
+    _, world = _rank_world()
+    stages = world * (2 if case["schedule"] in ("zbv", "interleaved_1f1b") else 1)
     opts = dict(schedule=case["schedule"], num_microbatches=case["m"], group=group,
                 timeout=timeout)
     sp = split_points(case["model"], stages)
@@ -290,3 +291,43 @@ KINDS = {"train": train, "replaced_parameter": replaced_parameter, "input_grad":
 
 def grid(cases: list[dict[str, Any]], timeout: float = 60.0) -> dict[str, Any]:
     return pipeline_worker.grid(cases, timeout, task="door", run=run_case)
+
+
+def four_ranks() -> dict[str, Any]:
+    """On 4 ranks: the door over a ("dp", "pp") mesh of 2 x 2 (each replica on
+    its own batch: the loss is the global mean, gradients averaged over dp)
+    and over a 4-stage pipeline."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    out: dict[str, Any] = {"rank": dist.get_rank()}
+    try:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
+        dp_rank = mesh.get_local_rank("dp")
+        model = build("gpt")
+        ref = copy.deepcopy(model)
+        batches = [batch("gpt", seed=1 + r) for r in range(2)]
+        want = sum(loss_of("gpt", ref, x, y) for x, y in batches) / 2
+        want.backward()
+
+        @torch.compile(backend="mpmd", options=dict(schedule="1f1b", num_microbatches=4,
+                                                    split_points=["blocks.1"], mesh=mesh))
+        def train_loss(x, y):
+            return loss_of("gpt", model, x, y)
+
+        x, y = batches[dp_rank]
+        x = x.clone()
+        loss = train_loss(x, y)
+        loss.backward()
+        out["dp"] = dict(loss_diff=_diff(loss.detach(), want.detach(), *TOL),
+                         grads=_grads(model, ref), error=None)
+    except Exception:
+        out["dp"] = {"error": _error_text()}
+    try:
+        torch._dynamo.reset()
+        case = dict(model="hf_llama", schedule="1f1b", m=4)
+        out["pp4"] = train(case, None, 60.0)  # split points: 4 stages on 4 ranks
+        out["pp4"]["error"] = None
+    except Exception:
+        out["pp4"] = {"error": _error_text()}
+    return out

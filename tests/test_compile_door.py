@@ -123,3 +123,16 @@ def test_a_new_batch_size_mid_run_captures_again_on_every_rank(case_id):
 def test_a_compiled_module_without_grad_returns_its_output_on_every_rank():
     for rank, res in enumerate(_results("forward-only")):
         assert res["output"]["ok"], f"rank {rank}: {res['output']}"
+
+
+def test_the_door_on_four_ranks_with_data_parallel_replicas_and_four_stages():
+    run = run_ranks(4, "door_worker:four_ranks", timeout=600)
+    bad = []
+    for rank, res in enumerate(run.results):
+        for what in ("dp", "pp4"):
+            r = res[what]
+            assert not r["error"], f"rank {rank} {what}:\n{tail(r['error'])}"
+            if not r["loss_diff"]["ok"]:
+                bad.append(f"rank {rank} {what} loss: {r['loss_diff']}")
+            bad += _bad(rank, r["grads"], f"{what} ")
+    assert not bad, "\n".join(bad)
