@@ -47,25 +47,33 @@ Schedule insertTransfers(const Schedule& compute_only) {
   const auto& owner = compute_only.stage_to_rank;
   Schedule out = withEmptyPrograms(compute_only);
 
-  std::vector<size_t> extra(compute_only.num_stages);
+  // Transfers a compute action of stage s gains on rank r: one per
+  // neighbour stage on another rank (F, B and I; W gains none). Counted once
+  // per stage for its own rank, where its actions are (per action otherwise),
+  // so sizing is linear in stages plus actions, not ranks x stages.
+  const auto crossings = [&](int s, int r) {
+    size_t n = 0;
+    for (int q : producers[s]) n += owner[q] != r;
+    for (int c : consumers[s]) n += owner[c] != r;
+    return n;
+  };
+  std::vector<size_t> extra(compute_only.num_stages), stages_on(compute_only.num_ranks, 0);
+  for (int s = 0; s < compute_only.num_stages; ++s) {
+    extra[s] = crossings(s, owner[s]);
+    ++stages_on[owner[s]];
+  }
   for (int r = 0; r < compute_only.num_ranks; ++r) {
     // Exact size (a 3x guess would touch, and page-fault, far more memory on
-    // large schedules): F, B and I of stage s each gain one transfer per
-    // neighbour stage on another rank. Plus room for insertGradReduce's one
-    // action per local stage, so that pass can insert in place.
-    size_t local_stages = 0;
-    for (int s = 0; s < compute_only.num_stages; ++s) {
-      extra[s] = 0;
-      for (int p : producers[s]) extra[s] += owner[p] != r;
-      for (int c : consumers[s]) extra[s] += owner[c] != r;
-      local_stages += owner[s] == r;
-    }
+    // large schedules), plus room for insertGradReduce's one action per local
+    // stage, so that pass can insert in place.
     size_t size = 0;
     for (const Action& a : compute_only.programs[r]) {
-      size += 1 + (a.kind == ActionKind::BackwardWeight ? 0 : extra[a.stage]);
+      ++size;
+      if (a.kind == ActionKind::BackwardWeight) continue;
+      size += owner[a.stage] == r ? extra[a.stage] : crossings(a.stage, r);
     }
     auto& program = out.programs[r];
-    program.reserve(size + local_stages);
+    program.reserve(size + stages_on[r]);
     for (const Action& a : compute_only.programs[r]) {
       const int s = a.stage, mb = a.microbatch;
       if (a.kind == ActionKind::Forward) {
@@ -93,13 +101,14 @@ namespace {
 // True when every rank's sends to each peer already come in that peer's
 // receive order: the common case, which needs no rewrite.
 bool channelsMatch(const Schedule& s, const TransferIndex& index, const ChannelOrder& order) {
-  std::vector<int64_t> next(order.offsets.begin(), order.offsets.end() - 1);
+  std::vector<int64_t> next = order.cursors();
   for (int r = 0; r < s.num_ranks; ++r) {
     for (const Action& a : s.programs[r]) {
       if (!isSend(a.kind)) continue;
       const int64_t slot = index.slotOf(a);
       if (slot < 0 || s.stage_to_rank[a.peer_stage] == r) return false;
       const size_t ch = order.channel(r, s.stage_to_rank[a.peer_stage]);
+      if (ch == ChannelOrder::kNoChannel) return false;
       if (next[ch] >= order.offsets[ch + 1] || order.slots[next[ch]] != slot) return false;
       ++next[ch];
     }
@@ -121,9 +130,17 @@ bool channelsSurelyMatch(const Schedule& s, const TransferIndex& index) {
   };
   constexpr uint32_t kSent = 1, kReceived = 2, kMaxOrd = (1u << 30) - 1;
   std::vector<SlotState> slots(index.numSlots(), SlotState{0, 0});
-  std::vector<uint32_t> sent(static_cast<size_t>(p) * p, 0), received(static_cast<size_t>(p) * p, 0);
+  // Transfers rank r has posted so far to (sent_to) and from (received_from)
+  // each peer: all of channel r -> peer's sends and peer -> r's receives are
+  // in r's program, so one row per direction, reset after each rank through
+  // the peers it touched, counts them (O(p), not a p x p table: NOTE [Sparse
+  // channels] in transfer_index.h).
+  std::vector<uint32_t> sent_to(p, 0), received_from(p, 0);
+  std::vector<int> touched;
   int64_t sends = 0, pairs = 0;
   for (int r = 0; r < p; ++r) {
+    for (int peer : touched) sent_to[peer] = received_from[peer] = 0;
+    touched.clear();
     for (const Action& a : s.programs[r]) {
       if (!isCommunication(a.kind)) continue;
       const int64_t slot = index.slotOf(a);  // valid: both stages in range
@@ -131,8 +148,8 @@ bool channelsSurelyMatch(const Schedule& s, const TransferIndex& index) {
       const int peer = owner[a.peer_stage];
       const bool send = isSend(a.kind);
       const uint32_t side = send ? kSent : kReceived;
-      const uint32_t ord =
-          send ? sent[static_cast<size_t>(r) * p + peer]++ : received[static_cast<size_t>(peer) * p + r]++;
+      if (sent_to[peer] == 0 && received_from[peer] == 0) touched.push_back(peer);
+      const uint32_t ord = send ? sent_to[peer]++ : received_from[peer]++;
       SlotState& st = slots[slot];
       if ((st.seen & side) || ord > kMaxOrd) return false;
       if (st.seen) {
@@ -159,7 +176,7 @@ Schedule orderChannels(Schedule with_transfers) {
 
   Schedule out = withEmptyPrograms(with_transfers);
   std::vector<uint8_t> ready(index.numSlots(), 0);
-  std::vector<int64_t> next(recv_order.offsets.begin(), recv_order.offsets.end() - 1);
+  std::vector<int64_t> next = recv_order.cursors();
   for (int r = 0; r < p; ++r) {
     auto& program = out.programs[r];
     const auto& source = with_transfers.programs[r];
@@ -179,6 +196,7 @@ Schedule orderChannels(Schedule with_transfers) {
       // Emit, in receive order, every send of this channel that is ready:
       // a send whose turn has not come waits for the ones before it.
       const size_t ch = recv_order.channel(r, owner[a.peer_stage]);
+      if (ch == ChannelOrder::kNoChannel) continue;  // the receiver expects nothing from r: appended below
       while (next[ch] < recv_order.offsets[ch + 1] && ready[recv_order.slots[next[ch]]] == 1) {
         ready[recv_order.slots[next[ch]]] = 2;
         program.push_back(index.sendOf(recv_order.slots[next[ch]++]));
@@ -200,22 +218,27 @@ Schedule orderChannels(Schedule with_transfers) {
 }
 
 Schedule insertGradReduce(Schedule with_transfers) {
+  // Position of each stage's last backward (B or W; I is followed by W) on
+  // the current rank; reset through the stages the rank touched, so the pass
+  // costs stages plus actions, not ranks x stages.
+  std::vector<int64_t> last(with_transfers.num_stages, -1);
+  std::vector<int> touched;
   for (int r = 0; r < with_transfers.num_ranks; ++r) {
     const auto& source = with_transfers.programs[r];
-    // Position of each stage's last backward (B or W; I is followed by W).
-    std::vector<int64_t> last(with_transfers.num_stages, -1);
+    for (int s : touched) last[s] = -1;
+    touched.clear();
     for (size_t i = 0; i < source.size(); ++i) {
       const auto kind = source[i].kind;
       if (kind == ActionKind::FullBackward || kind == ActionKind::BackwardWeight ||
           kind == ActionKind::BackwardInput) {
+        if (last[source[i].stage] < 0) touched.push_back(source[i].stage);
         last[source[i].stage] = static_cast<int64_t>(i);
       }
     }
     // Insert after the backward and the sends right behind it, so the
     // reduction never delays a gradient a peer is waiting for.
     std::vector<std::pair<size_t, int>> reduce_after;  // (position, stage), sorted below
-    for (int s = 0; s < with_transfers.num_stages; ++s) {
-      if (last[s] < 0) continue;
+    for (int s : touched) {
       size_t at = static_cast<size_t>(last[s]);
       while (at + 1 < source.size() && isSend(source[at + 1].kind)) ++at;
       reduce_after.emplace_back(at, s);

@@ -1,5 +1,7 @@
 #include "transfer_index.h"
 
+#include <algorithm>
+
 #include <fmt/format.h>
 
 #include "errors.h"
@@ -53,32 +55,53 @@ Action TransferIndex::recvOf(int64_t slot) const {
                   : commAction(edge.consumer, ActionKind::RecvF, mb, edge.producer);
 }
 
+size_t ChannelOrder::channel(int sender, int receiver) const {
+  const auto begin = senders.begin() + first_channel[receiver];
+  const auto end = senders.begin() + first_channel[receiver + 1];
+  const auto it = std::lower_bound(begin, end, sender);
+  return it != end && *it == sender ? static_cast<size_t>(it - senders.begin()) : kNoChannel;
+}
+
 ChannelOrder receiveOrder(const Schedule& s, const TransferIndex& index) {
+  const int p = s.num_ranks;
   ChannelOrder order;
-  const int p = order.num_ranks = s.num_ranks;
-  order.offsets.assign(static_cast<size_t>(p) * p + 1, 0);
-  // Channels are numbered receiver-major (see ChannelOrder::channel), so each
-  // rank's program fills a contiguous block: count its RECVs per sender, then
-  // fill, while the program is still in cache. No temporary list of pairs.
+  order.first_channel.reserve(static_cast<size_t>(p) + 1);
+  order.first_channel.push_back(0);
+  order.offsets.push_back(0);
   const auto senderOf = [&](const Action& a) {
-    return isRecv(a.kind) && a.peer_stage >= 0 && a.peer_stage < s.num_stages ? s.stage_to_rank[a.peer_stage]
-                                                                               : -1;
+    return isRecv(a.kind) && a.peer_stage >= 0 && a.peer_stage < s.num_stages && index.slotOf(a) >= 0
+               ? s.stage_to_rank[a.peer_stage]
+               : -1;
   };
+  // Channels are numbered receiver-major, so each rank's program fills a
+  // contiguous block: count its RECVs per sender (in a row indexed by rank,
+  // reset through the senders it touched: O(p) memory in all), number the
+  // senders it has in ascending order, then fill.
+  std::vector<int64_t> row(p, 0);  // RECVs per sender, then the sender's next fill position
+  std::vector<int> touched;
   for (int r = 0; r < p; ++r) {
-    int64_t* counts = &order.offsets[order.channel(0, r) + 1];
-    for (const Action& a : s.programs[r]) {
-      const int sender = senderOf(a);
-      if (sender >= 0 && index.slotOf(a) >= 0) ++counts[sender];
-    }
-    for (int q = 0; q < p; ++q) counts[q] += counts[q - 1];  // counts[-1] is the block's base
-    order.slots.resize(static_cast<size_t>(counts[p - 1]));
-    std::vector<int64_t> fill(counts - 1, counts + p - 1);
+    touched.clear();
     for (const Action& a : s.programs[r]) {
       const int sender = senderOf(a);
       if (sender < 0) continue;
-      const int64_t slot = index.slotOf(a);
-      if (slot >= 0) order.slots[fill[sender]++] = slot;
+      if (row[sender]++ == 0) touched.push_back(sender);
     }
+    std::sort(touched.begin(), touched.end());
+    int64_t fill = static_cast<int64_t>(order.slots.size());
+    for (int sender : touched) {
+      const int64_t count = row[sender];
+      row[sender] = fill;
+      fill += count;
+      order.senders.push_back(sender);
+      order.offsets.push_back(fill);
+    }
+    order.first_channel.push_back(static_cast<int64_t>(order.senders.size()));
+    order.slots.resize(static_cast<size_t>(fill));
+    for (const Action& a : s.programs[r]) {
+      const int sender = senderOf(a);
+      if (sender >= 0) order.slots[row[sender]++] = index.slotOf(a);
+    }
+    for (int sender : touched) row[sender] = 0;
   }
   return order;
 }

@@ -72,17 +72,32 @@ class TransferIndex {
   int num_microbatches_ = 0;
 };
 
-// Receive order of every directed rank channel sender -> receiver, in CSR
-// form: channel `receiver * num_ranks + sender` holds
+// Receive order of every directed rank channel sender -> receiver that
+// carries a RECV, in CSR form (NOTE [Sparse channels]): the channels of
+// receiver r are ids first_channel[r] .. first_channel[r + 1], one per
+// sender it receives from, senders ascending; channel `ch` holds
 // slots[offsets[ch] .. offsets[ch + 1]) in the receiver's program order.
 // RECVs that name no edge are left out (validation reports them).
+//
+// NOTE [Sparse channels]: a dense table of the num_ranks^2 possible channels
+// made lowering a 20,000-rank text take 3 GB and 9 s; a rank talks to a few
+// peers, so only channels that occur are stored, and channel() finds one by
+// a binary search over its receiver's few senders. Memory and time stay
+// linear in the ranks plus the actions.
 struct ChannelOrder {
-  int num_ranks = 0;
-  std::vector<int64_t> offsets;
+  static constexpr size_t kNoChannel = static_cast<size_t>(-1);
+  std::vector<int64_t> first_channel;  // per receiver rank, plus one
+  std::vector<int> senders;            // per channel
+  std::vector<int64_t> offsets;        // per channel, plus one
   std::vector<int64_t> slots;
-  size_t channel(int sender, int receiver) const {
-    return static_cast<size_t>(receiver) * num_ranks + sender;
-  }
+
+  // The channel sender -> receiver, or kNoChannel when the receiver posts no
+  // RECV from that sender. Requires 0 <= receiver < num_ranks.
+  size_t channel(int sender, int receiver) const;
+  size_t numChannels() const { return senders.size(); }
+  // One cursor per channel at its first slot: passes that walk the sends
+  // advance channel ch's cursor through offsets[ch] .. offsets[ch + 1].
+  std::vector<int64_t> cursors() const { return {offsets.begin(), offsets.end() - 1}; }
 };
 ChannelOrder receiveOrder(const Schedule& schedule, const TransferIndex& index);
 

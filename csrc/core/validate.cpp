@@ -147,13 +147,19 @@ void checkComputeOrder(const Schedule& s, const ComputePositions& cp) {
 // be posted exactly once on both sides.
 void checkChannelOrder(const Schedule& s, const TransferIndex& index) {
   const ChannelOrder order = receiveOrder(s, index);
-  std::vector<int64_t> next(order.offsets.begin(), order.offsets.end() - 1);
+  std::vector<int64_t> next = order.cursors();
   for (int r = 0; r < s.num_ranks; ++r) {
     for (const Action& a : s.programs[r]) {
       if (!isSend(a.kind)) continue;
       const int peer = s.stage_to_rank[a.peer_stage];
       const size_t ch = order.channel(r, peer);
       const int64_t slot = index.slotOf(a);
+      if (ch == ChannelOrder::kNoChannel || next[ch] >= order.offsets[ch + 1]) {
+        // Unreachable after the per-slot checks (each send has its receive); kept as a guard.
+        throw ScheduleError(fmt::format("rank {} posts '{}' but rank {} posts no receive left on channel "
+                                        "rank {} -> rank {}",
+                                        r, toString(a), peer, r, peer));
+      }
       if (order.slots[next[ch]] != slot) {
         throw ScheduleError(fmt::format(
             "channel rank {} -> rank {} is not matched by order: transfer #{} is '{}' on rank {} but '{}' on "

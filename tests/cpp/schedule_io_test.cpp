@@ -1,6 +1,6 @@
 // Text and CSV forms of schedules: round trips, torch-style tables, errors
 // naming their position, fuzzed tables, and the memory a 20,000-rank text
-// takes to load (counted by the global operator new below).
+// takes to load and lower (counted by the global operator new below).
 #include <gtest/gtest.h>
 
 #include <atomic>
@@ -9,12 +9,15 @@
 #include <new>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "core/action.h"
 #include "core/errors.h"
 #include "core/schedule.h"
 #include "core/schedule_io.h"
+#include "core/lowering.h"
+#include "core/transfer_index.h"
 #include "core/validate.h"
 
 // NOTE [Counted allocations]: this test binary replaces the global (not
@@ -430,6 +433,77 @@ TEST(ScheduleIo, LoadingTwentyThousandOneLineRanksTakesMemoryLinearInTheText) {
     for (const auto& program : loaded.programs) capacity += program.capacity();
     EXPECT_LE(capacity, 2 * loaded.numActions());
   }
+}
+
+// One line per rank, two microbatches: rank r runs "rF0 rF1 rB0 rB1", or,
+// when `swapped` holds for it, its forwards in the other order. A swapped
+// rank next to an unswapped one makes orderChannels rewrite the sends
+// between them (the path that builds the receive order).
+std::string twoMicrobatchChainText(int ranks, bool (*swapped)(int)) {
+  std::string text;
+  for (int r = 0; r < ranks; ++r) {
+    const std::string st = std::to_string(r);
+    const bool swap = swapped(r);
+    text += st + ": " + st + (swap ? "F1 " : "F0 ") + st + (swap ? "F0 " : "F1 ") + st + "B0 " + st + "B1\n";
+  }
+  return text;
+}
+
+// Loading, lowering and fully validating (static checks, lowering again,
+// simulation) 20,000 one-line ranks allocates memory linear in the text.
+// Lowering's receive order and its per-channel counters were once dense
+// rank x rank tables (3.2 GB and 6.4 GB at peak here, NOTE [Sparse
+// channels]); the bound, 64 bytes per byte of text (23 and 33 measured),
+// holds the lowered programs (13 actions of 16 bytes per 36-byte line), the
+// transfer tables and vector slack.
+TEST(ScheduleIo, LoweringTwentyThousandOneLineRanksTakesMemoryLinearInTheText) {
+  constexpr int kRanks = 20000;
+  constexpr int64_t kBytesPerTextByte = 64;
+  const std::pair<const char*, bool (*)(int)> cases[] = {
+      {"channels already in order", [](int) { return false; }},
+      {"every other rank swaps its forwards", [](int r) { return r % 2 == 0; }},
+  };
+  for (const auto& [label, swapped] : cases) {
+    SCOPED_TRACE(label);
+    const std::string text = twoMicrobatchChainText(kRanks, swapped);
+    Schedule lowered;
+    const int64_t peak = testing::peakBytesOf([&] {
+      const Schedule loaded = scheduleFromText(text);
+      validateStatic(loaded);
+      lowered = lower(loaded);
+      validate(loaded);
+    });
+    EXPECT_NO_THROW(validateStatic(lowered));
+    EXPECT_EQ(lowered.num_ranks, kRanks);
+    // RECV_F, F, F, SEND_F x2, RECV_B, B, RECV_B, B, SEND_B x2, REDUCE_GRAD in the middle.
+    EXPECT_EQ(lowered.programs[kRanks / 2].size(), 13u);
+    EXPECT_LE(peak, kBytesPerTextByte * static_cast<int64_t>(text.size()))
+        << peak << " bytes at peak for " << text.size() << " bytes of text";
+  }
+}
+
+TEST(ScheduleIo, ReceiveOrderStoresOnlyTheChannelsThatOccur) {
+  // A chain of 20,000 ranks has 2 x 19,999 directed channels with traffic,
+  // out of 400 million rank pairs.
+  constexpr int kRanks = 20000;
+  const Schedule lowered = lower(scheduleFromText(twoMicrobatchChainText(kRanks, [](int r) {
+    return r % 2 == 0;
+  })));
+  const TransferIndex index(lowered);
+  const ChannelOrder order = receiveOrder(lowered, index);
+  EXPECT_EQ(order.numChannels(), 2u * (kRanks - 1));
+  EXPECT_EQ(order.first_channel.size(), static_cast<size_t>(kRanks) + 1);
+  EXPECT_EQ(order.offsets.size(), order.numChannels() + 1);
+  EXPECT_EQ(order.slots.size(), 4u * (kRanks - 1));  // 2 microbatches x (activation + gradient)
+  // Rank 7 receives activations from 6 in its own order (microbatch 0 first,
+  // though 6 produces 1 first) and gradients from 8; nothing from 9.
+  const size_t from6 = order.channel(6, 7), from8 = order.channel(8, 7);
+  ASSERT_NE(from6, ChannelOrder::kNoChannel);
+  ASSERT_NE(from8, ChannelOrder::kNoChannel);
+  EXPECT_EQ(order.channel(9, 7), ChannelOrder::kNoChannel);
+  EXPECT_EQ(order.channel(7, 7), ChannelOrder::kNoChannel);
+  EXPECT_EQ(index.recvOf(order.slots[order.offsets[from6]]), commAction(7, ActionKind::RecvF, 0, 6));
+  EXPECT_EQ(order.offsets[from8 + 1] - order.offsets[from8], 2);
 }
 
 TEST(ScheduleIo, CountedAllocationsSeeAQuadraticTable) {
