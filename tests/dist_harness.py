@@ -17,6 +17,9 @@ is what the parent reports for it (with ``complete[rank] = False``).
 The parent waits with one hard overall timeout; on expiry it kills every rank
 (each runs in its own session, so its children die too) and, with
 ``check=True`` (the default), fails with every rank's exit code and stderr tail.
+``run.exit_times[rank]`` is when that rank's process ended by itself (seconds
+from the launch; None when the harness killed it), and ``run.exit_wall(rank)``
+the same on the ``time.time()`` clock, to compare with times a worker records.
 """
 
 from __future__ import annotations
@@ -52,6 +55,14 @@ class RunResult:
     stderr: list[str]
     elapsed: float              # seconds from launch to the last rank ending (or the kill)
     timed_out: bool
+    # Per rank: seconds from launch to its process ending by itself (None: killed).
+    exit_times: list[float | None] = dataclasses.field(default_factory=list)
+    started_at: float = 0.0     # time.time() at launch
+
+    def exit_wall(self, rank: int) -> float | None:
+        """When ``rank`` exited by itself, on the time.time() clock (None: killed)."""
+        t = self.exit_times[rank] if rank < len(self.exit_times) else None
+        return None if t is None else self.started_at + t
 
     def failed_ranks(self) -> list[int]:
         return [r for r in range(self.world_size)
@@ -131,6 +142,7 @@ def run_ranks(world_size: int, target: str, *args: Any, timeout: float = 120.0,
         HARNESS_INIT_PG="1" if init_process_group else "0")
     procs: list[subprocess.Popen] = []
     files = []
+    started_at = time.time()
     start = time.monotonic()
     try:
         for rank in range(world_size):
@@ -144,9 +156,13 @@ def run_ranks(world_size: int, target: str, *args: Any, timeout: float = 120.0,
                 start_new_session=True))
         timed_out = False
         first_failure: float | None = None
+        exit_times: list[float | None] = [None] * world_size
         while True:
             codes = [p.poll() for p in procs]
             now = time.monotonic()
+            for rank, code in enumerate(codes):
+                if code is not None and exit_times[rank] is None:
+                    exit_times[rank] = now - start
             if all(c is not None for c in codes):
                 break
             if first_failure is None and any(c not in (None, 0) for c in codes):
@@ -182,7 +198,7 @@ def run_ranks(world_size: int, target: str, *args: Any, timeout: float = 120.0,
         stdout.append((workdir / f"stdout{rank}.txt").read_text(errors="replace"))
         stderr.append((workdir / f"stderr{rank}.txt").read_text(errors="replace"))
     run = RunResult(world_size, results, complete, [p.returncode for p in procs],
-                    stdout, stderr, elapsed, timed_out)
+                    stdout, stderr, elapsed, timed_out, exit_times, started_at)
     for path in workdir.iterdir():
         path.unlink()
     workdir.rmdir()

@@ -130,3 +130,116 @@ def test_harness_kills_hung_ranks_at_its_timeout_and_reports_their_stderr():
     assert run.results[1] == {"before_hang": 1}  # its partial result survives
     with pytest.raises(AssertionError, match=r"(?s)rank 1 .*about to hang"):
         run.check()
+
+
+# ------------------------------------------------------------------ ranks in lockstep (NOTE [Lockstep])
+
+LOCKSTEP_TIMEOUT = 60.0
+WITHIN = 30.0  # "within seconds": far below LOCKSTEP_TIMEOUT, generous on a loaded machine
+
+
+@pytest.fixture(scope="module")
+def lockstep():
+    """fault_worker.lockstep_sequence on 2 ranks: rank 1 fails on its own in
+    four ways (each followed by a step every rank makes), then the ranks make
+    different calls."""
+    run = run_ranks(2, "fault_worker:lockstep_sequence", LOCKSTEP_TIMEOUT, timeout=300,
+                    failure_grace=None, check=False)
+    assert not run.timed_out and all(r is not None for r in run.results), run.describe([0, 1])
+    return run.results
+
+
+def _raised(outcome, exc_type, *patterns):
+    assert not outcome["ok"] and outcome["type"] == exc_type, outcome
+    for pattern in patterns:
+        assert re.search(pattern, outcome["message"]), (pattern, outcome["message"])
+    assert outcome["seconds"] < WITHIN, outcome  # not the timeout: the rank was told
+
+
+@pytest.mark.parametrize("failure,first_line", [
+    ("first_call_bad_argument", r"ValueError: positional argument 0 has batch size 6"),
+    ("later_bad_argument", r"ValueError: positional argument 0 has batch size 6"),
+], ids=["in-the-first-call-while-capturing", "in-a-later-call"])
+def test_bad_argument_only_one_rank_sees_makes_every_rank_raise_at_once(lockstep, failure,
+                                                                          first_line):
+    healthy, failing = lockstep[0][failure], lockstep[1][failure]
+    assert failing["type"] == "ValueError" and not failing["ok"], failing  # its own error
+    assert any("other ranks were told" in n for n in failing["notes"]), failing
+    _raised(healthy, "PipelineError", r"^rank 0: step abandoned because rank 1 failed: " +
+            first_line, "still in step")
+    assert healthy["peer"] == 1
+
+
+@pytest.mark.parametrize("failure", ["loss_fn_raises", "stage_raises"])
+def test_a_rank_whose_own_code_raises_mid_step_makes_every_rank_raise_naming_it(lockstep,
+                                                                                failure):
+    what = "loss_fn" if failure == "loss_fn_raises" else "stage"
+    healthy, failing = lockstep[0][failure], lockstep[1][failure]
+    _raised(healthy, "PipelineError", rf"rank 1 failed: ValueError: {what} failed on purpose "
+            r"\(in action 1F0\)", "gradients of this step are wrong")
+    _raised(failing, "PipelineError", r"rank 1: action 1F0 \(#1\) failed: ValueError: "
+            rf"{what} failed on purpose", "1F0  <-- FAILED HERE", "stand-in values",
+            "other ranks were told")
+    assert failing["cause"] == "ValueError"
+
+
+@pytest.mark.parametrize("after", ["step_after_first_call_failure", "step_after_loss_fn_failure",
+                                   "step_after_stage_failure", "step_after_later_failure"])
+def test_after_a_rank_failed_on_its_own_the_ranks_are_in_step_and_the_next_step_is_exact(
+        lockstep, after):
+    for rank in (0, 1):
+        outcome = lockstep[rank][after]
+        assert outcome["ok"], outcome
+        assert outcome["value"] == pytest.approx(lockstep[rank]["reference_loss"], rel=1e-5)
+
+
+def test_ranks_making_different_calls_raise_naming_each_call_and_later_calls_refuse(lockstep):
+    for rank in (0, 1):
+        _raised(lockstep[rank]["different_calls"], "PipelineError", "not in the same call",
+                r"rank 0: the start of step \d+", r"rank 1: the start of a forward call",
+                "restart the job")
+        later = lockstep[rank]["call_after_different_calls"]
+        _raised(later, "PipelineError", rf"^rank {rank}: cannot run step: an earlier call failed",
+                "torchrun --max-restarts")
+        assert later["seconds"] < 1.0  # refused without communicating
+
+
+# ------------------------------------------------------------------ bounded waits, prompt exits
+
+STALL_TIMEOUT = 5.0
+EXIT_WITHIN = 10.0  # seconds from the PipelineError to the survivor's process exit
+
+
+def _survivor(run, patterns, within=STALL_TIMEOUT + 5.0):
+    """Rank 0 raised PipelineError ``within`` seconds of its call and exited soon after."""
+    survivor = run.results[0]
+    assert survivor is not None and "raised_after" in survivor, run.describe([0])
+    assert survivor["raised_after"] < within, survivor
+    for pattern in patterns:
+        assert re.search(pattern, survivor["message"]), (pattern, survivor["message"])
+    assert run.returncodes[0] not in (0, None), run.describe([0])
+    exited = run.exit_wall(0)
+    assert exited is not None, "the harness had to kill the survivor:\n" + run.describe([0])
+    assert exited - survivor["raised_at"] < EXIT_WITHIN, (exited - survivor["raised_at"],
+                                                          run.describe([0]))
+
+
+@pytest.mark.parametrize("mode", ["sleep", "sigstop"])
+def test_stalled_peer_survivor_raises_within_the_timeout_and_its_process_exits_promptly(mode):
+    # Rank 1 stalls in its last stage's forward; rank 0's pipe(x) waits for it
+    # at the end of the call. Its process exits through the PipelineError: no
+    # group destructor waits out the process-group timeout (60 s here).
+    run = run_ranks(2, "fault_worker:stall_in_forward", mode, STALL_TIMEOUT, timeout=120,
+                    pg_timeout=60, failure_grace=3, check=False)
+    assert run.results[1] is not None and "stalled_at" in run.results[1], run.describe([1])
+    _survivor(run, [r"^rank 0: waiting for the other ranks at the end of a forward call",
+                    r"within the 5 s timeout", "restart the job"])
+
+
+def test_peer_that_never_calls_fails_the_first_step_within_the_timeout():
+    # Start-up waits are bounded by timeout= (startup_timeout= when given), not
+    # by a longer start-up minimum.
+    run = run_ranks(2, "fault_worker:never_calls", STALL_TIMEOUT, timeout=120, pg_timeout=60,
+                    failure_grace=3, check=False)
+    _survivor(run, [r"^rank 0: the other ranks did not arrive at the start-up comparison of "
+                    r"plans within 5 s"], within=STALL_TIMEOUT + 25.0)  # capture included

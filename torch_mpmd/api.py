@@ -12,6 +12,7 @@ DESIGN.md example) still covers this rank's (the others never get gradients).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import datetime
 import logging
@@ -26,6 +27,7 @@ import torch.utils._pytree as pytree
 
 from torch_mpmd import meta_init, trace, training
 from torch_mpmd.data_parallel import mesh_groups
+from torch_mpmd.lockstep import pipeline_call
 from torch_mpmd.programs import resolve_compiler
 from torch_mpmd.microbatch import first_microbatch, merge_microbatches, split_tree
 from torch_mpmd.runtime import V_SCHEDULES, PipelineError, RankRuntime, StagedModel
@@ -68,22 +70,23 @@ def _positive_int(name: str, value: Any, *, optional: bool = False) -> int | Non
 
 
 _OUTPUT_TAG = 0x6D6F  # p2p tag of outputs sent to one rank (the executor's transfers use 0)
+_STATS_WINDOW = 20  # completed calls a Pipeline keeps the trace of (Pipeline.stats_window)
 _MAX_TIMEOUT_S = 1e7  # ~115 days; larger overflows the executor's clock arithmetic
 
 
-def _timeout(value: Any) -> datetime.timedelta:
+def _timeout(value: Any, name: str = "timeout") -> datetime.timedelta:
     if isinstance(value, datetime.timedelta):
         td = value
     elif isinstance(value, (int, float)) and not isinstance(value, bool):
         # nan, inf and huge numbers: timedelta() would fail without naming the setting
         if (isinstance(value, float) and not math.isfinite(value)) or value > _MAX_TIMEOUT_S:
-            raise ValueError(f"timeout={value!r} must be a finite number of seconds, positive "
+            raise ValueError(f"{name}={value!r} must be a finite number of seconds, positive "
                              f"and at most {_MAX_TIMEOUT_S:g}")
         td = datetime.timedelta(seconds=value)
     else:
-        raise ValueError(f"timeout={value!r} must be seconds (a number) or a datetime.timedelta")
+        raise ValueError(f"{name}={value!r} must be seconds (a number) or a datetime.timedelta")
     if not 0 < td.total_seconds() <= _MAX_TIMEOUT_S:
-        raise ValueError(f"timeout={value!r} must be positive and at most {_MAX_TIMEOUT_S:g} "
+        raise ValueError(f"{name}={value!r} must be positive and at most {_MAX_TIMEOUT_S:g} "
                          "seconds")
     return td
 
@@ -114,7 +117,8 @@ class Pipeline(torch.nn.Module):
                  lookahead: int, dp_group: Any = None,
                  replicas: list[list[int]] | None = None,
                  init_fn: Callable[[torch.nn.Module], None] | None = None,
-                 compile: Any = False) -> None:
+                 compile: Any = False,
+                 startup_timeout: datetime.timedelta | None = None) -> None:
         super().__init__()
         # Not registered as a submodule: parameters() must list this rank's only.
         object.__setattr__(self, "_mpmd_module", module)
@@ -131,6 +135,7 @@ class Pipeline(torch.nn.Module):
         if self.device.type == "meta":
             self.device = torch.device("cpu")
         self.timeout = timeout
+        self.startup_timeout = startup_timeout  # None: timeout (see pipeline())
         self._mpmd_seed = seed
         self._mpmd_lookahead = lookahead
         self._mpmd_dp_group = dp_group
@@ -244,7 +249,8 @@ class Pipeline(torch.nn.Module):
                               group=self._mpmd_group, device=self.device, timeout=self.timeout,
                               lookahead=self._mpmd_lookahead, settings=settings,
                               seed=self._mpmd_seed, dp_group=self._mpmd_dp_group,
-                              replicas=self._mpmd_replicas, compiler=self._mpmd_compiler)
+                              replicas=self._mpmd_replicas, compiler=self._mpmd_compiler,
+                              startup_timeout=self.startup_timeout)
         if previous is not None:
             old = sorted(n for n, _ in self.named_parameters(remove_duplicate=False))
             new = sorted(self._local_tensors(runtime, split)[0])
@@ -334,6 +340,7 @@ class Pipeline(torch.nn.Module):
         return self._mpmd_split.describe()
 
     # ------------------------------------------------------------ running
+    @pipeline_call("step")
     def step(self, *args: Any, target: Any = None, **kwargs: Any) -> torch.Tensor:
         """Forward and backward of all microbatches per the schedule; accumulates
         into this rank's parameters the gradient of the mean of the microbatches'
@@ -380,12 +387,38 @@ class Pipeline(torch.nn.Module):
         return loss
 
     # ------------------------------------------------------------ what a step did
+    @property
+    def stats_window(self) -> int:
+        """How many completed calls (steps, forwards, evals) this rank keeps the
+        trace and peaks of, for :meth:`stage_times` and ``timelines(steps=)``
+        (default 20; a bounded history: older calls are dropped)."""
+        return self.__dict__.get("_mpmd_stats_window", _STATS_WINDOW)
+
+    @stats_window.setter
+    def stats_window(self, value: int) -> None:
+        _positive_int("stats_window", value)
+        self.__dict__["_mpmd_stats_window"] = value
+        self.__dict__["_mpmd_history"] = collections.deque(self._history(), maxlen=value)
+
+    def _history(self) -> "collections.deque[trace.StepRecord]":
+        history = self.__dict__.get("_mpmd_history")
+        if history is None:
+            history = self.__dict__["_mpmd_history"] = collections.deque(
+                maxlen=self.stats_window)
+        return history
+
     def _record_stats(self, rt: RankRuntime, executor: Any) -> None:
-        # Only references: the metrics are derived when asked for (a Python walk
-        # over every action, which would cost each step as much as ~100 actions).
-        # Plain attributes set per step: straight into __dict__, past
-        # nn.Module.__setattr__'s checks for parameters and submodules.
-        self.__dict__["_mpmd_last"] = (executor, dict(rt.runner.peak_bytes))
+        # The call's record: a copy of the executor's trace (one tensor) and
+        # peaks, which its next run overwrites; the metrics are derived when
+        # asked for (a Python walk over every action would cost each step as
+        # much as ~100 actions). Plain attributes set per step: straight into
+        # __dict__, past nn.Module.__setattr__'s checks for parameters.
+        kind = rt.kind_of(executor)
+        record = trace.StepRecord(kind, int(rt.runner.step), rt.rank, rt.programs(kind),
+                                  executor.trace_array, executor.counters,
+                                  dict(rt.runner.peak_bytes))
+        self._history().append(record)
+        self.__dict__["_mpmd_last"] = record
         self.__dict__["_mpmd_last_stats"] = None
 
     def _forget_last_step(self) -> None:
@@ -394,52 +427,66 @@ class Pipeline(torch.nn.Module):
 
     @property
     def last_step_stats(self) -> dict[str, Any]:
-        """What the last step (or forward) did on this rank: ``steps`` run by its
-        executor, ``peak_live_forwards`` (forwards held before their backward),
-        ``peak_buffered`` values, ``peak_activation_bytes`` per local stage,
+        """What the last call (``step``, forward or ``eval_step``) did on this
+        rank, that call only (no running totals): its ``kind`` and ``step`` (the
+        pipeline's step counter: a step's own index), ``actions`` run,
+        ``peak_live_forwards`` (forwards held before their backward),
+        ``peak_buffered`` values, ``peak_state_values`` (values held for
+        backward by the executor), ``peak_activation_bytes`` per local stage,
         ``span_s``, ``compute_s`` and the measured ``bubble_fraction``
-        (:func:`torch_mpmd.trace.step_metrics`). Empty before the first step."""
+        (:func:`torch_mpmd.trace.step_metrics`). Empty before the first call
+        and after a call that failed."""
         if self._mpmd_last is None:
             return {}
         if self._mpmd_last_stats is None:
-            executor, peak_bytes = self._mpmd_last
-            stats = executor.stats
-            row = trace.rank_timeline(executor.program, stats["trace"])
-            self._mpmd_last_stats = {
-                "steps": stats["steps"],
-                "peak_live_forwards": stats["peak_live_forwards"],
-                "peak_buffered": stats["peak_buffered"],
-                "peak_activation_bytes": peak_bytes,
-                **trace.step_metrics(row),
-            }
+            self._mpmd_last_stats = self._mpmd_last.stats()
         return self._mpmd_last_stats
 
-    def timelines(self) -> list[list[tuple[str, float, float]]]:
-        """Every rank's ``(action, start s, end s)`` of the last step, on every rank.
-        Collective: call it on every rank."""
+    def stage_times(self, last_n: int | None = None) -> dict[int, dict[str, float]]:
+        """Per local stage, the median seconds of its F, B, I and W actions (the
+        kinds its schedule runs) over the last ``last_n`` training steps this
+        rank kept (default: all kept, at most ``stats_window``); what one reads
+        to rebalance stages. Forward and eval calls are not counted. Local (no
+        communication); a RuntimeError before the first completed step."""
+        if last_n is not None:
+            _positive_int("last_n", last_n)
+        steps = [r for r in self._history() if r.kind == "step"]
+        if not steps:
+            raise RuntimeError("no completed step: stage_times() measures training steps; call "
+                               "step() first")
+        return trace.stage_times(steps, last_n)
+
+    def timelines(self, steps: int = 1) -> list[list[tuple[str, float, float]]]:
+        """Every rank's ``(action, start s, end s)`` over the last ``steps``
+        completed calls (steps, forwards or evals; at most ``stats_window``), on
+        every rank, on one clock (seconds from the earliest begin). Collective:
+        call it on every rank."""
+        _positive_int("steps", steps)
         rt = self._runtime()
-        if self._mpmd_last is None:
+        history = list(self._history())
+        if not history:
             raise RuntimeError("no completed step: call step() or the pipeline first (a step that "
                                "failed leaves no timeline)")
-        executor, _ = self._mpmd_last
-        events = executor.stats["trace"]
-        programs = self.schedule.actions if executor is rt.executor else _forward_programs(rt)
-        return trace.gather_timelines(executor.program, events, programs, rt.group)
+        group = rt.group if rt.pp_size > 1 else None
+        return trace.gather_timelines(history[-steps:], group, rt.timeout_s, rt.wait)
 
-    def save_trace(self, path: str | os.PathLike) -> None:
-        """Write the last step of all ranks as a Chrome trace JSON (rank 0 writes).
-        Collective. Also done after every step when MPMD_TRACE=path is set."""
-        rows = self.timelines()
+    def save_trace(self, path: str | os.PathLike, steps: int = 1) -> None:
+        """Write the last ``steps`` completed calls of all ranks as a Chrome trace
+        JSON (rank 0 writes). Collective. Also done after every step (the last
+        step) when MPMD_TRACE=path is set."""
+        rows = self.timelines(steps)
         if self.rank == 0:
             trace.write_chrome_trace(path, rows, title=f"torch_mpmd {self.schedule.name}")
 
-    def save_timeline(self, path: str | os.PathLike) -> None:
-        """Draw the last step's measured timeline above the simulated one into a
-        PNG (rank 0 writes; needs matplotlib). Collective."""
-        rows = self.timelines()
+    def save_timeline(self, path: str | os.PathLike, steps: int = 1) -> None:
+        """Draw the measured timeline of the last ``steps`` completed calls above
+        the simulated step (with their median F/B/I/W times) into a PNG (rank 0
+        writes; needs matplotlib). Collective."""
+        rows = self.timelines(steps)
         if self.rank == 0:
             trace.save_measured_timeline(self.schedule, rows, path)
 
+    @pipeline_call("forward")
     def forward(self, *args: Any, output_rank: int | None = None, **kwargs: Any) -> Any:
         """Forward only (no autograd state kept), in the schedule's forward order.
 
@@ -462,6 +509,7 @@ class Pipeline(torch.nn.Module):
             rt.runner.end_step()
         return merge_microbatches(outputs) if outputs else None
 
+    @pipeline_call("eval")
     def eval_step(self, *args: Any, target: Any = None, **kwargs: Any) -> torch.Tensor:
         """Forward and loss of every microbatch, in the schedule's forward order,
         with no autograd graph kept and no gradient touched; returns the mean
@@ -585,16 +633,6 @@ class _RngState:
             torch.cuda.set_rng_state(self.cuda, self.device)
 
 
-def _forward_programs(rt: RankRuntime) -> list[list[str]]:
-    """All ranks' programs of the forward-only executor."""
-    from torch_mpmd.runtime import forward_only_text
-
-    text = forward_only_text(rt.schedule)
-    rows = [line.split(":", 1)[1].split() for line in text.splitlines()
-            if line and not line.startswith("#")]
-    return rows
-
-
 def _describe_key(sig: tuple | None) -> str:
     """A capture key for a log line: the input shapes and dtypes, the modes."""
     if sig is None:
@@ -626,7 +664,8 @@ def pipeline(module: torch.nn.Module, *, loss_fn: Callable[..., torch.Tensor] | 
              device: Any = None, timeout: float | datetime.timedelta = 60.0,
              seed: int | None = None, lookahead: int = 2,
              init_fn: Callable[[torch.nn.Module], None] | None = None,
-             compile: Any = False) -> Pipeline:
+             compile: Any = False,
+             startup_timeout: float | datetime.timedelta | None = None) -> Pipeline:
     """Wrap ``module`` for pipeline-parallel training over ``group`` (default: the
     default process group; none initialized means one rank).
 
@@ -658,7 +697,14 @@ def pipeline(module: torch.nn.Module, *, loss_fn: Callable[..., torch.Tensor] | 
     "pp" and is replicated over "dp" (each replica steps on its own batch;
     gradients are averaged over "dp" as each stage's backward ends, and the
     returned loss is the global mean). ``timeout`` (seconds or timedelta)
-    bounds every wait of a step;
+    bounds every wait of a call, the library's own collectives included; a
+    rank whose own code fails (a bad argument only it sees, a loss_fn that
+    raises) makes every rank raise PipelineError at once, naming it, and the
+    ranks stay in step (NOTE [Lockstep] in lockstep.py). ``startup_timeout``
+    (default: ``timeout``) bounds instead the waits of a call that captures
+    the model for the other ranks' capture and program builds, which can take
+    longer on some ranks (with ``compile`` set, program builds wait
+    ``max(timeout, 30 min)`` unless it is given);
     ``lookahead`` is the number of receives posted ahead. A model built on the
     meta device is captured without memory and only this rank's part is
     materialized, initialized by ``init_fn(module)`` per submodule (default:
@@ -689,7 +735,9 @@ def pipeline(module: torch.nn.Module, *, loss_fn: Callable[..., torch.Tensor] | 
                     num_microbatches=num_microbatches, stages_per_rank=stages_per_rank,
                     split_points=split_points, num_stages=num_stages, group=grp, device=device,
                     timeout=td, seed=seed, lookahead=lookahead, dp_group=dp_group,
-                    replicas=replicas, init_fn=init_fn, compile=compile)
+                    replicas=replicas, init_fn=init_fn, compile=compile,
+                    startup_timeout=(_timeout(startup_timeout, "startup_timeout")
+                                     if startup_timeout is not None else None))
 
 
 def check_settings(*, schedule: Any, num_microbatches: Any, stages_per_rank: Any = None,

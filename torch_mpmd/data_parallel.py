@@ -24,6 +24,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from torch_mpmd import lockstep
+
 __all__ = ["DataParallel", "mesh_groups", "new_replica_group"]
 
 
@@ -92,7 +94,9 @@ class DataParallel:
             before = self._before.get(id(p))
             parts.append((g - before if before is not None else g).reshape(-1))
         flat = torch.cat(parts).div_(self.size)
-        work = dist.all_reduce(flat, group=self.group, async_op=True)
+        # Its work ends within the timeout even if the step fails before
+        # waiting for it (NOTE [Bounded collectives] in lockstep.py).
+        work = lockstep.all_reduce(flat, self.group, self.timeout.total_seconds())
         self._pending.append((work, flat, params))
 
     def end_step(self, wait: Any) -> None:

@@ -4,8 +4,10 @@
 (api.py): the split model, the lowered schedule, this rank's stages, the
 C++ executor over the c10d transport, the process groups of tied weights.
 It also holds the collective steps around an executor run: the start-up
-handshake (plan hashes), the sum of tied-weight gradients and the broadcast
-of the loss and outputs from the last stage's rank.
+handshake (plan hashes), the exchanges that keep the ranks in step (NOTE
+[Lockstep] in lockstep.py), the sum of tied-weight gradients and the
+broadcast of the loss and outputs from the last stage's rank. Every wait is
+bounded: by ``timeout``, or at a capture by ``startup_timeout``.
 """
 
 from __future__ import annotations
@@ -25,9 +27,10 @@ import torch
 import torch.distributed as dist
 import torch.fx
 
-from torch_mpmd import _runtime
+from torch_mpmd import _runtime, lockstep
 from torch_mpmd.data_parallel import DataParallel, new_replica_group
 from torch_mpmd.program_runner import ProgramRunner
+from torch_mpmd.lockstep import PipelineError
 from torch_mpmd.programs import Compiler
 from torch_mpmd.runner import EdgeLayout
 from torch_mpmd.trace import action_kind
@@ -38,23 +41,11 @@ __all__ = ["PipelineError", "RankRuntime", "StagedModel", "resolve_schedule",
            "forward_only_text", "backward_only_text", "V_SCHEDULES"]
 
 V_SCHEDULES = ("zbv", "dualpipev")
-_STARTUP_TIMEOUT_S = 120.0  # least wait for the other ranks' captures at start-up
-_BUILD_TIMEOUT_S = 1800.0  # least wait for the other ranks' program builds (Inductor)
+# Default least wait for the other ranks' compiled (Inductor) program builds,
+# which can take minutes longer on one rank than another; startup_timeout= sets it.
+_COMPILED_BUILD_TIMEOUT_S = 1800.0
 _FORWARD_KINDS = ("F", "SEND_F", "RECV_F")
 _BACKWARD_KINDS = ("B", "I", "W", "SEND_B", "RECV_B", "REDUCE_GRAD")
-
-
-class PipelineError(RuntimeError):
-    """A pipeline step failed on this rank: a peer died or timed out, a transfer
-    failed, or a stage raised. ``rank``, ``action`` (text form, e.g.
-    ``"1RECV_F3"``) and ``peer`` (-1 when none) say where; the message also
-    lists this rank's program with the failing step marked."""
-
-    def __init__(self, message: str, rank: int = -1, action: str = "", peer: int = -1) -> None:
-        super().__init__(message)
-        self.rank = rank
-        self.action = action
-        self.peer = peer
 
 
 def _filtered_text(schedule: Schedule, kinds: Sequence[str], name: str) -> str:
@@ -181,7 +172,8 @@ class RankRuntime:
                  group: Any, device: torch.device, timeout: datetime.timedelta,
                  lookahead: int, settings: str, seed: int | None,
                  dp_group: Any = None, replicas: list[list[int]] | None = None,
-                 compiler: Compiler | None = None) -> None:
+                 compiler: Compiler | None = None,
+                 startup_timeout: datetime.timedelta | None = None) -> None:
         self.model = model
         self.group = group
         self.dp_group = dp_group
@@ -192,6 +184,14 @@ class RankRuntime:
         self.replica = next(i for i, r in enumerate(self.replicas) if me in r)
         self.device = device
         self.timeout_s = timeout.total_seconds()
+        # A capture's waits for the other ranks (their capture, their program
+        # builds) allow for ranks that capture or compile at different speeds.
+        self.startup_timeout_s = (startup_timeout.total_seconds() if startup_timeout is not None
+                                  else self.timeout_s)
+        self.build_timeout_s = (self.startup_timeout_s if startup_timeout is not None or
+                                compiler is None else
+                                max(self.timeout_s, _COMPILED_BUILD_TIMEOUT_S))
+        self.ledger = lockstep.ledger_for(self.replicas, group)
         self.lookahead = lookahead
         self.pp_size = dist.get_world_size(group) if group is not None else 1
         self.rank = dist.get_rank(group) if group is not None else 0
@@ -220,15 +220,19 @@ class RankRuntime:
                                     compiler=compiler, rank=self.rank, device=device,
                                     kinds=self._compute_kinds())
         self.transport = self._transport() if self.pp_size > 1 else None
+        self.digest = 0  # of this capture's plan and settings: set by the handshake
         self.seed = self._handshake(settings, seed)
         self.executor = self._executor(self.schedule.to_text())
         self._forward_executor: Any = None
         self._backward_executor: Any = None
+        self._programs: dict[str, list[list[str]]] = {}
         self.tied_groups = self._tied_groups()
         _LIVE.add(self)
         self.dp = self._data_parallel() if dp_group is not None else None
         if self.dp is not None:
             self.runner.on_reduce_grad = self.dp.reduce
+        if self.ledger is not None:
+            self.ledger.uses(self._groups())
 
     # ------------------------------------------------------------ construction
     def _compute_kinds(self) -> dict[int, set[str]]:
@@ -247,6 +251,7 @@ class RankRuntime:
             every = list(range(self.pp_size))
             up = new_replica_group(every, self.replicas, self.replica)
             down = new_replica_group(every, self.replicas, self.replica)
+        self._transport_groups = (up, down)
         return _runtime.C10dTransport(up.group_name, down.group_name, self.layout.specs(),
                                       str(self.device))
 
@@ -254,45 +259,48 @@ class RankRuntime:
         # Tracing is always on: two clock reads per action (trace.py). The
         # forward-only and backward-only executors (inference, the compile
         # door) run the autograd path, whose state the runner keeps itself.
+        # drain: a failure of this rank's own code ends the step's transfers with
+        # stand-ins, so peers end the step too (NOTE [Draining a failed step]).
         runner = self.runner if stateful else self.runner.autograd_view
         return _runtime.Executor(text, self.rank, runner, self.transport,
-                                 lookahead=self.lookahead, timeout_s=self.timeout_s, trace=True)
+                                 lookahead=self.lookahead, timeout_s=self.timeout_s, trace=True,
+                                 drain=True)
 
     def _handshake(self, settings: str, seed: int | None) -> int:
-        """Compare plan and settings across ranks before any transfer; agree on a seed."""
+        """Compare plan and settings across every rank of the pipeline (all
+        replicas) before any transfer, in the ranks' handshake exchange (NOTE
+        [Lockstep]); agree on a seed (this replica's pp rank 0's). Ranks arrive
+        after capturing, which takes seconds and varies by rank: the wait is
+        ``startup_timeout``."""
         digest = hashlib.sha256(f"{settings}|{self.schedule.to_text()}".encode()).digest()
-        mine = [_int64(self.model.plan.hash), _int64(int.from_bytes(digest[:8], "little")),
+        self.digest = _int64(int.from_bytes(digest[:8], "little")) or 1  # 0: not compared
+        mine = [_int64(self.model.plan.hash), self.digest,
                 _int64(seed if seed is not None else torch.initial_seed())]
-        seed_out = mine[2]
-        for group, label in ((self.group, "pp"), (self.dp_group, "dp")):
-            if group is None or dist.get_world_size(group) == 1:
-                continue
-            rows = self._compare(group, label, mine)
-            if label == "pp":
-                seed_out = rows[0][2]  # pp rank 0's seed
-        return seed_out
+        if self.ledger is None:
+            return mine[2]
+        outcome = self.ledger.exchange("handshake", timeout_s=self.startup_timeout_s,
+                                       payload=mine)
+        self.ledger.raise_for(outcome, "the start-up comparison of plans", ended=False)
+        rows = [row[len(lockstep.FIELDS) - 3:] for row in outcome.rows]
+        self._compare(rows)
+        return rows[self.ledger.ranks.index(self.replicas[self.replica][0])][2]
 
-    def _compare(self, group: Any, label: str, mine: list[int]) -> list[list[int]]:
-        size = dist.get_world_size(group)
-        t = torch.tensor(mine, dtype=torch.int64, device=self.device)
-        everyone = [torch.empty_like(t) for _ in range(size)]
-        # Ranks arrive after capturing, which takes seconds and varies by rank: the
-        # wait allows for that skew (a dead peer still fails at once: gloo reports
-        # the closed connection).
-        self.wait(dist.all_gather(everyone, t, group=group, async_op=True),
-                  f"the start-up comparison of plans over the {label} group (all_gather)",
-                  timeout_s=max(self.timeout_s, _STARTUP_TIMEOUT_S))
-        rows = [e.tolist() for e in everyone]
+    def _compare(self, rows: list[list[int]]) -> None:
+        """PipelineError (on every rank) naming each rank's hash where the ranks'
+        plans or settings differ; ``rows``: (plan hash, settings digest, seed)
+        per rank of the ledger."""
+        ranks = self.ledger.ranks
         cols = (("partition plan", 0), ("pipeline settings or schedule", 1))
         for what, col in cols:
-            values = {r: rows[r][col] & 0xFFFFFFFFFFFFFFFF for r in range(size)}
+            values = {r: row[col] & 0xFFFFFFFFFFFFFFFF for r, row in zip(ranks, rows)}
             if len(set(values.values())) > 1:
-                listing = ", ".join(f"{label} rank {r}: {v:016x}" for r, v in values.items())
-                raise PipelineError(
+                listing = ", ".join(f"rank {r}: {v:016x}" for r, v in values.items())
+                err = PipelineError(
                     f"the ranks disagree on the {what} (hashes {listing}); every rank must "
                     "build the same model and call pipeline() with the same arguments and the "
                     "same input shapes", rank=self.rank)
-        return rows
+                err._mpmd_settled = True  # every rank raises it, in step
+                raise err
 
     def _tied_groups(self) -> list[tuple[Any, list[torch.nn.Parameter]]]:
         """Per set of ranks sharing parameters: (process group, this rank's shared params).
@@ -313,6 +321,11 @@ class RankRuntime:
                 params = [self.model.tensors[f] for f in sorted(by_ranks[ranks])]
                 groups.append((pg, params))
         return groups
+
+    def _groups(self) -> list[Any]:
+        """Every process group this runtime communicates on."""
+        groups = [self.group, self.dp_group, *getattr(self, "_transport_groups", ())]
+        return groups + [g for g, _ in getattr(self, "tied_groups", [])]
 
     def _data_parallel(self) -> DataParallel:
         stage_params = {s: [p for p in self.model.stages[s].parameters() if p.requires_grad]
@@ -341,16 +354,12 @@ class RankRuntime:
         time out. Every rank builds at the same step (the key is the same)."""
         if not self.runner.prepare(inputs, targets, loss_fn):
             return
-        flag = torch.zeros(1, device=self.device)
-        limit = max(self.timeout_s, _BUILD_TIMEOUT_S)
-        for group, label in ((self.group, "pp"), (self.dp_group, "dp")):
-            if group is not None and dist.get_world_size(group) > 1:
-                me = dist.get_rank(group)
-                peers = [r for r in range(dist.get_world_size(group)) if r != me]
-                self.wait(dist.all_reduce(flag, group=group, async_op=True),
-                          f"waiting for the other {label} ranks (peer rank"
-                          f"{'s' if len(peers) > 1 else ''} {', '.join(map(str, peers))}) to "
-                          "build their stage programs", timeout_s=limit)
+        if self.ledger is not None:  # bounded by build_timeout_s (see __init__)
+            outcome = self.ledger.exchange("build", timeout_s=self.build_timeout_s,
+                                           digest=self.digest)
+            self.ledger.raise_for(outcome, "waiting for the other ranks to build their stage "
+                                  "programs", ended=False)
+
 
     @property
     def forward_executor(self) -> Any:
@@ -368,19 +377,87 @@ class RankRuntime:
                                                     stateful=False)
         return self._backward_executor
 
+    def kind_of(self, executor: Any) -> str:
+        """The call an executor of this runtime serves: "step", "forward",
+        "eval" (a forward with the loss, by the runner's setting) or "backward"."""
+        if executor is self.executor:
+            return "step"
+        if executor is self._forward_executor:
+            return "eval" if getattr(self.runner, "eval_loss", False) else "forward"
+        return "backward"
+
+    def programs(self, kind: str) -> list[list[str]]:
+        """Every rank's program (action tokens) for a kind of call (kind_of)."""
+        cached = self._programs.get(kind)
+        if cached is None:
+            if kind == "step":
+                cached = [list(row) for row in self.schedule.actions]
+            else:
+                text = (backward_only_text if kind == "backward" else forward_only_text)(
+                    self.schedule)
+                cached = [line.split(":", 1)[1].split() for line in text.splitlines()
+                          if line and not line.startswith("#")]
+            self._programs[kind] = cached
+        return cached
+
     def run(self, executor: Any) -> None:
-        """One executor run; failures become PipelineError (cause: the stage's
-        own exception when a stage raised)."""
+        """One executor run between the call's begin and end exchanges (NOTE
+        [Lockstep]): a rank that failed, before the run or in it, makes every
+        rank raise PipelineError; a failure of this rank's own stage raises it
+        with the stage's exception as the cause."""
+        kind = self.kind_of(executor)
+        step = int(getattr(self.runner, "step", -1))
+        ledger = self.ledger
         try:
-            executor.run()
-        except _runtime.ExecutorError as e:
-            cause = self.runner.error
+            if ledger is not None:
+                ledger.begin(kind, timeout_s=self.timeout_s, step=step, digest=self.digest)
+            try:
+                executor.run()
+            except _runtime.ExecutorError as e:
+                cause = self.runner.error
+                raise self._failure(e, kind, step) from cause
+            if ledger is not None:
+                ledger.end(kind, timeout_s=self.timeout_s, step=step, digest=self.digest)
+        except BaseException:
             self.runner.end_step()
-            raise PipelineError(
-                f"{e}\nThe step's gradients are partial (call zero_grad() before another "
-                "step); after a failed or timed-out transfer the process group may be "
-                "unusable: restart the job (e.g. torchrun --max-restarts) rather than retry.",
-                rank=e.rank, action=e.action, peer=e.peer) from cause
+            raise
+
+    def _failure(self, e: Any, kind: str, step: int) -> PipelineError:
+        """The PipelineError of a failed executor run. A drained failure of this
+        rank's own code (NOTE [Draining a failed step]) is sent to the other
+        ranks in the end exchange; any other failure leaves the groups unusable."""
+        partial = "The step's gradients are partial (call zero_grad() before another step)"
+        if not getattr(e, "drained", False):
+            self._break(f"rank {self.rank}: {lockstep._first_line(str(e), 600)}")
+            text = (f"{e}\n{partial}; after a failed or timed-out transfer the process group "
+                    "is unusable: restart the job (e.g. torchrun --max-restarts) rather than "
+                    "retry.")
+        elif self.ledger is None:
+            text = f"{e}\n{partial}."
+        else:
+            cause = self.runner.error
+            first = (f"{type(cause).__name__}: {lockstep._first_line(str(cause))} (in action "
+                     f"{e.action})" if cause is not None else lockstep._first_line(str(e)))
+            try:
+                others = self.ledger.end(kind, timeout_s=self.timeout_s, step=step,
+                                         digest=self.digest, failure=first)
+                told = ("The other ranks were told and raise PipelineError naming this rank"
+                        + "".join(f"; {self.ledger.name(r)} failed too: {m}"
+                                  for r, m in sorted(others.items()))
+                        + ". The ranks are still in step: the pipeline can be called again")
+            except PipelineError as te:
+                told = f"Telling the other ranks failed: {te}"
+            text = f"{e}\n{partial}. {told}."
+        err = PipelineError(text, rank=e.rank, action=e.action, peer=e.peer)
+        err._mpmd_settled = True  # reported to the others, or the groups are unusable
+        return err
+
+    def _break(self, reason: str) -> None:
+        """The groups cannot be used after this failure (NOTE [Abandoned groups])."""
+        if self.ledger is not None:
+            self.ledger.break_(reason)
+        else:
+            lockstep.abandon(self._groups())
 
     def tied_grads_before(self) -> list[list[torch.Tensor | None]]:
         return [[p.grad.clone() if p.grad is not None else None for p in params]
@@ -396,7 +473,7 @@ class RankRuntime:
                 g = p.grad if p.grad is not None else torch.zeros_like(p)
                 deltas.append(g - old if old is not None else g)
             flat = torch.cat([d.reshape(-1) for d in deltas])
-            self.wait(dist.all_reduce(flat, group=pg, async_op=True),
+            self.wait(self.all_reduce(flat, pg),
                       f"the sum of tied parameter gradients ({len(params)} tensors, all_reduce)")
             offset = 0
             for p, old, d in zip(params, prev, deltas):
@@ -410,21 +487,20 @@ class RankRuntime:
 
     def broadcast_from_last(self, tensor: torch.Tensor, what: str = "the loss") -> torch.Tensor:
         if self.pp_size > 1:
-            src = dist.get_global_rank(self.group, self.last_rank)
-            self.wait(dist.broadcast(tensor, src=src, group=self.group, async_op=True),
+            self.wait(lockstep.broadcast(tensor, self.last_rank, self.group, self.timeout_s),
                       f"the broadcast of {what} from rank {self.last_rank}")
         return tensor
 
+    def all_reduce(self, tensor: torch.Tensor, group: Any, op: Any = dist.ReduceOp.SUM) -> Any:
+        """Start ``dist.all_reduce`` of ``tensor`` over ``group`` (async), its
+        work bounded by the pipeline timeout (NOTE [Bounded collectives] in
+        lockstep.py); pass the result to :meth:`wait`."""
+        return lockstep.all_reduce(tensor, group, self.timeout_s, op)
+
     def wait(self, work: Any, what: str, timeout_s: float | None = None) -> None:
         """Wait for a collective within the pipeline timeout (the process
-        group's own timeout can be much longer): a dead peer is an error, not
-        a hang."""
+        group's own timeout can be much longer): a dead or stalled peer is a
+        PipelineError, not a hang, and leaves the groups unusable (NOTE
+        [Abandoned groups] in lockstep.py)."""
         limit = timeout_s if timeout_s is not None else self.timeout_s
-        try:
-            ok = work.wait(timeout=datetime.timedelta(seconds=limit))
-        except Exception as e:  # noqa: BLE001  (c10d raises RuntimeError subclasses)
-            raise PipelineError(f"rank {self.rank}: {what} failed within the {limit:g} s "
-                                f"timeout: {str(e)[:500]}", rank=self.rank) from e
-        if ok is False:
-            raise PipelineError(f"rank {self.rank}: {what} timed out after {limit:g} s",
-                                rank=self.rank)
+        lockstep.wait(work, what, limit, rank=self.rank, on_failure=self._break)

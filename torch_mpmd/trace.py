@@ -10,6 +10,10 @@ with the measured timeline above the simulated one.
 Clocks: ranks on one machine share CLOCK_MONOTONIC, so their timelines line
 up; across machines each rank's clock has its own origin and the picture is
 only approximately aligned (at the start of the step).
+
+A Pipeline keeps a :class:`StepRecord` per completed call (a bounded
+history): per-step statistics, the median F/B/I/W time of each local stage
+over the last steps (:func:`stage_times`), and timelines over several steps.
 """
 
 from __future__ import annotations
@@ -19,13 +23,14 @@ import os
 import re
 import statistics
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 __all__ = ["rank_timeline", "step_metrics", "bubble_fractions", "transfer_latencies",
-           "gather_timelines", "chrome_trace",
+           "StepRecord", "stage_times", "gather_timelines", "chrome_trace",
            "simulate_measured", "save_measured_timeline"]
 
 Row = list[tuple[str, float, float]]  # (action, start s, end s)
@@ -111,27 +116,112 @@ def transfer_latencies(rows: Sequence[Row]) -> list[float]:
             if key in sends and start <= sends[key]]
 
 
-def gather_timelines(program: Sequence[str], trace: Sequence[tuple[int, int, int]],
-                     programs: Sequence[Sequence[str]], group: Any) -> list[Row]:
-    """Every rank's timeline of the last step, on every rank (collective over
-    ``group``; ``programs`` are all ranks' programs, as in the schedule), in
-    seconds from the earliest begin of any rank."""
+@dataclass(frozen=True)
+class StepRecord:
+    """What one completed call (``step``, ``forward``, ``eval_step``) did on
+    this rank: the executor's trace and the call's own peaks (not totals)."""
+
+    kind: str                               # "step", "forward", "eval", "backward"
+    step: int                               # the pipeline's step counter during the call
+    rank: int                               # this rank in the pipeline group
+    programs: Sequence[Sequence[str]]       # every rank's program of this kind of call
+    trace: torch.Tensor                     # int64 [actions, 3]: action index, begin, end ns
+    counters: dict[str, int]                # the executor's peaks in this call
+    peak_activation_bytes: dict[int, int]   # per local stage
+
+    @property
+    def program(self) -> Sequence[str]:
+        return self.programs[self.rank]
+
+    def row(self, origin_ns: int | None = None) -> Row:
+        """This rank's ``(action, start, end)`` (seconds from ``origin_ns``,
+        default the call's first begin)."""
+        return rank_timeline(self.program, self.trace.tolist(), origin_ns)
+
+    def stats(self) -> dict[str, Any]:
+        """The call's statistics (Pipeline.last_step_stats)."""
+        return {"kind": self.kind, "step": self.step, "actions": int(self.trace.shape[0]),
+                "peak_live_forwards": self.counters["peak_live_forwards"],
+                "peak_buffered": self.counters["peak_buffered"],
+                "peak_state_values": self.counters["peak_state_values"],
+                "peak_activation_bytes": dict(self.peak_activation_bytes),
+                **step_metrics(self.row())}
+
+
+def _compute_action(token: str) -> tuple[int, str] | None:
+    kind = action_kind(token)
+    if kind not in _COMPUTE:
+        return None
+    return int(token[:len(token) - len(token.lstrip("0123456789"))]), kind
+
+
+def stage_times(records: Sequence[StepRecord], last_n: int | None = None
+                ) -> dict[int, dict[str, float]]:
+    """Per local stage, the median seconds of its F, B, I and W actions (the
+    kinds its program runs) over the last ``last_n`` training-step records
+    (default: all given); forward and eval calls are left out (no backward
+    follows their forwards, so their F is not a training F)."""
+    steps = [r for r in records if r.kind == "step"]
+    if last_n is not None:
+        steps = steps[-last_n:] if last_n > 0 else []
+    times: dict[int, dict[str, list[float]]] = {}
+    for rec in steps:
+        program = rec.program
+        for i, b, e in rec.trace.tolist():
+            found = _compute_action(program[i])
+            if found is not None:
+                stage, kind = found
+                times.setdefault(stage, {}).setdefault(kind, []).append((e - b) * 1e-9)
+    return {stage: {k: statistics.median(kinds[k]) for k in _COMPUTE if k in kinds}
+            for stage, kinds in sorted(times.items())}
+
+
+_KIND_CODES = {"step": 0, "forward": 1, "eval": 2, "backward": 3}
+
+
+def gather_timelines(records: Sequence[StepRecord], group: Any, timeout_s: float,
+                     wait: Any) -> list[Row]:
+    """Every rank's timeline over the calls of ``records`` (this rank's last
+    calls, oldest first), on every rank, in seconds from the earliest begin of
+    any rank. Collective over ``group`` (the pipeline group; None: one rank):
+    the ranks' histories hold the same calls (NOTE [Lockstep]); each sends its
+    last ``min`` over the ranks of ``len(records)``. Each all_gather is bounded
+    by ``timeout_s`` and waited for by ``wait(work, what)``."""
+    from torch_mpmd import lockstep
+
     if group is None:
-        return [rank_timeline(program, trace)]
+        origin = min((int(rec.trace[0, 1]) for rec in records if rec.trace.numel()), default=0)
+        return [[t for rec in records for t in rec.row(origin)]]
     world = dist.get_world_size(group)
-    local = torch.tensor([[i, b, e] for i, b, e in trace], dtype=torch.int64).reshape(-1, 3)
-    count = torch.tensor([local.shape[0]], dtype=torch.int64)
-    counts = [torch.zeros_like(count) for _ in range(world)]
-    dist.all_gather(counts, count, group=group)
-    longest = max(int(c) for c in counts)
-    padded = torch.zeros((longest, 3), dtype=torch.int64)
+    count = torch.tensor([len(records)], dtype=torch.int64)
+    counts = torch.zeros(world, 1, dtype=torch.int64)
+    wait(lockstep.all_gather(list(counts.unbind(0)), count, group, timeout_s),
+         "the gathering of timelines (all_gather of their lengths)")
+    k = int(counts.min())
+    mine = records[len(records) - k:] if k else []
+    # Rows (call number, kind, action index, begin ns, end ns) of this rank's calls.
+    parts = [torch.cat([torch.tensor([[j, _KIND_CODES[rec.kind]]], dtype=torch.int64)
+                        .expand(rec.trace.shape[0], 2), rec.trace], dim=1)
+             for j, rec in enumerate(mine)]
+    local = torch.cat(parts) if parts else torch.zeros(0, 5, dtype=torch.int64)
+    sizes = torch.zeros(world, 1, dtype=torch.int64)
+    wait(lockstep.all_gather(list(sizes.unbind(0)), torch.tensor([local.shape[0]]), group,
+                             timeout_s), "the gathering of timelines (all_gather of sizes)")
+    longest = int(sizes.max())
+    padded = torch.zeros(longest, 5, dtype=torch.int64)
     padded[:local.shape[0]] = local
-    everyone = [torch.zeros_like(padded) for _ in range(world)]
-    dist.all_gather(everyone, padded, group=group)
-    traces = [[tuple(int(v) for v in row) for row in t[:int(c)].tolist()]
-              for t, c in zip(everyone, counts)]
-    origin = min((t[0][1] for t in traces if t), default=0)
-    return [rank_timeline(programs[r], traces[r], origin) for r in range(world)]
+    everyone = torch.zeros(world, longest, 5, dtype=torch.int64)
+    wait(lockstep.all_gather(list(everyone.unbind(0)), padded, group, timeout_s),
+         "the gathering of timelines (all_gather)")
+    tables = [everyone[r, :int(sizes[r])].tolist() for r in range(world)]
+    origin = min((t[0][3] for t in tables if t), default=0)
+    # Call j is the same call on every rank: its programs are this rank's record's.
+    for r in range(world):
+        if any(kind != _KIND_CODES[mine[j].kind] for j, kind, _, _, _ in tables[r]):
+            raise RuntimeError(f"the timelines of rank {r} are of other calls than this "
+                               "rank's: the ranks' histories differ")
+    return [[(mine[j].programs[r][i], (b - origin) * 1e-9, (e - origin) * 1e-9)
+             for j, _, i, b, e in tables[r]] for r in range(world)]
 
 
 def chrome_trace(rows: Sequence[Row], *, title: str = "torch_mpmd step") -> dict[str, Any]:

@@ -388,6 +388,16 @@ PYBIND11_MODULE(_runtime, m) {
              return out;
            },
            "The last run's trace as an int64 tensor of rows (action index, begin ns, end ns).")
+      .def_property_readonly("counters", [](PyExecutor& self) {
+             const ExecutorStats& s = self.executor->stats();
+             py::dict d;
+             d["steps"] = s.steps;
+             d["peak_live_forwards"] = s.peak_live_forwards;
+             d["peak_buffered"] = s.peak_buffered;
+             d["peak_state_values"] = s.peak_state_values;
+             return d;
+           },
+           "`stats` without the trace: runs completed, and the last run's peaks.")
       .def_property_readonly("stats", [](PyExecutor& self) {
         const ExecutorStats& s = self.executor->stats();
         py::dict d;

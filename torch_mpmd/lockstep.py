@@ -1,0 +1,493 @@
+"""Ranks in lockstep: the library's collective calls checked, bounded, told of failures.
+
+NOTE [Lockstep]: the ranks of a pipeline (every pipeline rank of every
+data-parallel replica) must make the same library calls in the same order:
+the executors' transfers and the library's collectives pair by order alone.
+Each call that communicates therefore begins with an *exchange*: every rank
+all_gathers a small record (:data:`FIELDS`): a sequence number counting the
+exchanges so far, the call's kind (start-up handshake, program build, step,
+forward, eval, the compile door's backward), whether it begins or ends the
+call, the pipeline's step counter, a digest of the capture it runs, and
+whether this rank has failed. A call runs the executor between a begin and an
+end exchange (RankRuntime.run). So:
+
+- ranks out of step (a different call, step or capture) get a PipelineError
+  naming what each rank is doing, before any transfer pairs wrongly;
+- a rank whose own code fails before the begin exchange (a bad argument only
+  it sees, a capture or build that raises) sends its failure in place of the
+  exchange its peers wait in (:func:`pipeline_call`); one that fails inside
+  the executor finishes the step's transfers with stand-ins (NOTE [Draining a
+  failed step] in csrc/runtime/executor.h) and sends its failure in the end
+  exchange. Either way every rank raises at once: the failing rank its own
+  exception, the others a PipelineError naming the failing rank and the first
+  line of its exception. The ranks stay in step: the next call can run;
+- a failure that may leave a peer inside some other collective (a transfer
+  or collective that failed or timed out, a failure after the end exchange)
+  marks the pipeline's groups unusable (:attr:`Ledger.broken`): later calls
+  raise at once, saying so and what to do, instead of pairing with the wrong
+  call of a peer.
+
+The exchanges run on a gloo group of their own over all the pipeline's ranks
+(created at the first exchange): they never pair with a collective of the
+user's or of the step (a broadcast on the pipeline group), and on NCCL jobs
+they stay on the CPU. A failed rank's message travels in a second all_gather,
+made only when some record says a rank failed.
+
+NOTE [Bounded collectives]: every collective the library issues carries the
+wait's timeout as its own (c10d options ``timeout``), so that work on a
+group's worker thread ends within the timeout even when nobody waits for it
+any more: a gloo group's destructor waits for that work, and with the
+process-group timeout (30 min by default) the process would not exit.
+
+NOTE [Abandoned groups]: after a failure that may leave work in flight (a
+collective issued by code that did not bound it, a peer that stalls), the
+groups the pipeline uses are aborted where the backend can (NCCL) and kept
+alive until the process exits (``_runtime.keep_until_exit``): gloo has no
+abort in torch 2.13, and destroying a group joins its worker threads, which
+first wait out their work. The process then exits at once; the groups are
+unusable anyway.
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import weakref
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["PipelineError", "Ledger", "ledger_for", "pipeline_call", "describe_failure",
+           "all_gather", "all_reduce", "broadcast", "wait", "abandon", "KINDS"]
+
+
+class PipelineError(RuntimeError):
+    """A pipeline step failed on this rank: a peer died or timed out, a transfer
+    failed, or a stage raised. ``rank``, ``action`` (text form, e.g.
+    ``"1RECV_F3"``) and ``peer`` (-1 when none) say where; the message also
+    lists this rank's program with the failing step marked. When another
+    rank's own code failed, ``peer`` is that rank (global rank) and the message
+    names it with the first line of its exception."""
+
+    def __init__(self, message: str, rank: int = -1, action: str = "", peer: int = -1) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.action = action
+        self.peer = peer
+
+
+# ---------------------------------------------------------------- bounded collectives
+
+def _timedelta(seconds: float) -> datetime.timedelta:
+    return datetime.timedelta(seconds=seconds)
+
+
+def all_gather(outputs: list[torch.Tensor], tensor: torch.Tensor, group: Any,
+               timeout_s: float) -> Any:
+    """``dist.all_gather`` (async) whose work ends within ``timeout_s`` on its
+    own (NOTE [Bounded collectives]). ``group`` is a ProcessGroup."""
+    opts = torch._C._distributed_c10d.AllgatherOptions()
+    opts.timeout = _timedelta(timeout_s)
+    return group.allgather([outputs], [tensor], opts)
+
+
+def all_reduce(tensor: torch.Tensor, group: Any, timeout_s: float,
+               op: Any = dist.ReduceOp.SUM) -> Any:
+    """``dist.all_reduce`` (async), bounded as :func:`all_gather`."""
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = op
+    opts.timeout = _timedelta(timeout_s)
+    return group.allreduce([tensor], opts)
+
+
+def broadcast(tensor: torch.Tensor, root: int, group: Any, timeout_s: float) -> Any:
+    """``dist.broadcast`` (async) from ``root``, a rank *of the group*, bounded
+    as :func:`all_gather`."""
+    opts = dist.BroadcastOptions()
+    opts.rootRank = root
+    opts.rootTensor = 0
+    opts.timeout = _timedelta(timeout_s)
+    return group.broadcast([tensor], opts)
+
+
+# The wait allows this much beyond a bounded collective's own timeout, so that
+# the collective's own error (which names what it waited for) comes first and
+# its work has ended when the wait raises.
+_WAIT_GRACE_S = 1.0
+
+
+def wait(work: Any, what: str, timeout_s: float, *, rank: int,
+         on_failure: Callable[[str], None] | None = None) -> None:
+    """Wait for ``work`` at most ``timeout_s`` (+ a grace second); a failure or
+    timeout calls ``on_failure(reason)`` (which marks the groups unusable) and
+    raises PipelineError naming ``what``."""
+    try:
+        ok = work.wait(timeout=_timedelta(timeout_s + _WAIT_GRACE_S))
+        reason = None if ok is not False else f"timed out after {timeout_s:g} s"
+    except Exception as e:  # noqa: BLE001  (c10d raises RuntimeError subclasses)
+        reason = f"failed within the {timeout_s:g} s timeout: {_first_line(str(e), 500)}"
+    if reason is None:
+        return
+    if on_failure is not None:
+        on_failure(f"{what} {reason}")
+    raise PipelineError(f"rank {rank}: {what} {reason} (a peer that stalled or died, or "
+                        f"that is in another call){_UNUSABLE}", rank=rank)
+
+
+_UNUSABLE = ("; the pipeline's process groups cannot be used after this: restart the job "
+             "(e.g. torchrun --max-restarts=N restarts every rank; resume from the last "
+             "checkpoint)")
+
+
+def abandon(groups: Iterable[Any]) -> None:
+    """NOTE [Abandoned groups]: abort each group where the backend can, and keep
+    gloo groups alive until exit so that destroying them cannot wait out work
+    still running on their worker threads."""
+    from torch_mpmd import _runtime
+
+    seen: set[int] = set()
+    for g in groups:
+        if g is None or id(g) in seen:
+            continue
+        seen.add(id(g))
+        try:
+            backend = dist.get_backend(g)
+        except Exception:  # noqa: BLE001  (destroyed already)
+            continue
+        try:
+            if backend == "gloo":
+                _runtime.keep_until_exit(g.group_name)
+            else:  # NCCL's abort ends its in-flight work (untested on CPU-only machines)
+                g.abort()
+        except Exception:  # noqa: BLE001  (best effort: the failure is reported anyway)
+            pass
+
+
+# ---------------------------------------------------------------- records
+
+KINDS = {"handshake": 1, "build": 2, "step": 3, "forward": 4, "eval": 5, "backward": 6}
+_KIND_NAMES = {v: k for k, v in KINDS.items()}
+_BEGIN, _END = 0, 1
+_MAGIC = 0x6D706D646C6B7370  # "mpmdlksp": a record, not some other collective's data
+FIELDS = ("magic", "seq", "kind", "phase", "step", "digest", "failed", "p0", "p1", "p2")
+_MESSAGE_BYTES = 512
+_F = {name: i for i, name in enumerate(FIELDS)}
+
+
+def _first_line(text: str, limit: int = 300) -> str:
+    line = text.strip().splitlines()[0] if text.strip() else ""
+    return line if len(line) <= limit else line[:limit - 3] + "..."
+
+
+def describe_failure(exc: BaseException) -> str:
+    """The first line of what a rank sends about its failure: the exception's
+    type and first line (a stage's own exception for a PipelineError that
+    wraps one, with the action it ran)."""
+    cause = exc.__cause__ if isinstance(exc, PipelineError) and exc.__cause__ else exc
+    text = f"{type(cause).__name__}: {_first_line(str(cause))}"
+    action = getattr(exc, "action", "")
+    return f"{text} (in action {action})" if action and cause is not exc else text
+
+
+@dataclass
+class Outcome:
+    """What one exchange found: every rank's record (by position in
+    Ledger.ranks), the failures reported (global rank -> first line), and a
+    description of how the ranks disagree (None when they agree)."""
+
+    rows: list[list[int]]
+    failures: dict[int, str] = field(default_factory=dict)
+    mismatch: str | None = None
+
+
+def _call_name(kind: int, phase: int, step: int) -> str:
+    name = _KIND_NAMES.get(kind, f"kind {kind}")
+    where = {"step": f"step {step}", "forward": f"a forward call (after step {step})",
+             "eval": f"eval_step (after step {step})",
+             "backward": f"a backward call (after step {step})",
+             "handshake": "the start-up comparison of plans",
+             "build": "waiting for the stage programs' builds"}.get(name, name)
+    if name in ("step", "forward", "eval", "backward"):
+        where = ("the end of " if phase == _END else "the start of ") + where
+    return where
+
+
+# ---------------------------------------------------------------- the ledger
+
+_IDLE, _PREP, _RUNNING, _AFTER = "idle", "prep", "running", "after"
+
+
+class Ledger:
+    """Exchange state shared by every pipeline over one set of ranks (in this
+    process): the sequence number, the phase of the current call, and why the
+    groups are unusable, if they are (NOTE [Lockstep]). Ranks are global."""
+
+    def __init__(self, ranks: Sequence[int]) -> None:
+        self.ranks = tuple(ranks)
+        self.me = dist.get_rank()
+        self.index = self.ranks.index(self.me)
+        self.group: Any = None          # the control group (gloo), made at the first exchange
+        self.seq = 0
+        self.broken: str | None = None
+        self.phase = _IDLE
+        self.call_kind = ""
+        self._depth = 0
+        self._groups: "weakref.WeakSet[Any]" = weakref.WeakSet()
+        self._world = _default_group()
+
+    # -------------------------------------------------------- naming
+    def name(self, rank: int) -> str:
+        """How messages name a global rank."""
+        return f"rank {rank}" if self.ranks == tuple(range(len(self.ranks))) else (
+            f"global rank {rank}")
+
+    # -------------------------------------------------------- groups
+    def _control_group(self, timeout_s: float) -> Any:
+        if self.group is None:
+            # Collective over self.ranks only; bounded by the timeout (the rendezvous
+            # of a gloo group waits on the store that long at most).
+            self.group = dist.new_group(list(self.ranks), timeout=_timedelta(timeout_s),
+                                        backend="gloo", use_local_synchronization=True)
+        return self.group
+
+    def uses(self, groups: Iterable[Any]) -> None:
+        """Groups to abandon with the control group when the pipeline breaks."""
+        for g in groups:
+            if g is not None:
+                self._groups.add(g)
+
+    def break_(self, reason: str) -> None:
+        """Mark the groups unusable (the first reason is kept) and abandon them."""
+        if self.broken is None:
+            self.broken = reason
+        abandon([self.group, *self._groups])
+
+    def check_usable(self, what: str) -> None:
+        if self.broken is not None:
+            raise PipelineError(f"{self.name(self.me)}: cannot run {what}: an earlier call "
+                                f"failed ({_first_line(self.broken, 600)}){_UNUSABLE}",
+                                rank=self.me)
+
+    # -------------------------------------------------------- exchanges
+    def exchange(self, kind: str, *, timeout_s: float, phase: int = _BEGIN, step: int = -1,
+                 digest: int = 0, payload: Sequence[int] = (0, 0, 0),
+                 failure: str | None = None) -> Outcome:
+        """One exchange (NOTE [Lockstep]): every rank's record, the failures
+        they report and whether they agree. Raises PipelineError (and marks the
+        groups unusable) only when the exchange itself fails or times out."""
+        where = _call_name(KINDS[kind], phase, step)
+        what = f"waiting for the other ranks at {where} (exchange #{self.seq}, all_gather)"
+        try:
+            group = self._control_group(timeout_s)
+        except Exception as e:  # noqa: BLE001
+            reason = (f"the other ranks did not arrive at {where} within {timeout_s:g} s "
+                      f"(creating the group of the ranks' exchanges: {_first_line(str(e))})")
+            self.break_(reason)
+            raise PipelineError(f"{self.name(self.me)}: {reason} (a peer that stalled or died, "
+                                f"or that is in another call){_UNUSABLE}", rank=self.me) from e
+        record = torch.tensor([_MAGIC, self.seq, KINDS[kind], phase, step, digest,
+                               self.me if failure is not None else -1, *payload],
+                              dtype=torch.int64)
+        rows = torch.zeros(len(self.ranks), len(FIELDS), dtype=torch.int64)
+        wait(all_gather(list(rows.unbind(0)), record, group, timeout_s), what, timeout_s,
+             rank=self.me, on_failure=self.break_)
+        self.seq += 1
+        table = rows.tolist()
+        outcome = Outcome(table)
+        if any(row[_F["failed"]] != -1 for row in table):
+            outcome.failures = self._messages(table, failure, group, timeout_s)
+        outcome.mismatch = self._disagreement(table)
+        return outcome
+
+    def _messages(self, table: list[list[int]], failure: str | None, group: Any,
+                  timeout_s: float) -> dict[int, str]:
+        """Second round: the failed ranks' first lines."""
+        mine = torch.zeros(_MESSAGE_BYTES, dtype=torch.uint8)
+        if failure is not None:
+            data = failure.encode("utf-8", "replace")[:_MESSAGE_BYTES]
+            mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        everyone = torch.zeros(len(self.ranks), _MESSAGE_BYTES, dtype=torch.uint8)
+        wait(all_gather(list(everyone.unbind(0)), mine, group, timeout_s),
+             "the exchange of failure messages (all_gather)", timeout_s, rank=self.me,
+             on_failure=self.break_)
+        out = {}
+        for i, row in enumerate(table):
+            if row[_F["failed"]] != -1:
+                raw = bytes(everyone[i].tolist()).rstrip(b"\0")
+                out[self.ranks[i]] = raw.decode("utf-8", "replace") or "(no message)"
+        return out
+
+    def _disagreement(self, table: list[list[int]]) -> str | None:
+        def state(row: list[int]) -> tuple:
+            return (row[_F["magic"]], row[_F["seq"]], row[_F["kind"]], row[_F["phase"]],
+                    row[_F["step"]])
+
+        def describe(i: int, row: list[int]) -> str:
+            if row[_F["magic"]] != _MAGIC:
+                return f"{self.name(self.ranks[i])}: not an exchange (another collective)"
+            return (f"{self.name(self.ranks[i])}: {_call_name(row[2], row[3], row[4])} "
+                    f"(exchange #{row[1]})")
+
+        if len({state(r) for r in table}) > 1:
+            listing = "; ".join(describe(i, r) for i, r in enumerate(table))
+            return f"the ranks are not in the same call: {listing}"
+        digests = {r[_F["digest"]] for r in table if r[_F["digest"]] != 0}
+        if len(digests) > 1:
+            listing = ", ".join(f"{self.name(self.ranks[i])}: {r[_F['digest']] & (2**64 - 1):016x}"
+                                for i, r in enumerate(table))
+            return ("the ranks run different captures of the model (their inputs' shapes or "
+                    f"train/eval modes differ; capture digests {listing})")
+        return None
+
+    # -------------------------------------------------------- a call's exchanges
+    def begin(self, kind: str, *, timeout_s: float, step: int, digest: int) -> None:
+        """The begin exchange of a call that runs the executor: raises
+        PipelineError when a rank failed before it or the ranks disagree."""
+        self.check_usable(kind)
+        outcome = self.exchange(kind, timeout_s=timeout_s, step=step, digest=digest)
+        self.phase = _RUNNING
+        self.raise_for(outcome, kind, ended=False)
+
+    def end(self, kind: str, *, timeout_s: float, step: int, digest: int,
+            failure: str | None = None) -> dict[int, str]:
+        """The end exchange. A rank that failed (``failure``, its first line)
+        gets the other ranks' failures back; the others raise PipelineError
+        when any rank failed."""
+        outcome = self.exchange(kind, timeout_s=timeout_s, phase=_END, step=step, digest=digest,
+                                failure=failure)
+        self.phase = _AFTER
+        if failure is not None:
+            return {r: m for r, m in outcome.failures.items() if r != self.me}
+        self.raise_for(outcome, kind, ended=True)
+        return {}
+
+    def raise_for(self, outcome: Outcome, kind: str, *, ended: bool) -> None:
+        """PipelineError for the failures or the disagreement an exchange found
+        (every rank raises at the same exchange: the ranks stay in step)."""
+        others = {r: m for r, m in outcome.failures.items() if r != self.me}
+        if self.phase != _IDLE and self.call_kind:
+            kind = self.call_kind  # the user's call (an exchange inside it may be the handshake)
+        if others:
+            first = min(others)
+            listing = "; ".join(f"{self.name(r)} failed: {m}" for r, m in sorted(others.items()))
+            consequence = (
+                "This rank ended the step on stand-in values from that rank: its gradients "
+                "of this step are wrong (call zero_grad() before the next step)" if ended
+                and kind == "step" else
+                "This rank's call ended early" if ended else "Nothing ran on this rank")
+            err = PipelineError(
+                f"{self.name(self.me)}: {kind} abandoned because {listing}\n{consequence}; "
+                "the ranks are still in step and the pipeline can be called again.",
+                rank=self.me, peer=first)
+            err._mpmd_settled = True  # every rank raises here
+            raise err
+        if outcome.mismatch is not None:
+            self.break_(outcome.mismatch)
+            err = PipelineError(
+                f"{self.name(self.me)}: {outcome.mismatch}. Every rank must make the same "
+                f"pipeline calls (step, forward, eval_step) in the same order with inputs of "
+                f"the same shapes{_UNUSABLE}", rank=self.me)
+            err._mpmd_settled = True
+            raise err
+
+    # -------------------------------------------------------- calls (pipeline_call)
+    def begin_call(self, kind: str) -> bool:
+        """Enter a pipeline call; False for a call made inside another (it
+        shares the outer call's phase)."""
+        self._depth += 1
+        if self._depth > 1:
+            return False
+        self.phase = _PREP
+        self.call_kind = kind
+        return True
+
+    def end_call(self, outer: bool) -> None:
+        self._depth -= 1
+        if outer:
+            self.phase = _IDLE
+
+    def call_failed(self, exc: BaseException, timeout_s: float) -> None:
+        """This rank's call raised ``exc``. Before the call's begin exchange its
+        peers wait in an exchange: they are sent the failure (NOTE
+        [Lockstep]); later, a peer may wait in another collective, so the
+        groups are marked unusable. Exceptions every rank raised together are
+        left alone."""
+        if getattr(exc, "_mpmd_settled", False) or self.broken is not None:
+            return
+        if self.phase != _PREP:
+            self.break_(f"{self.name(self.me)} failed during {self.call_kind} after its "
+                        f"transfers began: {describe_failure(exc)}")
+            return
+        try:
+            outcome = self.exchange(self.call_kind, timeout_s=timeout_s,
+                                    failure=describe_failure(exc))
+        except PipelineError as e:  # the peers did not come: they are told by their timeout
+            _note(exc, f"torch_mpmd: telling the other ranks of this failure failed: {e}")
+            return
+        others = {r: m for r, m in outcome.failures.items() if r != self.me}
+        told = "the other ranks were told of this failure and raise PipelineError"
+        if others:
+            told += "; " + "; ".join(f"{self.name(r)} failed too: {m}"
+                                     for r, m in sorted(others.items()))
+        _note(exc, f"torch_mpmd: {told}")
+        exc._mpmd_settled = True
+
+
+def _note(exc: BaseException, text: str) -> None:
+    if hasattr(exc, "add_note"):
+        exc.add_note(text)
+
+
+def _default_group() -> Any:
+    return dist.distributed_c10d._get_default_group() if dist.is_initialized() else None
+
+
+_LEDGERS: dict[tuple[int, ...], Ledger] = {}
+
+
+def ledger_for(replicas: Sequence[Sequence[int]] | None, group: Any) -> Ledger | None:
+    """The ledger of the pipeline whose replicas hold these global ranks (or,
+    without replicas, whose pipeline group is ``group``); None for one rank."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    if replicas is None:
+        replicas = [dist.get_process_group_ranks(group) if group is not None else [0]]
+    ranks = tuple(sorted({r for replica in replicas for r in replica}))
+    if len(ranks) < 2:
+        return None
+    ledger = _LEDGERS.get(ranks)
+    if ledger is None or ledger._world is not _default_group():  # a new world
+        ledger = _LEDGERS[ranks] = Ledger(ranks)
+    return ledger
+
+
+def pipeline_call(kind: str) -> Callable[[Callable], Callable]:
+    """Decorator of the Pipeline methods that communicate (``step``, ``forward``,
+    ``eval_step``): a call refuses to start on unusable groups, and a failure
+    of this rank's own code before the call's begin exchange is sent to the
+    other ranks (NOTE [Lockstep]). Reads the pipeline's ``_mpmd_group``,
+    ``_mpmd_replicas`` and ``timeout``."""
+
+    def wrap(fn: Callable) -> Callable:
+        @functools.wraps(fn)
+        def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+            ledger = ledger_for(self._mpmd_replicas, self._mpmd_group)
+            if ledger is None:
+                return fn(self, *args, **kwargs)
+            ledger.check_usable(kind)
+            outer = ledger.begin_call(kind)
+            try:
+                return fn(self, *args, **kwargs)
+            except BaseException as e:
+                if outer:
+                    ledger.call_failed(e, self.timeout.total_seconds())
+                raise
+            finally:
+                ledger.end_call(outer)
+
+        return call
+
+    return wrap
