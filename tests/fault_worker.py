@@ -159,3 +159,15 @@ def never_calls(timeout: float) -> dict[str, Any]:
                         "raised_at": time.time(), "message": str(e)[:4000]})
         raise
     return {"rank": rank, "error": "the step returned although rank 1 never called"}
+
+
+def timelines_over_steps(steps: int) -> dict[str, Any]:
+    """``steps`` training steps (1f1b, 2 ranks); every rank's timelines of all of
+    them, gathered on this rank, and this rank's stage times."""
+    x, y = W.make_batch("skip")
+    pipe = mpmd.pipeline(W.build_model("skip"), loss_fn=F.mse_loss, schedule="1f1b",
+                         num_microbatches=4, split_points=W.SKIP_SPLITS[2], timeout=60)
+    for _ in range(steps):
+        pipe.step(x, target=y)
+    return {"programs": pipe.schedule.actions, "rows": pipe.timelines(steps=steps),
+            "stage_times": pipe.stage_times(), "local_stages": list(pipe.local_stages)}
