@@ -99,12 +99,22 @@ def _pp_group(group: Any) -> Any:
     return None
 
 
-def _tensor_signature(args: Sequence[Any], kwargs: Mapping[str, Any]) -> tuple:
-    if not kwargs and all(type(a) is torch.Tensor for a in args):  # the common case
-        return tuple((tuple(a.shape), a.dtype) for a in args)
+def _tensor_signature(args: Sequence[Any], kwargs: Mapping[str, Any],
+                      dynamic: bool = False) -> tuple:
+    """The capture key of a call's inputs: shapes and dtypes, None in the dims
+    that are dynamic (every dim with ``dynamic``, else the dims marked with
+    torch._dynamo.mark_dynamic), and the non-tensor values."""
+    if (not dynamic and not kwargs and all(type(a) is torch.Tensor for a in args)
+            and not any(hasattr(a, "_dynamo_dynamic_indices") for a in args)):
+        return tuple((tuple(a.shape), a.dtype) for a in args)  # the common case
     leaves = pytree.tree_leaves((tuple(args), dict(kwargs)))
-    return tuple((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else repr(x)
-                 for x in leaves)
+    return tuple((_masked_shape(x, dynamic), x.dtype) if isinstance(x, torch.Tensor)
+                 else repr(x) for x in leaves)
+
+
+def _masked_shape(t: torch.Tensor, dynamic: bool) -> tuple:
+    marked = getattr(t, "_dynamo_dynamic_indices", ())
+    return tuple(None if dynamic or d in marked else n for d, n in enumerate(t.shape))
 
 
 class Pipeline(torch.nn.Module):
@@ -118,7 +128,9 @@ class Pipeline(torch.nn.Module):
                  replicas: list[list[int]] | None = None,
                  init_fn: Callable[[torch.nn.Module], None] | None = None,
                  compile: Any = False,
-                 startup_timeout: datetime.timedelta | None = None) -> None:
+                 bytes_cost: float | None = None,
+                 startup_timeout: datetime.timedelta | None = None,
+                 dynamic: bool = False) -> None:
         super().__init__()
         # Not registered as a submodule: parameters() must list this rank's only.
         object.__setattr__(self, "_mpmd_module", module)
@@ -143,12 +155,16 @@ class Pipeline(torch.nn.Module):
         self.dp_size = dist.get_world_size(dp_group) if dp_group is not None else 1
         self._mpmd_init_fn = init_fn
         self._mpmd_compile = compile
+        self._mpmd_bytes_cost = bytes_cost  # None: the partitioner's default
+        self._mpmd_dynamic = dynamic
         self._mpmd_compiler = resolve_compiler(compile)
         self._mpmd_meta = meta_init.has_meta_tensors(module)
         self.parameter_bytes = 0  # this rank's materialized bytes (meta-device models)
         self._mpmd_runtime: RankRuntime | None = None
         self._mpmd_split: Any = None
-        self._mpmd_captures: dict[tuple, tuple[RankRuntime, Any]] = {}
+        # Per capture key, the captures made for it: one, or with symbolic sizes
+        # one per class of sizes its guards admit (see _unfit).
+        self._mpmd_captures: dict[tuple, list[tuple[RankRuntime, Any]]] = {}
         self._mpmd_input_signature: tuple | None = None
         self._mpmd_step = 0
         self._mpmd_last: tuple[Any, dict[int, int]] | None = None
@@ -211,22 +227,30 @@ class Pipeline(torch.nn.Module):
         # that alternating (training and validation batches) does not re-capture.
         if self._mpmd_all_modules is None:  # walked once: the capture fixed the modules
             self._mpmd_all_modules = list(self._mpmd_module.modules())
-        sig = (_tensor_signature(args0, kwargs0),
+        sig = (_tensor_signature(args0, kwargs0, self._mpmd_dynamic),
                tuple(mod.training for mod in self._mpmd_all_modules))
+        unfit = None  # why a dynamic capture cannot serve these sizes
         if self._mpmd_runtime is not None and sig == self._mpmd_input_signature:
-            return self._mpmd_runtime
-        cached = self._mpmd_captures.get(sig)
-        if cached is not None:
-            self._mpmd_runtime, self._mpmd_split = cached
-            self._mpmd_input_signature = sig
-            self._adopt_local_tensors(*cached)
-            return self._mpmd_runtime
+            unfit = _unfit(self._mpmd_runtime, self._mpmd_split, args0, kwargs0)
+            if unfit is None:
+                return self._mpmd_runtime
+        for cached in self._mpmd_captures.get(sig, ()):
+            why = _unfit(*cached, args0, kwargs0)
+            if why is None:
+                self._mpmd_runtime, self._mpmd_split = cached
+                self._mpmd_input_signature = sig
+                self._adopt_local_tensors(*cached)
+                return self._mpmd_runtime
+            unfit = why
         previous = self._mpmd_runtime
         if previous is not None and self.rank == 0:
-            # Stages and their programs are specialized to the shapes captured.
-            _log.warning("torch_mpmd: capturing%s again: the inputs or train/eval modes "
-                         "changed from %s to %s", " and compiling" if self._mpmd_compiler
-                         else "", _describe_key(self._mpmd_input_signature), _describe_key(sig))
+            # Stages and their programs are specialized to the shapes captured
+            # (a dynamic capture: to the guards its symbolic sizes recorded).
+            why = (f"the dynamic capture cannot serve these sizes ({unfit})" if unfit else
+                   f"the inputs or train/eval modes changed from "
+                   f"{_describe_key(self._mpmd_input_signature)} to {_describe_key(sig)}")
+            _log.warning("torch_mpmd: capturing%s again: %s",
+                         " and compiling" if self._mpmd_compiler else "", why)
         spr = self._mpmd_stages_per_rank
         schedule = self._mpmd_schedule
         if spr is None:
@@ -237,7 +261,9 @@ class Pipeline(torch.nn.Module):
             split = split_model(self._mpmd_module, *args0,
                                 split_points=self._mpmd_split_points,
                                 num_stages=self._mpmd_num_stages,
-                                default_num_stages=self.pp_size * spr, **kwargs0)
+                                default_num_stages=self.pp_size * spr,
+                                bytes_cost=self._mpmd_bytes_cost,
+                                dynamic=self._mpmd_dynamic, **kwargs0)
         check_stage_count(split.num_stages, self.pp_size, self._mpmd_stages_per_rank,
                           source="the stage_boundary() markers or split points"
                           if (split.ir.num_markers or self._mpmd_split_points) else
@@ -262,7 +288,7 @@ class Pipeline(torch.nn.Module):
         self._mpmd_runtime = runtime
         self._mpmd_split = split
         self._mpmd_input_signature = sig
-        self._mpmd_captures[sig] = (runtime, split)
+        self._mpmd_captures.setdefault(sig, []).append((runtime, split))
         self._adopt_local_tensors(runtime, split)
         if self._mpmd_meta and previous is None:
             local = list(self.parameters()) + list(self.buffers())
@@ -275,7 +301,8 @@ class Pipeline(torch.nn.Module):
                        ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], set[str]]:
         """This rank's parameters and buffers by FQN (aliases of tied weights
         included), and the non-persistent buffer names."""
-        infos = {p.name: p for p in split.captured.placeholders if p.kind != "input"}
+        infos = {p.name: p for p in split.captured.placeholders
+                 if p.kind in ("parameter", "buffer")}
         params: dict[str, torch.Tensor] = {}
         buffers: dict[str, torch.Tensor] = {}
         for s in runtime.local_stages:
@@ -358,6 +385,7 @@ class Pipeline(torch.nn.Module):
         targets = split_tree(target, m, "target") if target is not None else [None] * m
         rt = self._ensure_built(args0, kwargs0)
         inputs = self._mpmd_split.named_microbatches(args, kwargs, m)
+        rt.use_shapes(inputs[0])
         rt.prepare_programs(inputs, targets, self._mpmd_loss_fn)
         rng = _RngState(self.device)
         rt.runner.begin_step(inputs, targets, self._mpmd_loss_fn, rt.seed,
@@ -566,6 +594,7 @@ class Pipeline(torch.nn.Module):
         m = self.num_microbatches
         rt = self._ensure_built(*first_microbatch(args, kwargs, m))
         inputs = self._mpmd_split.named_microbatches(args, kwargs, m)
+        rt.use_shapes(inputs[0])
         rng = _RngState(self.device)
         rt.runner.begin_step(inputs, targets, self._mpmd_loss_fn if eval_loss else None,
                              rt.seed, self._mpmd_step, training=False, eval_loss=eval_loss)
@@ -633,6 +662,20 @@ class _RngState:
             torch.cuda.set_rng_state(self.cuda, self.device)
 
 
+def _unfit(runtime: RankRuntime, split: Any, args0: tuple, kwargs0: dict) -> str | None:
+    """Why ``split`` (a capture with symbolic sizes) cannot run these inputs:
+    a static dim differs, or a guard on the sizes fails; None when it can (and
+    always for a static capture, whose key holds every size)."""
+    if not split.sizes:
+        return None
+    try:
+        named = split._named_inputs(args0, kwargs0)
+    except ValueError as e:
+        return str(e).splitlines()[0]
+    shapes = runtime.model.shapes
+    return shapes.violation(shapes.key(named))
+
+
 def _describe_key(sig: tuple | None) -> str:
     """A capture key for a log line: the input shapes and dtypes, the modes."""
     if sig is None:
@@ -665,7 +708,9 @@ def pipeline(module: torch.nn.Module, *, loss_fn: Callable[..., torch.Tensor] | 
              seed: int | None = None, lookahead: int = 2,
              init_fn: Callable[[torch.nn.Module], None] | None = None,
              compile: Any = False,
-             startup_timeout: float | datetime.timedelta | None = None) -> Pipeline:
+             bytes_cost: float | None = None,
+             startup_timeout: float | datetime.timedelta | None = None,
+             dynamic: bool = False) -> Pipeline:
     """Wrap ``module`` for pipeline-parallel training over ``group`` (default: the
     default process group; none initialized means one rank).
 
@@ -691,7 +736,10 @@ def pipeline(module: torch.nn.Module, *, loss_fn: Callable[..., torch.Tensor] | 
 
     Stages come from ``stage_boundary()`` markers, else ``split_points``, else
     ``pp_size * stages_per_rank`` (or ``num_stages``) stages balanced by cost;
-    the stage count must be a multiple of the pipeline size. ``schedule``: a
+    the stage count must be a multiple of the pipeline size. ``bytes_cost``
+    (cost units per byte; None: ``torch_mpmd._C.DEFAULT_BYTES_COST``, from a
+    measured p2p rate) weighs the bytes crossing each cut of a balanced split
+    against its compute (0: compute alone). ``schedule``: a
     name (``torch_mpmd.schedules.names()``), a Schedule, or a text/CSV file.
     ``mesh``: a DeviceMesh with dimensions ("dp", "pp"): the pipeline runs over
     "pp" and is replicated over "dp" (each replica steps on its own batch;
@@ -714,8 +762,14 @@ def pipeline(module: torch.nn.Module, *, loss_fn: Callable[..., torch.Tensor] | 
     ``True``/``"inductor"`` compiles them with Inductor, a callable
     ``(GraphModule, example_inputs) -> callable`` is used as the compiler. A
     ``torch.compile``'d module is pipelined with its stages compiled by
-    Inductor. Arguments are checked here, before any communication; capture
-    happens on the first call.
+    Inductor. ``dynamic=True`` captures the inputs' sizes symbolically (as
+    dims marked with ``torch._dynamo.mark_dynamic`` are without it): a new
+    sequence length (or batch size) then runs on the same stages and stage
+    programs, compiled ones included, with every transfer sized per step
+    from the inputs; sizes the capture cannot serve (a guard it recorded
+    fails, a static dim changed) capture again, with a log line saying why.
+    Arguments are checked here, before any communication; capture happens on
+    the first call.
     """
     orig = getattr(module, "_orig_mod", None)
     if isinstance(orig, torch.nn.Module) and type(module).__name__ == "OptimizedModule":
@@ -728,7 +782,8 @@ def pipeline(module: torch.nn.Module, *, loss_fn: Callable[..., torch.Tensor] | 
     settings = check_settings(schedule=schedule, num_microbatches=num_microbatches,
                               stages_per_rank=stages_per_rank, split_points=split_points,
                               num_stages=num_stages, group=group, mesh=mesh, timeout=timeout,
-                              lookahead=lookahead, compile=compile)
+                              lookahead=lookahead, compile=compile,
+                              bytes_cost=bytes_cost)
     grp, td, dp_group, replicas = (settings["group"], settings["timeout"], settings["dp_group"],
                                    settings["replicas"])
     return Pipeline(module, loss_fn=loss_fn, schedule=schedule,
@@ -736,14 +791,34 @@ def pipeline(module: torch.nn.Module, *, loss_fn: Callable[..., torch.Tensor] | 
                     split_points=split_points, num_stages=num_stages, group=grp, device=device,
                     timeout=td, seed=seed, lookahead=lookahead, dp_group=dp_group,
                     replicas=replicas, init_fn=init_fn, compile=compile,
+                    bytes_cost=bytes_cost,
                     startup_timeout=(_timeout(startup_timeout, "startup_timeout")
-                                     if startup_timeout is not None else None))
+                                     if startup_timeout is not None else None),
+                    dynamic=_check_dynamic(dynamic))
+
+
+def _check_dynamic(dynamic: Any) -> bool:
+    if not isinstance(dynamic, bool):
+        raise ValueError(f"dynamic={dynamic!r} must be True or False")
+    return dynamic
+
+
+def _check_bytes_cost(bytes_cost: Any) -> None:
+    """``bytes_cost`` is None (the partitioner's default) or a finite number
+    >= 0: cost units per byte crossing a cut of a balanced split (NOTE [Bytes
+    cost] in csrc/core/partition.h)."""
+    if bytes_cost is None:
+        return
+    if (isinstance(bytes_cost, bool) or not isinstance(bytes_cost, (int, float))
+            or not math.isfinite(bytes_cost) or bytes_cost < 0):
+        raise ValueError(f"bytes_cost={bytes_cost!r} must be None (the default) or a finite "
+                         "number >= 0: cost units per byte crossing a stage boundary")
 
 
 def check_settings(*, schedule: Any, num_microbatches: Any, stages_per_rank: Any = None,
                    split_points: Any = None, num_stages: Any = None, group: Any = None,
                    mesh: Any = None, timeout: Any = 60.0, lookahead: Any = 2,
-                   compile: Any = False) -> dict[str, Any]:
+                   compile: Any = False, bytes_cost: Any = None) -> dict[str, Any]:
     """Check the settings of pipeline() (and of the mpmd backend's options, which
     are the same) before any rank communicates; a ValueError names the values.
     Returns the pipeline group, the dp group and replicas (from ``mesh``) and
@@ -753,6 +828,7 @@ def check_settings(*, schedule: Any, num_microbatches: Any, stages_per_rank: Any
     _positive_int("stages_per_rank", stages_per_rank, optional=True)
     _positive_int("num_stages", num_stages, optional=True)
     _positive_int("lookahead", lookahead)
+    _check_bytes_cost(bytes_cost)
     td = _timeout(timeout)
     dp_group, replicas = None, None
     if mesh is not None:

@@ -38,6 +38,7 @@ __all__ = [
     "OutputLeaf",
     "capture",
     "flatten_inputs",
+    "size_hint",
 ]
 
 _capture_counter = itertools.count()
@@ -49,7 +50,7 @@ class CaptureError(ValueError):
     the source line and a way out."""
 
 
-PlaceholderKind = Literal["input", "parameter", "buffer"]
+PlaceholderKind = Literal["input", "parameter", "buffer", "size"]
 
 
 @dataclass(frozen=True)
@@ -59,12 +60,16 @@ class PlaceholderInfo:
     ``name`` is the user input name (``"x"``, ``"batch['ids']"``, ``"args[0]"``)
     or the parameter/buffer FQN. ``aliases`` lists the other FQNs of the same
     tensor (tied weights); ``persistent`` is False for non-persistent buffers.
+    A ``"size"`` placeholder is a symbolic size of a dynamic capture: dim
+    ``size_of[1]`` of input ``size_of[0]`` (named ``"x.size(1)"``), fed per
+    microbatch from that input's shape.
     """
 
     kind: PlaceholderKind
     name: str
     aliases: tuple[str, ...] = ()
     persistent: bool = True
+    size_of: tuple[str, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -219,10 +224,21 @@ def _fresh_entry(module: torch.nn.Module) -> types.FunctionType:
     return types.FunctionType(code, entry.__globals__, name, None, entry.__closure__)
 
 
+def size_hint(n: Any) -> int:
+    """A concrete int for a size that may be symbolic (dynamic capture), adding
+    no guards (an int() of a SymInt would specialize the capture to it)."""
+    if isinstance(n, torch.SymInt):
+        from torch.fx.experimental.symbolic_shapes import optimization_hint
+
+        return int(optimization_hint(n, fallback=1))
+    return int(n)
+
+
 def _empty_like_meta(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
         return torch.empty_strided(
-            value.shape, value.stride(), dtype=value.dtype, device=value.device,
+            [size_hint(d) for d in value.shape], [size_hint(d) for d in value.stride()],
+            dtype=value.dtype, device=value.device,
             requires_grad=value.requires_grad and (value.is_floating_point()
                                                    or value.is_complex()))
     return value
@@ -236,6 +252,11 @@ def _output_nodes(gm: torch.fx.GraphModule) -> list[Any]:
 
 def _record(records: list, gm: torch.fx.GraphModule, example_inputs: list) -> Any:
     records.append((gm, list(example_inputs)))
+    # Dynamo drops each placeholder's GraphArg (its source) after compiling:
+    # keep the sources, which name what a symbolic size is the size of.
+    for n in gm.graph.nodes:
+        if n.op == "placeholder":
+            n.meta["mpmd_source"] = getattr(n.meta.get("grapharg"), "source", None)
     outputs = [
         _empty_like_meta(n.meta.get("example_value", n.meta.get("val")))
         if isinstance(n, torch.fx.Node) else n
@@ -291,9 +312,52 @@ def _tensor_attribute_fqn(module: torch.nn.Module, tensor: torch.Tensor) -> str 
     return None
 
 
-def capture(module: torch.nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any]
-            ) -> CapturedGraph:
-    """Capture ``module(*args, **kwargs)`` as one FX graph (see the module docstring)."""
+def _mark_dynamic(inputs: Mapping[str, Any], all_dims: bool) -> bool:
+    """Mark the dims of the inputs Dynamo should keep symbolic: every dim with
+    ``all_dims`` (pipeline(dynamic=True); dims the model fixes stay static),
+    else those the user marked (torch._dynamo.mark_dynamic). True if any."""
+    any_marked = False
+    for value in inputs.values():
+        if not isinstance(value, torch.Tensor):
+            continue
+        if all_dims:
+            for d in range(value.dim()):
+                torch._dynamo.maybe_mark_dynamic(value, d)
+        any_marked = any_marked or bool(getattr(value, "_dynamo_dynamic_indices", None) or
+                                        getattr(value, "_dynamo_weak_dynamic_indices", None))
+    return any_marked or all_dims
+
+
+def _source_name(source: Any) -> str:
+    name = source.name  # a property in recent torch, a method before
+    return name() if callable(name) else name
+
+
+def _size_placeholder(node: torch.fx.Node, input_sources: Mapping[str, str]
+                      ) -> PlaceholderInfo:
+    """The PlaceholderInfo of a SymInt graph input: a size of a user input."""
+    from torch._dynamo.source import TensorProperty, TensorPropertySource
+
+    source = node.meta.get("mpmd_source")
+    if (isinstance(source, TensorPropertySource) and source.prop is TensorProperty.SIZE
+            and _source_name(source.base) in input_sources):
+        name = input_sources[_source_name(source.base)]
+        return PlaceholderInfo("size", f"{name}.size({source.idx})",
+                               size_of=(name, int(source.idx)))
+    raise CaptureError(
+        f"the dynamic capture takes a symbolic value {node.target} "
+        f"({_source_name(source) if source is not None else 'unknown source'}) that is not the size "
+        "of a tensor input; torch_mpmd feeds only input sizes: mark only tensor dims dynamic")
+
+
+def capture(module: torch.nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any],
+            *, dynamic: bool = False) -> CapturedGraph:
+    """Capture ``module(*args, **kwargs)`` as one FX graph (see the module docstring).
+
+    ``dynamic``: every dim of every tensor input symbolic where the model
+    allows; without it, only dims the user marked with
+    ``torch._dynamo.mark_dynamic`` are. Symbolic sizes become "size"
+    placeholders."""
     if isinstance(module, torch._dynamo.eval_frame.OptimizedModule):
         module = module._orig_mod  # a torch.compile'd module: capture the original
     if not isinstance(module, torch.nn.Module):
@@ -307,7 +371,9 @@ def capture(module: torch.nn.Module, args: Sequence[Any], kwargs: Mapping[str, A
     def backend(gm: torch.fx.GraphModule, example_inputs: list) -> Any:
         return _record(records, gm, example_inputs)
 
-    compiled = torch.compile(entry, backend=backend, fullgraph=True, dynamic=False)
+    symbolic = _mark_dynamic(inputs, dynamic)
+    compiled = torch.compile(entry, backend=backend, fullgraph=True,
+                             dynamic=None if symbolic else False)
     try:
         with torch._dynamo.config.patch(ignore_logging_functions=_logging_functions()):
             result = compiled(*args, **kwargs)
@@ -334,11 +400,19 @@ def capture(module: torch.nn.Module, args: Sequence[Any], kwargs: Mapping[str, A
     if len(nodes) != len(example_inputs):
         raise CaptureError(f"Dynamo graph has {len(nodes)} placeholders but "
                            f"{len(example_inputs)} example inputs")
+    input_sources = {}  # Dynamo's source name of each tensor input -> its input name
     for node, value in zip(nodes, example_inputs):
+        source = node.meta.get("mpmd_source")
+        if isinstance(value, torch.Tensor) and id(value) in input_ids and source is not None:
+            input_sources[_source_name(source)] = input_ids[id(value)]
+    for node, value in zip(nodes, example_inputs):
+        if isinstance(value, (int, torch.SymInt)) and symbolic:
+            placeholders.append(_size_placeholder(node, input_sources))
+            continue
         if not isinstance(value, torch.Tensor):
             raise CaptureError(
                 f"the captured graph takes a non-tensor input {node.target} ({value!r}); "
-                "torch_mpmd captures with dynamic=False, so this should not happen")
+                "torch_mpmd captures only tensor inputs and (dynamic) sizes")
         if id(value) in by_id:
             kind, fqns, persistent = by_id[id(value)]
             placeholders.append(PlaceholderInfo(kind, fqns[0], tuple(fqns[1:]), persistent))

@@ -255,6 +255,7 @@ class Door:
         m = pipe.num_microbatches
         rt = pipe._ensure_built(*first_microbatch(args, kwargs, m))
         inputs = pipe.split.named_microbatches(args, kwargs, m)
+        rt.use_shapes(inputs[0])
         rt.runner.end_step()  # a forward never backpropagated leaves state behind
         rng = _RngState(pipe.device)
         rt.runner.begin_step(inputs, [], None, rt.seed, pipe._mpmd_step, training=True,

@@ -30,7 +30,7 @@ import torch.utils._pytree as pytree
 from torch.fx.experimental.symbolic_shapes import optimization_hint
 
 from torch_mpmd import _C
-from torch_mpmd.capture import CaptureError, PlaceholderInfo
+from torch_mpmd.capture import CaptureError, PlaceholderInfo, size_hint
 from torch_mpmd.markers import is_stage_boundary
 
 __all__ = [
@@ -260,11 +260,7 @@ def _meta_value(node: Any) -> Any:
     return node
 
 
-def _hint(n: Any) -> int:
-    """A concrete int for a size that may be symbolic (dynamic shapes), adding no guards."""
-    if isinstance(n, torch.SymInt):
-        return int(optimization_hint(n, fallback=1))
-    return int(n)
+_hint = size_hint  # (capture.py)
 
 
 def value_bytes(value: Any) -> int:
@@ -571,8 +567,11 @@ def to_ir(gm: torch.fx.GraphModule, placeholders: Sequence[PlaceholderInfo],
         out_bytes = value_bytes(_meta_value(node))
         if node.op == "placeholder":
             info = next(ph)
-            kind = {"input": K.INPUT, "parameter": K.PARAMETER, "buffer": K.BUFFER}[info.kind]
-            fqn = info.name if info.kind != "input" else ""
+            # A symbolic size (dynamic capture) is known to every stage from its
+            # own inputs' shapes: a Constant, recomputed where it is read.
+            kind = {"input": K.INPUT, "parameter": K.PARAMETER, "buffer": K.BUFFER,
+                    "size": K.CONSTANT}[info.kind]
+            fqn = info.name if info.kind in ("parameter", "buffer") else ""
         elif node.op == "output":
             kind = K.OUTPUT
             out_bytes = sum(value_bytes(_meta_value(a)) for a in node.all_input_nodes)

@@ -50,7 +50,13 @@ def _split(value: Any, m: int, where: str, *, first_only: bool = False) -> list[
                          f"does not divide; use a batch size that is a multiple of {m}")
     if m == 1:
         return [value]
-    return [value.narrow(0, 0, n // m)] if first_only else list(value.chunk(m, dim=0))
+    if first_only:  # the capture's example: it keeps the dims the user marked dynamic
+        first = value.narrow(0, 0, n // m)
+        marked = getattr(value, "_dynamo_dynamic_indices", None)
+        if marked:
+            first._dynamo_dynamic_indices = set(marked)  # what mark_dynamic sets
+        return [first]
+    return list(value.chunk(m, dim=0))
 
 
 def split_tree(value: Any, m: int, where: str, *, first_only: bool = False) -> list[Any]:

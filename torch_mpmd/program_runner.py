@@ -102,6 +102,8 @@ class ProgramRunner(StageRunner):
         # Set by the compile door, which hands the step's gradients to autograd
         # afterwards (where parameter hooks run): hooks do not force a fallback.
         self.hooks_run_later = False
+        self.shapes: Any = None  # SymbolicShapes of a dynamic capture (set by the runtime)
+        self._target_fakes: list[torch.Tensor] = []  # the programs' symbolic target
         self._built: dict[tuple, dict[int, StagePrograms] | None] = {}
         self._functional = False
         self._targets_flat: list[list[torch.Tensor]] = []
@@ -117,9 +119,13 @@ class ProgramRunner(StageRunner):
         leaves, spec = pytree.tree_flatten(target0) if target0 is not None else ([], None)
         grad_inputs = sorted(n for n, v in (inputs[0] if inputs else {}).items()
                              if isinstance(v, torch.Tensor) and v.requires_grad)
+        dynamic = self.shapes is not None  # programs for any sizes: key by rank, dtype
+        if dynamic and self._target_fakes:
+            self._check_target(inputs[0], leaves)
         key = (id(loss_fn), str(spec),
-               tuple((tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else repr(t)
-                     for t in leaves), tuple(grad_inputs))
+               tuple(((t.dim() if dynamic else tuple(t.shape)), t.dtype)
+                     if isinstance(t, torch.Tensor) else repr(t) for t in leaves),
+               tuple(grad_inputs))
         if key in self._built:
             if self.programs is not self._built[key]:
                 self.programs = self._built[key]
@@ -148,12 +154,20 @@ class ProgramRunner(StageRunner):
         sig = st.signature
         last = s == self.num_stages - 1
         grad_nodes = {v.node for p in st.producers for v in self.layout.backward[(p, s)]}
-        received = []
-        for v in sig.received:
-            meta = self.layout.meta[v.node]
-            received.append(torch.zeros(meta.shape, dtype=meta.dtype, device=self.device))
         if any(not isinstance(t, torch.Tensor) for t in target_leaves):
             raise ProgramsUnsupported("the target has non-tensor leaves")
+        if self.shapes is not None:  # a dynamic capture: trace with symbolic sizes
+            received = [self.shapes.values[v.node] for v in sig.received]
+            user = [self.shapes.inputs[n] for n in sig.user_inputs]
+            target_leaves = [self.shapes.symbolic_like(t) for t in target_leaves]
+            if target_leaves:
+                self._target_fakes = target_leaves
+        else:
+            received = []
+            for v in sig.received:
+                meta = self.layout.meta[v.node]
+                received.append(torch.zeros(meta.shape, dtype=meta.dtype, device=self.device))
+            user = [inputs0[n] for n in sig.user_inputs]
         kinds = self.kinds[s]
         if self.compiler is not None and self.rank == 0:
             print(f"[torch_mpmd] compiling stage {s}: "
@@ -161,12 +175,32 @@ class ProgramRunner(StageRunner):
         return build_stage_programs(
             s, st.module, num_user=len(sig.user_inputs), received=received,
             received_grad=[v.node in grad_nodes for v in sig.received],
-            user_inputs=[inputs0[n] for n in sig.user_inputs], num_sent=len(sig.sent),
+            user_inputs=user, num_sent=len(sig.sent),
             loss=(loss_tail(loss_fn, self.rebuild_output, sig.user_inputs, target_spec)
                   if last else None),
             target_leaves=target_leaves if last else [], split_backward="I" in kinds,
             run_backward="B" in kinds, compiler=self.compiler,
             hooks_run_later=self.hooks_run_later)
+
+    def _check_target(self, inputs0: Mapping[str, Any], leaves: Sequence[Any]) -> None:
+        """The programs relate the target's sizes to the inputs' as they were at
+        capture (shapes.SymbolicShapes.symbolic_like): a target that does not
+        follow them is an error here, not a wrong loss."""
+        key = self.shapes.key(inputs0)
+        for i, (fake, t) in enumerate(zip(self._target_fakes, leaves)):
+            want = self.shapes.expected(fake, key)
+            if isinstance(t, torch.Tensor) and tuple(t.shape) != want:
+                raise ValueError(
+                    f"target leaf {i} has microbatch shape {tuple(t.shape)}; the stage programs "
+                    f"were built for a target of shape {want} with these inputs (its sizes "
+                    "follow the inputs' as at capture); keep that relation, or use "
+                    "dynamic=False")
+
+    def shapes_changed(self) -> None:
+        """The step's sizes differ from the last (a dynamic capture): plans hold
+        the transfer shapes, and the saved-bytes measurements are per shape."""
+        self._plans = {}
+        self._bytes_per_forward.clear()
 
     # ------------------------------------------------------------ per step
     def begin_step(self, inputs: Sequence[Mapping[str, Any]], targets: Sequence[Any],
@@ -221,6 +255,8 @@ class ProgramRunner(StageRunner):
         if live > self.peak_bytes[stage]:
             self.peak_bytes[stage] = live
         saved = list(outs[plan.saved_from:])
+        if prog.saved_sizes:
+            _box(saved, prog.saved_sizes)
         if plan.last:
             self.losses[mb] = outs[prog.output_offset]
             return [], saved
@@ -283,10 +319,17 @@ class ProgramRunner(StageRunner):
             self.live_bytes[stage] = live
             if live > self.peak_bytes[stage]:
                 self.peak_bytes[stage] = live
+            if prog.saved_sizes:
+                state = _unbox(state, prog.saved_sizes)
             outs = prog.input_backward(*state, *tangents)
             n = len(prog.i_input_slots)
-            return dict(zip(prog.i_input_slots, outs[:n])), list(outs[n:])
+            carry = list(outs[n:])
+            if prog.carry_sizes:
+                _box(carry, prog.carry_sizes)
+            return dict(zip(prog.i_input_slots, outs[:n])), carry
         self.live_bytes[stage] -= prog.saved_bytes
+        if prog.saved_sizes:
+            state = _unbox(state, prog.saved_sizes)
         outs = prog.backward(*state, *tangents)
         for p, pos in prog.param_grads:
             _accumulate(p, outs[pos])
@@ -298,6 +341,8 @@ class ProgramRunner(StageRunner):
             return super().backward_weight(stage, mb)
         prog = self.programs[stage]
         self.live_bytes[stage] -= prog.carry_bytes
+        if prog.carry_sizes:
+            carry = _unbox(carry, prog.carry_sizes)
         if torch.is_grad_enabled() or torch.autograd.profiler._is_profiler_enabled:
             with torch.no_grad(), _label(stage, "W", mb):
                 grads = prog.weight_backward(*carry)
@@ -308,6 +353,19 @@ class ProgramRunner(StageRunner):
             for p, g in zip(prog.w_params, grads):
                 _accumulate(p, g)
         return None
+
+
+def _box(values: list[Any], positions: Sequence[int]) -> None:
+    """Sizes (ints) at ``positions`` as 0-dim tensors: the executor holds tensors."""
+    for i in positions:
+        values[i] = torch.tensor(values[i])
+
+
+def _unbox(values: Sequence[Any], positions: Sequence[int]) -> list[Any]:
+    out = list(values)
+    for i in positions:
+        out[i] = int(out[i])
+    return out
 
 
 @dataclass(slots=True)

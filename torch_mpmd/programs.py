@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -62,11 +63,17 @@ def _inductor(gm: torch.fx.GraphModule, example_inputs: list) -> Callable[..., A
     # Random ops run as aten's (seeded per stage and microbatch before F):
     # Inductor's own lowering of them needs its joint-graph passes, which a
     # program compiled on its own does not go through.
-    with config.patch(fallback_random=True):
+    fake_mode = torch._guards.detect_fake_mode(example_inputs)
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(config.patch(fallback_random=True))
+        if fake_mode is not None:  # symbolic sizes (a dynamic capture): a dynamic kernel
+            stack.enter_context(torch._guards.tracing(torch._guards.TracingContext(fake_mode)))
         compiled = compile_fx_inner(gm, example_inputs)
     # Inductor's code assumes the example inputs' strides; an input laid out
     # otherwise (a user's non-contiguous batch) is copied into that layout.
-    strides = [t.stride() if isinstance(t, torch.Tensor) else None for t in example_inputs]
+    # (Symbolic strides: the inputs are the runner's own contiguous tensors.)
+    strides = [t.stride() if isinstance(t, torch.Tensor) and not any(
+        isinstance(x, torch.SymInt) for x in t.stride()) else None for t in example_inputs]
 
     def run(*args: Any) -> Any:
         boxed = list(args)
@@ -130,6 +137,10 @@ class StagePrograms:
     w_params: list[torch.Tensor] = field(default_factory=list)
     saved_bytes: int = 0          # bytes of `saved` per microbatch (parameters excluded)
     carry_bytes: int = 0          # bytes of the carry I hands W (the same rule)
+    # Positions of sizes (ints, a dynamic capture) in `saved` and in the carry:
+    # the executor holds tensors only, so the runner boxes them as 0-dim tensors.
+    saved_sizes: list[int] = field(default_factory=list)
+    carry_sizes: list[int] = field(default_factory=list)
     draws_rng: bool = False       # F has random ops: seed it per (stage, microbatch)
     graphs: dict[str, torch.fx.GraphModule] = field(default_factory=dict)  # F, B, I, W
 
@@ -166,8 +177,17 @@ class _Traced(torch.nn.Module):
                      for i, o in enumerate(out[:self.num_sent]))
 
 
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
+def _nbytes(t: Any) -> int:
+    """Bytes of a tensor (its size hint when symbolic; no guards); 0 for a size."""
+    if not isinstance(t, torch.Tensor):
+        return 0
+    from torch_mpmd.capture import size_hint
+
+    return math.prod(size_hint(d) for d in t.shape) * t.element_size()
+
+
+def _is_size(value: Any) -> bool:
+    return isinstance(value, (int, torch.SymInt)) and not isinstance(value, bool)
 
 
 def _is_random(node: torch.fx.Node) -> bool:
@@ -223,7 +243,7 @@ def build_stage_programs(stage: int, module: torch.fx.GraphModule, *, num_user: 
         if not hooks_run_later and t.requires_grad and hooked:
             raise ProgramsUnsupported(f"parameter {name!r} has gradient hooks, which run only "
                                       "under the autograd engine")
-    if any(not isinstance(u, torch.Tensor) for u in user_inputs):
+    if any(not isinstance(u, torch.Tensor) and not _is_size(u) for u in user_inputs):
         raise ProgramsUnsupported("a non-tensor user input reaches the stage")
     args = (*user_inputs,
             *[r.detach().requires_grad_(g) if r.is_floating_point() else r.detach()
@@ -303,6 +323,9 @@ def build_stage_programs(stage: int, module: torch.fx.GraphModule, *, num_user: 
         elif (isinstance(out, d.InputMutationAOTOutput) and
               isinstance(out.mutated_input, d.PlainAOTInput)):
             v = p.meta["val"]
+            if any(isinstance(n, torch.SymInt) for n in v.shape):
+                raise ProgramsUnsupported("a received value of a dynamic shape is written in "
+                                          "place")
             zero_tangents[k] = torch.zeros(v.shape, dtype=v.dtype, device=v.device)
             tangent_outputs.append(-1)
         else:
@@ -310,12 +333,17 @@ def build_stage_programs(stage: int, module: torch.fx.GraphModule, *, num_user: 
 
     fw, bw = default_partition(joint, None, num_fwd_outputs=num_fwd)
     fw_outs = list(fw.graph.output_node().args[0])
-    saved_names = [n.name for n in fw_outs[num_fwd:]]
     bw_placeholders = [n for n in bw.graph.nodes if n.op == "placeholder"]
+    _saved_in_backward_order(fw, fw_outs, num_fwd, bw_placeholders)
+    fw_outs = list(fw.graph.output_node().args[0])
+    saved_names = [n.name for n in fw_outs[num_fwd:]]
     if [n.name for n in bw_placeholders[:len(saved_names)]] != saved_names:
-        raise ProgramsUnsupported("the backward graph does not read the saved values in order")
-    if any(not isinstance(n.meta.get("val"), torch.Tensor) for n in fw_outs[num_fwd:]):
-        raise ProgramsUnsupported("the forward saves non-tensor values (symbolic sizes)")
+        raise ProgramsUnsupported(
+            "the backward graph does not read the saved values in order: saved "
+            f"{saved_names[:8]}, backward reads {[n.name for n in bw_placeholders[:8]]}")
+    saved_vals = [n.meta.get("val") for n in fw_outs[num_fwd:]]
+    if any(not isinstance(v, torch.Tensor) and not _is_size(v) for v in saved_vals):
+        raise ProgramsUnsupported("the forward saves values that are neither tensors nor sizes")
 
     # Gradients: one per primal, by descriptor.
     param_grads: list[tuple[torch.Tensor, int]] = []
@@ -347,6 +375,7 @@ def build_stage_programs(stage: int, module: torch.fx.GraphModule, *, num_user: 
         output_offset=output_offset, num_outputs=num_outputs, num_saved=len(saved_names),
         tangent_outputs=tangent_outputs, zero_tangents=zero_tangents, param_grads=param_grads, input_grads=input_grads,
         saved_bytes=saved_bytes,
+        saved_sizes=[i for i, v in enumerate(saved_vals) if _is_size(v)],
         draws_rng=any(_is_random(n) for n in fw.graph.nodes),
         graphs={"F": fw, "B": bw})
     # FX programs are called through .forward: they are our own GraphModules,
@@ -358,6 +387,21 @@ def build_stage_programs(stage: int, module: torch.fx.GraphModule, *, num_user: 
     if compiler is not None:
         _compile(programs, compiler, skip=() if run_backward else ("B",))
     return programs
+
+
+def _saved_in_backward_order(fw: torch.fx.GraphModule, fw_outs: list, num_fwd: int,
+                             bw_placeholders: list) -> None:
+    """Make F return `saved` in the order B reads it: the partitioner puts the
+    saved sizes (a dynamic capture) last among F's outputs but first among B's
+    inputs."""
+    saved = fw_outs[num_fwd:]
+    by_name = {n.name: n for n in saved}
+    order = [n.name for n in bw_placeholders[:len(saved)]]
+    if order == [n.name for n in saved] or set(order) != set(by_name):
+        return
+    out = fw.graph.output_node()
+    out.args = ((*fw_outs[:num_fwd], *[by_name[name] for name in order]),)
+    fw.recompile()
 
 
 # ------------------------------------------------------------------ I/W split
@@ -382,7 +426,12 @@ def _split(programs: StagePrograms, bw: torch.fx.GraphModule,
     split = _C.split_backward(reads, is_ph, in_outs, w_outs, is_proj)
     in_i = split.input_part
     in_w = split.weight_part
-    carry = split.carry
+    carry = list(split.carry)
+    # Sizes (a dynamic capture) go to W too, used or not: a compiled W binds
+    # its symbols from its inputs, and a carried [s0*s1, d] tensor names
+    # neither s0 nor s1 alone.
+    carry += [i for i, n in enumerate(nodes) if is_ph[i] and i not in carry and
+              isinstance(n.meta.get("val"), torch.SymInt)]
 
     graph_i = torch.fx.Graph()
     env: dict[torch.fx.Node, torch.fx.Node] = {}
@@ -409,6 +458,7 @@ def _split(programs: StagePrograms, bw: torch.fx.GraphModule,
     programs.i_input_slots = [slot for slot, _ in input_grads]
     programs.carry_bytes = sum(_nbytes(nodes[j].meta["val"]) for j in carry
                                if nodes[j].name not in existing)
+    programs.carry_sizes = [k for k, j in enumerate(carry) if _is_size(nodes[j].meta["val"])]
     programs.w_params = [p for p, _ in param_grads]
     programs.graphs.update({"I": gi, "W": gw})
 
@@ -416,11 +466,20 @@ def _split(programs: StagePrograms, bw: torch.fx.GraphModule,
 # ------------------------------------------------------------------ compile
 
 
-def _example(node: torch.fx.Node) -> Any:
-    v = node.meta.get("val")
-    if isinstance(v, torch.Tensor):
-        return torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device)
-    return v
+def _symbolic(v: Any) -> bool:
+    return isinstance(v, torch.SymInt) or (isinstance(v, torch.Tensor) and any(
+        isinstance(d, torch.SymInt) for d in (*v.shape, *v.stride())))
+
+
+def _examples(gm: torch.fx.GraphModule) -> list[Any]:
+    """A program's example inputs for the compiler: real tensors of their
+    shapes, or with symbolic sizes (a dynamic capture) the fake values
+    themselves, all of one fake mode."""
+    vals = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
+    if any(_symbolic(v) for v in vals):
+        return vals
+    return [torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device)
+            if isinstance(v, torch.Tensor) else v for v in vals]
 
 
 def _compile(programs: StagePrograms, compiler: Compiler, skip: Sequence[str] = ()) -> None:
@@ -432,8 +491,7 @@ def _compile(programs: StagePrograms, compiler: Compiler, skip: Sequence[str] = 
         if kind in skip:  # a program the schedule never runs for this stage
             setattr(programs, attr, None)
             continue
-        examples = [_example(n) for n in gm.graph.nodes if n.op == "placeholder"]
-        setattr(programs, attr, compiler(gm, examples))
+        setattr(programs, attr, compiler(gm, _examples(gm)))
 
 
 def flatten_target(target: Any) -> list[Any]:

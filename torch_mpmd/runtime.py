@@ -32,6 +32,7 @@ from torch_mpmd.data_parallel import DataParallel, new_replica_group
 from torch_mpmd.program_runner import ProgramRunner
 from torch_mpmd.lockstep import PipelineError
 from torch_mpmd.programs import Compiler
+from torch_mpmd.shapes import SymbolicShapes
 from torch_mpmd.runner import EdgeLayout
 from torch_mpmd.trace import action_kind
 from torch_mpmd.schedules import Schedule, get_schedule, names as schedule_names
@@ -127,6 +128,7 @@ class StagedModel:
     example_values: dict[int, Any]                # sent value node -> example (microbatch)
     tensors: dict[str, torch.Tensor]              # parameter/buffer FQN -> the model's tensor
     rebuild_output: Callable[[Sequence[Any], Mapping[str, Any]], Any]
+    shapes: SymbolicShapes | None = None          # a dynamic capture's sizes (shapes.py)
 
     @property
     def num_stages(self) -> int:
@@ -136,8 +138,18 @@ class StagedModel:
     def from_split(cls, split: SplitModel) -> "StagedModel":
         example = {v.node: split.ir.fx_nodes[v.node].meta.get("example_value")
                    for sig in split.stage_signatures for v in sig.sent}
+        shapes = None
+        if split.sizes:  # transfers are sized per step; start at the capture's sizes
+            phs = {info.name: n for n, info in zip(
+                [n for n in split.captured.gm.graph.nodes if n.op == "placeholder"],
+                split.captured.placeholders)}
+            shapes = SymbolicShapes(
+                [(i.name, phs[i.name].meta["example_value"]) for i in split.sizes], example,
+                {i.name: phs[i.name].meta["example_value"] for i in split.captured.placeholders
+                 if i.kind in ("input", "size")})
+            example = shapes.concrete(shapes.hint_key())
         return cls(split.stages, split.stage_signatures, split.plan, example,
-                   split.captured.tensors, split.captured.rebuild_output)
+                   split.captured.tensors, split.captured.rebuild_output, shapes)
 
 
 # NOTE [Release at exit]: the C++ executors and transports, and the runtime's
@@ -219,12 +231,17 @@ class RankRuntime:
                                     split_backward=self.schedule._cpp.splits_backward,
                                     compiler=compiler, rank=self.rank, device=device,
                                     kinds=self._compute_kinds())
+        self.runner.shapes = model.shapes
         self.transport = self._transport() if self.pp_size > 1 else None
         self.digest = 0  # of this capture's plan and settings: set by the handshake
         self.seed = self._handshake(settings, seed)
         self.executor = self._executor(self.schedule.to_text())
         self._forward_executor: Any = None
         self._backward_executor: Any = None
+        # A dynamic capture: per step's sizes, the transfer shapes, transport and
+        # executors (see use_shapes); starts at the capture's own sizes.
+        self._shape_key = model.shapes.hint_key() if model.shapes is not None else None
+        self._by_shape: dict[tuple[int, ...], list[Any]] = {}
         self._programs: dict[str, list[list[str]]] = {}
         self.tied_groups = self._tied_groups()
         _LIVE.add(self)
@@ -340,6 +357,7 @@ class RankRuntime:
         references (NOTE [Release at exit]); the runtime cannot step afterwards."""
         self.executor = self._forward_executor = self._backward_executor = None
         self.transport = None
+        self._by_shape = {}
         if groups:
             self.group = self.dp_group = self.dp = None
             self.tied_groups = []
@@ -360,22 +378,56 @@ class RankRuntime:
             self.ledger.raise_for(outcome, "waiting for the other ranks to build their stage "
                                   "programs", ended=False)
 
+    def use_shapes(self, inputs0: Mapping[str, Any]) -> None:
+        """Size every transfer for this step's inputs (first microbatch's named
+        inputs) when the capture is dynamic: each rank evaluates the symbolic
+        shapes itself, no message needed. A no-op for static captures and
+        when the sizes are those of the previous step."""
+        shapes = self.model.shapes
+        if shapes is None:
+            return
+        key = shapes.key(inputs0)
+        if key == self._shape_key:
+            return
+        if self._shape_key is not None and self._shape_key not in self._by_shape:
+            self._by_shape[self._shape_key] = [dict(self.layout.meta), self.transport,
+                                              self.executor, self._forward_executor,
+                                              self._backward_executor]
+        cached = self._by_shape.get(key)
+        if cached is None:
+            self.layout.meta.update(shapes.concrete(key))
+            self.transport = self._transport() if self.pp_size > 1 else None
+            cached = [dict(self.layout.meta), self.transport,
+                      self._executor(self.schedule.to_text()), None, None]
+            self._by_shape[key] = cached
+        self.layout.meta.update(cached[0])  # the runner reads the same dict
+        (_, self.transport, self.executor, self._forward_executor,
+         self._backward_executor) = cached
+        self.runner.shapes_changed()
+        self._shape_key = key
 
     @property
     def forward_executor(self) -> Any:
         """Runs the forward part of the schedule only (inference, compile path)."""
         if self._forward_executor is None:
-            self._forward_executor = self._executor(forward_only_text(self.schedule),
-                                                   stateful=False)
+            self._forward_executor = self._remember(3, self._executor(
+                forward_only_text(self.schedule), stateful=False))
         return self._forward_executor
 
     @property
     def backward_executor(self) -> Any:
         """Runs the backward part only, after forward_executor (compile path)."""
         if self._backward_executor is None:
-            self._backward_executor = self._executor(backward_only_text(self.schedule),
-                                                    stateful=False)
+            self._backward_executor = self._remember(4, self._executor(
+                backward_only_text(self.schedule), stateful=False))
         return self._backward_executor
+
+    def _remember(self, slot: int, executor: Any) -> Any:
+        """Keep a lazily built executor with the current sizes' (use_shapes)."""
+        cached = self._by_shape.get(self._shape_key) if self._shape_key is not None else None
+        if cached is not None:
+            cached[slot] = executor
+        return executor
 
     def kind_of(self, executor: Any) -> str:
         """The call an executor of this runtime serves: "step", "forward",

@@ -186,6 +186,11 @@ def build_stages(gm: torch.fx.GraphModule, ir: GraphIR, plan: Any,
         model_outputs]
 
     for v in cross:
+        if isinstance(nodes[v.node].meta.get("example_value"), (int, torch.SymInt)):
+            raise ValueError(
+                f"a size computed from a tensor on stage {v.producer_stage} "
+                f"({nodes[v.node].name!r}) is read on stage {v.consumer_stages[0]}; torch_mpmd "
+                "sends tensors only: compute it from the inputs' sizes, or split elsewhere")
         if _is_autocast_enter(nodes[v.node]):
             raise ValueError(
                 f"a stage boundary falls inside a `with torch.autocast(...)` region (entered at "
@@ -243,6 +248,13 @@ def build_stages(gm: torch.fx.GraphModule, ir: GraphIR, plan: Any,
             name = ph_info[nodes[j]].name
             user_inputs.append(name)
             env[nodes[j]] = placeholder(_identifier(name))
+        for j, node in enumerate(nodes):  # symbolic sizes this stage reads
+            info = ph_info.get(node)
+            if info is not None and info.kind == "size" and s in plan.constant_stages[j]:
+                user_inputs.append(info.name)
+                env[node] = placeholder(_identifier(info.name))
+                env[node].meta.update({k: node.meta[k] for k in ("example_value", "val")
+                                       if k in node.meta})
         received = []
         for v in cross:
             if s in v.consumer_stages:
@@ -282,7 +294,7 @@ def build_stages(gm: torch.fx.GraphModule, ir: GraphIR, plan: Any,
                 if plan.node_stage[i] != s or grad_mode_setting(node) is not None:
                     continue
             elif kind == K.CONSTANT:
-                if s not in plan.constant_stages[i]:
+                if s not in plan.constant_stages[i] or node.op == "placeholder":
                     continue
             else:
                 continue
@@ -366,8 +378,17 @@ class SplitModel:
         self.stage_signatures = signatures
         self.model_name = model_name
         self._training = _training_flags(captured.root)
+        # Symbolic sizes (a dynamic capture): fed per microbatch from the inputs.
+        self.sizes = [info for info in captured.placeholders if info.kind == "size"]
+        self.dynamic_dims: dict[str, set[int]] = {}
+        for info in self.sizes:
+            assert info.size_of is not None
+            self.dynamic_dims.setdefault(info.size_of[0], set()).add(info.size_of[1])
+        # Per input: its shape at capture (None in dynamic dims) and dtype. Hints,
+        # not symbolic sizes: a comparison with those would add guards.
         self._input_meta = {
-            info.name: node.meta.get("example_value")
+            info.name: _static_meta(node.meta.get("example_value"),
+                                    self.dynamic_dims.get(info.name, set()))
             for node, info in zip(
                 [n for n in captured.gm.graph.nodes if n.op == "placeholder"],
                 captured.placeholders)
@@ -395,6 +416,13 @@ class SplitModel:
     def _named_inputs(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> dict[str, Any]:
         inputs = flatten_inputs(self.captured.signature, args, kwargs)
         self._check_named_inputs(inputs)
+        return self._with_sizes(inputs)
+
+    def _with_sizes(self, inputs: dict[str, Any]) -> dict[str, Any]:
+        """``inputs`` plus the symbolic sizes' values, read from the inputs' shapes."""
+        for info in self.sizes:
+            name, dim = info.size_of  # type: ignore[misc]
+            inputs[info.name] = inputs[name].shape[dim]
         return inputs
 
     def named_microbatches(self, args: Sequence[Any], kwargs: Mapping[str, Any],
@@ -425,6 +453,8 @@ class SplitModel:
         named = [dict(zip(names, values)) for values in zip(*per.values())] if names else \
             [{} for _ in range(m)]
         self._check_named_inputs(named[0])
+        if self.sizes:
+            named = [self._with_sizes(n) for n in named]
         return named
 
     def _check_named_inputs(self, inputs: Mapping[str, Any]) -> None:
@@ -447,11 +477,12 @@ class SplitModel:
             if not isinstance(t, torch.Tensor):
                 raise ValueError(f"input {name!r} was a tensor when the model was split, got "
                                  f"{type(t).__name__}")
-            if meta is not None and (tuple(t.shape) != tuple(meta.shape) or
-                                     t.dtype != meta.dtype):
+            if meta is not None and not _fits(t, meta):
+                shape, dtype = meta
+                shown = tuple("*" if d is None else d for d in shape)
                 raise ValueError(
                     f"the stages are specialized to the example inputs: {name!r} had shape "
-                    f"{tuple(meta.shape)} and dtype {meta.dtype} when the model was split, got "
+                    f"{shown} and dtype {dtype} when the model was split ('*': dynamic), got "
                     f"{tuple(t.shape)} and {t.dtype}; split again with an example of this shape")
         for name, first in self.captured.input_aliases.items():
             if name in inputs and inputs.get(first) is not inputs[name]:
@@ -517,6 +548,21 @@ class SplitModel:
                 f"hash={self.plan.hash:016x})")
 
 
+def _static_meta(value: Any, dynamic: set[int]) -> tuple[tuple, torch.dtype] | None:
+    """(shape with None in the dynamic dims, dtype) of an example input."""
+    if not isinstance(value, torch.Tensor):
+        return None
+    shape = tuple(None if d in dynamic or isinstance(n, torch.SymInt) else int(n)
+                  for d, n in enumerate(value.shape))
+    return shape, value.dtype
+
+
+def _fits(t: torch.Tensor, meta: tuple[tuple, torch.dtype]) -> bool:
+    shape, dtype = meta
+    return (t.dtype == dtype and t.dim() == len(shape) and
+            all(want is None or want == got for want, got in zip(shape, t.shape)))
+
+
 def _training_flags(module: torch.nn.Module | None) -> tuple[bool, ...]:
     return tuple(m.training for m in module.modules()) if module is not None else ()
 
@@ -530,16 +576,20 @@ def _same_constant(a: Any, b: Any) -> bool:
 
 def split_model(module: torch.nn.Module, *example_args: Any,
                 split_points: Sequence[str] | None = None, num_stages: int | None = None,
-                default_num_stages: int = 1, **example_kwargs: Any) -> SplitModel:
+                bytes_cost: float | None = None,
+                default_num_stages: int = 1, dynamic: bool = False,
+                **example_kwargs: Any) -> SplitModel:
     """Capture ``module(*example_args, **example_kwargs)`` and split it into stages.
 
     Markers (``stage_boundary()``) in the model fix the stages; else
     ``split_points`` (module FQNs where a new stage begins); else ``num_stages``
     stages balanced by estimated cost (``default_num_stages`` when
-    ``num_stages`` is None). ``num_stages`` given together with markers or
-    split points must agree with them.
+    ``num_stages`` is None; ``bytes_cost`` prices the bytes crossing each
+    cut, see :func:`partition`). ``num_stages`` given together with markers or
+    split points must agree with them. ``dynamic``: sizes symbolic (see
+    capture.capture; dims marked with torch._dynamo.mark_dynamic are either way).
     """
-    captured = capture(module, example_args, example_kwargs)
+    captured = capture(module, example_args, example_kwargs, dynamic=dynamic)
     gm = captured.gm
     order_mutations(gm.graph)
     gm.recompile()
@@ -547,7 +597,7 @@ def split_model(module: torch.nn.Module, *example_args: Any,
     name = type(module).__name__
     plan = partition(ir, split_points=split_points, num_stages=num_stages,
                      known_modules=captured.module_fqns, what=name,
-                     default_num_stages=default_num_stages)
+                     default_num_stages=default_num_stages, bytes_cost=bytes_cost)
     stages, signatures = build_stages(gm, ir, plan, captured.placeholders, captured.tensors,
                                       grad_enabled_at_capture=captured.grad_enabled)
     return SplitModel(captured, ir, plan, stages, signatures, name)
