@@ -375,7 +375,13 @@ def capture(module: torch.nn.Module, args: Sequence[Any], kwargs: Mapping[str, A
     compiled = torch.compile(entry, backend=backend, fullgraph=True,
                              dynamic=None if symbolic else False)
     try:
-        with torch._dynamo.config.patch(ignore_logging_functions=_logging_functions()):
+        # Static unless marked, whatever an enclosing torch.compile(dynamic=True)
+        # set (the compile door captures inside one): Python floats stay
+        # constants, only the marked dims are symbolic.
+        with torch._dynamo.config.patch(ignore_logging_functions=_logging_functions(),
+                                        assume_static_by_default=True,
+                                        automatic_dynamic_shapes=False,
+                                        specialize_float=True):
             result = compiled(*args, **kwargs)
     except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError) as e:
         raise _graph_break_error(module, e) from None

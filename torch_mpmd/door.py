@@ -121,6 +121,11 @@ class Door:
                  settings: Mapping[str, Any], reduction: str = "mean") -> None:
         self.call: FrameCall = frame_call(example_inputs)
         self.settings = dict(settings)
+        if "dynamic" not in self.settings and any(
+                isinstance(v, torch.SymInt) for v in example_inputs):
+            # Dynamo traced with symbolic sizes (dynamic=True, mark_dynamic, or a
+            # recompile after a shape change): the pipeline's capture is symbolic too.
+            self.settings["dynamic"] = True
         self.reduction = reduction
         self.outputs = _output_examples(gm)
         out = self.outputs
