@@ -207,6 +207,41 @@ def run_ranks(world_size: int, target: str, *args: Any, timeout: float = 120.0,
 
 # ---------------------------------------------------------------- inside a rank
 
+class GridRun:
+    """One launch of a grid worker running every case (a launch costs seconds
+    of imports per rank); tests look their case up with :meth:`results`.
+
+    ``target`` is ``"module:grid"``, a function taking the case list and
+    returning ``{case id: result}``; a rank that died left its progress under
+    ``task`` (pipeline_worker.grid's partial results)."""
+
+    def __init__(self, world_size: int, target: str, cases: list[dict[str, Any]], task: str,
+                 timeout: float = 900.0) -> None:
+        self.world_size, self.target, self.cases, self.task = world_size, target, cases, task
+        self.timeout = timeout
+        self.run: RunResult | None = None
+
+    def results(self, case_id: str) -> list[dict[str, Any]]:
+        """Every rank's result of one case; a pytest failure naming the ranks
+        that gave none or raised (with their tracebacks)."""
+        import pytest
+
+        if self.run is None:
+            self.run = run_ranks(self.world_size, self.target, self.cases,
+                                 timeout=self.timeout, check=False)
+        run = self.run
+        ranks = [(res.get(self.task, res) if isinstance(res, dict) else {}).get(case_id)
+                 for res in run.results]
+        missing = [r for r, res in enumerate(ranks) if res is None]
+        if missing:
+            pytest.fail(f"{case_id}: no result from ranks {missing}\n{run.describe(missing)}")
+        errors = [(r, res["error"]) for r, res in enumerate(ranks) if res["error"]]
+        if errors:
+            pytest.fail(f"{case_id}: raised on ranks {[r for r, _ in errors]}\n" + "\n".join(
+                f"----- rank {r} -----\n{tail(err)}" for r, err in errors))
+        return ranks
+
+
 def _write_json(path: Path, value: Any) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(value))

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from dist_harness import run_ranks, tail
+from dist_harness import GridRun, run_ranks, tail
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv")
 TRAIN = [dict(id=f"{model}-{schedule}-m{m}", model=model, schedule=schedule, m=m)
@@ -37,23 +37,11 @@ OTHER = [
     dict(id="forward-only", kind="forward_only", model="hf_gpt2", schedule="1f1b", m=4),
 ]
 CASES = TRAIN + OTHER
-_run: dict = {}
+_GRID = GridRun(2, "door_worker:grid", CASES, task="door")
 
 
 def _results(case_id: str) -> list[dict]:
-    if "run" not in _run:
-        _run["run"] = run_ranks(2, "door_worker:grid", CASES, timeout=900, check=False)
-    run = _run["run"]
-    ranks = [(res.get("door", res) if isinstance(res, dict) else {}).get(case_id)
-             for res in run.results]
-    missing = [r for r, res in enumerate(ranks) if res is None]
-    if missing:
-        pytest.fail(f"{case_id}: no result from ranks {missing}\n{run.describe(missing)}")
-    errors = [(r, res["error"]) for r, res in enumerate(ranks) if res["error"]]
-    if errors:
-        pytest.fail(f"{case_id}: raised on ranks {[r for r, _ in errors]}\n" + "\n".join(
-            f"----- rank {r} -----\n{tail(err)}" for r, err in errors))
-    return ranks
+    return _GRID.results(case_id)
 
 
 def _bad(rank: int, diffs: dict, what: str = "") -> list[str]:

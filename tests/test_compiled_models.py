@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from dist_harness import run_ranks, tail
+from dist_harness import GridRun
 
 SCHEDULES = {False: ("1f1b", "zero_bubble", "zbv", "dualpipev"), "inductor": ("1f1b", "zbv")}
 MODELS = ("bn_cnn", "checkpointed", "hf_gpt2", "hf_llama")
@@ -26,24 +26,11 @@ CASES += [dict(id=f"dropout-{schedule}-{'inductor' if compile else 'fx'}", model
                schedule=schedule, compile=compile)
           for compile in (False, "inductor") for schedule in ("1f1b", "zero_bubble")]
 CASE_IDS = [c["id"] for c in CASES]
-_run: dict = {}
+_GRID = GridRun(2, "models_worker:grid", CASES, task="models")
 
 
 def _results(case_id: str) -> list[dict]:
-    if "run" not in _run:
-        _run["run"] = run_ranks(2, "models_worker:grid", CASES, timeout=900, check=False)
-    run = _run["run"]
-    # A finished rank returns its grid; one that died left its progress so far.
-    ranks = [(res.get("models", res) if isinstance(res, dict) else {}).get(case_id)
-             for res in run.results]
-    missing = [r for r, res in enumerate(ranks) if res is None]
-    if missing:
-        pytest.fail(f"{case_id}: no result from ranks {missing}\n{run.describe(missing)}")
-    errors = [(r, res["error"]) for r, res in enumerate(ranks) if res["error"]]
-    if errors:
-        pytest.fail(f"{case_id}: raised on ranks {[r for r, _ in errors]}\n" + "\n".join(
-            f"----- rank {r} -----\n{tail(err)}" for r, err in errors))
-    return ranks
+    return _GRID.results(case_id)
 
 
 @pytest.mark.parametrize("case_id", [c for c in CASE_IDS if not c.startswith("dropout")])

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from dist_harness import run_ranks, tail
+from dist_harness import GridRun, tail
 
 LENGTHS = [(4, 8), (4, 12), (4, 5), (4, 16)]
 CASES = [
@@ -22,23 +22,11 @@ CASES = [
     dict(id="1f1b-fx-length-1", schedule="1f1b", compile=False,
          sizes=[(4, 8), (4, 1), (4, 12), (4, 1)]),
 ]
-_run: dict = {}
+_GRID = GridRun(2, "dynamic_worker:grid", CASES, task="dynamic")
 
 
 def _results(case_id: str) -> list[dict]:
-    if "run" not in _run:
-        _run["run"] = run_ranks(2, "dynamic_worker:grid", CASES, timeout=900, check=False)
-    run = _run["run"]
-    ranks = [(res.get("dynamic", res) if isinstance(res, dict) else {}).get(case_id)
-             for res in run.results]
-    missing = [r for r, res in enumerate(ranks) if res is None]
-    if missing:
-        pytest.fail(f"{case_id}: no result from ranks {missing}\n{run.describe(missing)}")
-    errors = [(r, res["error"]) for r, res in enumerate(ranks) if res["error"]]
-    if errors:
-        pytest.fail(f"{case_id}: raised on ranks {[r for r, _ in errors]}\n" + "\n".join(
-            f"----- rank {r} -----\n{tail(err)}" for r, err in errors))
-    return ranks
+    return _GRID.results(case_id)
 
 
 def _check_steps(ranks: list[dict]) -> None:
@@ -74,6 +62,6 @@ def test_a_length_the_capture_cannot_serve_captures_again_once():
     _check_steps(ranks)
     for rank, res in enumerate(ranks):
         assert res["captures"] == 2, f"rank {rank} captured {res['captures']} times"
-    err = _run["run"].stderr[0]
+    err = _GRID.run.stderr[0]
     assert "capturing again: the dynamic capture cannot serve these sizes " \
            "(idx.size(1)=1" in err, tail(err)
