@@ -253,3 +253,27 @@ def test_inductor_dropout_is_the_same_under_b_and_under_i_and_w():
         assert_close(g, want, rtol=1e-4, atol=1e-5)
     eval_model = copy.deepcopy(model).eval()
     assert abs(float(F.mse_loss(eval_model(x), y)) - float(runs[0][0])) > 1e-4  # dropout active
+
+
+def test_pipelining_a_torch_compiled_module_compiles_its_stage_programs():
+    # pipeline(torch.compile(model)) used to run the module eagerly: it pipelines
+    # the original module and compiles each stage's programs with Inductor.
+    import torch_mpmd as mpmd
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 8))
+    ref = copy.deepcopy(model)
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    pipe = mpmd.pipeline(torch.compile(model), loss_fn=F.mse_loss, schedule="interleaved_1f1b",
+                         num_microbatches=2, split_points=["2"])
+    loss = pipe.step(x, target=y)
+    runner = pipe._mpmd_runtime.runner
+    assert runner.fallback_reason is None
+    assert pipe._mpmd_compile == "inductor"
+    for prog in runner.programs.values():  # compiled callables, not the FX graphs' forward
+        assert prog.forward is not prog.graphs["F"].forward
+    want = sum(F.mse_loss(ref(xs), ys) for xs, ys in zip(x.chunk(2), y.chunk(2))) / 2
+    want.backward()
+    assert_close(loss, want.detach(), rtol=1e-4, atol=1e-5)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
