@@ -352,17 +352,17 @@ class Ledger:
         self.raise_for(outcome, kind, ended=False)
 
     def end(self, kind: str, *, timeout_s: float, step: int, digest: int,
-            failure: str | None = None) -> dict[int, str]:
-        """The end exchange. A rank that failed (``failure``, its first line)
-        gets the other ranks' failures back; the others raise PipelineError
-        when any rank failed."""
+            failure: str | None = None, payload: Sequence[int] = (0, 0, 0)) -> Outcome:
+        """The end exchange (``payload``: three int64 of this rank's, e.g. the
+        loss, read back from the outcome's rows). A rank that failed
+        (``failure``, its first line) gets the outcome back, the other ranks'
+        failures in it; the others raise PipelineError when any rank failed."""
         outcome = self.exchange(kind, timeout_s=timeout_s, phase=_END, step=step, digest=digest,
-                                failure=failure)
+                                payload=payload, failure=failure)
         self.phase = _AFTER
-        if failure is not None:
-            return {r: m for r, m in outcome.failures.items() if r != self.me}
-        self.raise_for(outcome, kind, ended=True)
-        return {}
+        if failure is None:
+            self.raise_for(outcome, kind, ended=True)
+        return outcome
 
     def raise_for(self, outcome: Outcome, kind: str, *, ended: bool) -> None:
         """PipelineError for the failures or the disagreement an exchange found

@@ -460,6 +460,7 @@ class RankRuntime:
         kind = self.kind_of(executor)
         step = int(getattr(self.runner, "step", -1))
         ledger = self.ledger
+        self._end_loss = None
         try:
             if ledger is not None:
                 ledger.begin(kind, timeout_s=self.timeout_s, step=step, digest=self.digest)
@@ -469,10 +470,46 @@ class RankRuntime:
                 cause = self.runner.error
                 raise self._failure(e, kind, step) from cause
             if ledger is not None:
-                ledger.end(kind, timeout_s=self.timeout_s, step=step, digest=self.digest)
+                outcome = ledger.end(kind, timeout_s=self.timeout_s, step=step,
+                                     digest=self.digest, payload=self._loss_payload(kind))
+                self._end_loss = self._loss_of(outcome, kind)
         except BaseException:
             self.runner.end_step()
             raise
+
+    # NOTE [Loss in the end exchange]: the last stage's rank puts the mean of
+    # the microbatches' losses (float32 bits) in its end-exchange record, so
+    # the other ranks have it without the loss broadcast: the exchange costs
+    # a step one collective, not two (broadcast_loss_from_last).
+    _LOSS_KINDS = ("step", "eval")
+
+    def _loss_payload(self, kind: str) -> tuple[int, int, int]:
+        losses = self.runner.losses
+        m = self.schedule.num_microbatches
+        if kind not in self._LOSS_KINDS or self.rank != self.last_rank or len(losses) != m:
+            return (0, 0, 0)
+        mean = torch.stack([losses[k] for k in range(m)]).float().mean()
+        return (int(mean.reshape(1).cpu().view(torch.int32)[0]), 1, 0)
+
+    def _loss_of(self, outcome: Any, kind: str) -> torch.Tensor | None:
+        if kind not in self._LOSS_KINDS:
+            return None
+        row = outcome.rows[self.ledger.ranks.index(self.replicas[self.replica][self.last_rank])]
+        p0 = len(lockstep.FIELDS) - 3
+        if row[p0 + 1] != 1:
+            return None
+        return torch.tensor([row[p0]], dtype=torch.int32).view(torch.float32)[0]
+
+    def broadcast_loss_from_last(self, loss: torch.Tensor) -> torch.Tensor:
+        """``broadcast_from_last(loss)`` for the mean loss of the call just run
+        (a float32 scalar, computed on the last stage's rank as the mean of the
+        microbatches' losses): taken from the call's end exchange when it
+        carried it (NOTE [Loss in the end exchange]), else broadcast."""
+        end_loss = getattr(self, "_end_loss", None)
+        if end_loss is None:
+            return self.broadcast_from_last(loss, "the loss")
+        loss.copy_(end_loss)
+        return loss
 
     def _failure(self, e: Any, kind: str, step: int) -> PipelineError:
         """The PipelineError of a failed executor run. A drained failure of this
@@ -491,8 +528,9 @@ class RankRuntime:
             first = (f"{type(cause).__name__}: {lockstep._first_line(str(cause))} (in action "
                      f"{e.action})" if cause is not None else lockstep._first_line(str(e)))
             try:
-                others = self.ledger.end(kind, timeout_s=self.timeout_s, step=step,
-                                         digest=self.digest, failure=first)
+                outcome = self.ledger.end(kind, timeout_s=self.timeout_s, step=step,
+                                          digest=self.digest, failure=first)
+                others = {r: m for r, m in outcome.failures.items() if r != self.ledger.me}
                 told = ("The other ranks were told and raise PipelineError naming this rank"
                         + "".join(f"; {self.ledger.name(r)} failed too: {m}"
                                   for r, m in sorted(others.items()))

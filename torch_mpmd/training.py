@@ -93,7 +93,7 @@ def mean_loss(rt: "RankRuntime", losses: Mapping[int, torch.Tensor], num_microba
         loss = loss.to(device)
     else:
         loss = torch.zeros((), dtype=torch.float32, device=device)
-    rt.broadcast_from_last(loss)
+    rt.broadcast_loss_from_last(loss)
     if rt.dp_group is not None:
         rt.wait(dist.all_reduce(loss, group=rt.dp_group, async_op=True),
                 "the data-parallel loss all_reduce")
