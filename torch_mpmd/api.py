@@ -294,7 +294,7 @@ class Pipeline(torch.nn.Module):
             local = list(self.parameters()) + list(self.buffers())
             self.parameter_bytes = meta_init.materialize(
                 self._mpmd_module, local, self._mpmd_init_fn, self.device)
-            meta_init.synchronize(runtime.tied_groups, runtime.dp_group, local)
+            meta_init.synchronize(runtime.tied_groups, runtime.dp_group, local, runtime)
         return runtime
 
     def _local_tensors(self, runtime: RankRuntime, split: Any

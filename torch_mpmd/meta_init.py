@@ -92,14 +92,24 @@ def materialize(module: torch.nn.Module, local: Iterable[torch.Tensor],
 
 
 def synchronize(tied_groups: Iterable[tuple[Any, list[torch.Tensor]]], dp_group: Any,
-                local: Iterable[torch.Tensor]) -> None:
-    """Tied weights equal across pipeline ranks, replicas equal to their first."""
+                local: Iterable[torch.Tensor], runtime: Any = None) -> None:
+    """Tied weights equal across pipeline ranks, replicas equal to their first.
+    With the ``runtime`` (a RankRuntime) each broadcast is bounded by its
+    timeout and waited for by ``runtime.wait`` (NOTE [Bounded collectives] in
+    lockstep.py); without, they block for the process group's timeout."""
+    from torch_mpmd import lockstep
+
+    def broadcast(t: torch.Tensor, pg: Any, what: str) -> None:
+        if runtime is None:
+            dist.broadcast(t, src=dist.get_global_rank(pg, 0), group=pg)
+        else:
+            runtime.wait(lockstep.broadcast(t, 0, pg, runtime.timeout_s),
+                         f"the broadcast of the materialized {what} from their first rank")
+
     with torch.no_grad():
         for pg, params in tied_groups:
-            src = dist.get_global_rank(pg, 0)
             for p in params:
-                dist.broadcast(p.data, src=src, group=pg)
+                broadcast(p.data, pg, "tied parameters")
         if dp_group is not None:
-            src = dist.get_global_rank(dp_group, 0)
             for t in local:
-                dist.broadcast(t.data, src=src, group=dp_group)
+                broadcast(t.data, dp_group, "parameters and buffers to the replicas")
