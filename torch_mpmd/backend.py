@@ -4,7 +4,8 @@
 Dynamo graph of ``fn`` (a function such as forward + loss, or a module's
 forward). ``options`` takes pipeline()'s settings (``schedule``,
 ``num_microbatches``, ``split_points``, ``stages_per_rank``, ``num_stages``,
-``mesh``/``group``, ``timeout``, ``seed``, ``lookahead``, ``compile``, ...),
+``mesh``/``group``, ``timeout``, ``seed``, ``lookahead``, ``compile``,
+``bytes_cost``, ...),
 checked by the same code (api.check_settings), plus ``reduction`` ("mean",
 the default, or "sum": how the training call combines the microbatches'
 losses). The backend returns a :class:`torch_mpmd.door.Door`, which pipelines
@@ -48,8 +49,9 @@ def _skip_logging_calls() -> None:
 
 _skip_logging_calls()
 
-_CHECKED = ("schedule", "num_microbatches", "stages_per_rank", "split_points", "num_stages",
-            "group", "mesh", "timeout", "lookahead", "compile")
+# The options check_settings checks, from its signature: a setting added to
+# pipeline() and check_settings is checked here too (bytes_cost, ...).
+_CHECKED = tuple(inspect.signature(check_settings).parameters)
 
 
 def _check_options(options: Mapping[str, Any] | None) -> tuple[dict[str, Any], str]:
