@@ -268,9 +268,7 @@ class Pipeline(torch.nn.Module):
                           source="the stage_boundary() markers or split points"
                           if (split.ir.num_markers or self._mpmd_split_points) else
                           "num_stages")
-        settings = repr((type(self._mpmd_module).__name__, self.num_microbatches,
-                         schedule if isinstance(schedule, str) else type(schedule).__name__,
-                         split.num_stages, sig, _compile_label(self._mpmd_compile)))
+        settings = self._shared_settings(split, sig)
         runtime = RankRuntime(StagedModel.from_split(split), schedule=schedule, num_microbatches=self.num_microbatches,
                               group=self._mpmd_group, device=self.device, timeout=self.timeout,
                               lookahead=self._mpmd_lookahead, settings=settings,
@@ -296,6 +294,18 @@ class Pipeline(torch.nn.Module):
                 self._mpmd_module, local, self._mpmd_init_fn, self.device)
             meta_init.synchronize(runtime.tied_groups, runtime.dp_group, local, runtime)
         return runtime
+
+    def _shared_settings(self, split: Any, sig: tuple) -> dict[str, str]:
+        """The settings every rank must share, by name: the start-up handshake
+        compares them and names the one that differs, with its values."""
+        schedule = self._mpmd_schedule
+        return {"model": type(self._mpmd_module).__name__,
+                "num_microbatches": str(self.num_microbatches),
+                "schedule": schedule if isinstance(schedule, str) else type(schedule).__name__,
+                "num_stages": str(split.num_stages),
+                "microbatch inputs": _describe_key(sig),
+                "compile": _compile_label(self._mpmd_compile),
+                "bytes_cost": str(self._mpmd_bytes_cost)}
 
     def _local_tensors(self, runtime: RankRuntime, split: Any
                        ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], set[str]]:

@@ -16,6 +16,7 @@ import atexit
 import datetime
 import gc
 import hashlib
+import json
 import os
 import sys
 import weakref
@@ -47,6 +48,7 @@ V_SCHEDULES = ("zbv", "dualpipev")
 _COMPILED_BUILD_TIMEOUT_S = 1800.0
 _FORWARD_KINDS = ("F", "SEND_F", "RECV_F")
 _BACKWARD_KINDS = ("B", "I", "W", "SEND_B", "RECV_B", "REDUCE_GRAD")
+_SETTING_CHARS = 300  # of a setting's value, in the start-up mismatch error
 
 
 def _filtered_text(schedule: Schedule, kinds: Sequence[str], name: str) -> str:
@@ -182,7 +184,7 @@ class RankRuntime:
 
     def __init__(self, model: StagedModel, *, schedule: Any, num_microbatches: int,
                  group: Any, device: torch.device, timeout: datetime.timedelta,
-                 lookahead: int, settings: str, seed: int | None,
+                 lookahead: int, settings: Mapping[str, str], seed: int | None,
                  dp_group: Any = None, replicas: list[list[int]] | None = None,
                  compiler: Compiler | None = None,
                  startup_timeout: datetime.timedelta | None = None) -> None:
@@ -283,13 +285,16 @@ class RankRuntime:
                                  lookahead=self.lookahead, timeout_s=self.timeout_s, trace=True,
                                  drain=True)
 
-    def _handshake(self, settings: str, seed: int | None) -> int:
+    def _handshake(self, settings: Mapping[str, str], seed: int | None) -> int:
         """Compare plan and settings across every rank of the pipeline (all
         replicas) before any transfer, in the ranks' handshake exchange (NOTE
         [Lockstep]); agree on a seed (this replica's pp rank 0's). Ranks arrive
         after capturing, which takes seconds and varies by rank: the wait is
-        ``startup_timeout``."""
-        digest = hashlib.sha256(f"{settings}|{self.schedule.to_text()}".encode()).digest()
+        ``startup_timeout``. ``settings``: what every rank must share, by name
+        (api.py); the schedule's programs join them, by their hash."""
+        programs = hashlib.sha256(self.schedule.to_text().encode()).hexdigest()[:16]
+        self.settings = {**settings, "schedule programs (hash)": programs}
+        digest = hashlib.sha256(json.dumps(list(self.settings.items())).encode()).digest()
         self.digest = _int64(int.from_bytes(digest[:8], "little")) or 1  # 0: not compared
         mine = [_int64(self.model.plan.hash), self.digest,
                 _int64(seed if seed is not None else torch.initial_seed())]
@@ -303,21 +308,61 @@ class RankRuntime:
         return rows[self.ledger.ranks.index(self.replicas[self.replica][0])][2]
 
     def _compare(self, rows: list[list[int]]) -> None:
-        """PipelineError (on every rank) naming each rank's hash where the ranks'
-        plans or settings differ; ``rows``: (plan hash, settings digest, seed)
+        """PipelineError (on every rank) where the ranks' settings or plans
+        differ: the settings first (they explain a plan that differs), named
+        with their values on this rank and on the first peer whose differ,
+        else each rank's hash; ``rows``: (plan hash, settings digest, seed)
         per rank of the ledger."""
         ranks = self.ledger.ranks
-        cols = (("partition plan", 0), ("pipeline settings or schedule", 1))
+        cols = (("pipeline settings or schedule", 1), ("partition plan", 0))
         for what, col in cols:
             values = {r: row[col] & 0xFFFFFFFFFFFFFFFF for r, row in zip(ranks, rows)}
             if len(set(values.values())) > 1:
-                listing = ", ".join(f"rank {r}: {v:016x}" for r, v in values.items())
+                # Every rank sees the same rows, so all take this branch together.
+                named = self._settings_difference() if col == 1 else ""
+                listing = ", ".join(f"{self.ledger.name(r)}: {v:016x}" for r, v in values.items())
+                problem = (f"the ranks' settings differ: {named}" if named else
+                           f"the ranks disagree on the {what} (hashes {listing})")
                 err = PipelineError(
-                    f"the ranks disagree on the {what} (hashes {listing}); every rank must "
-                    "build the same model and call pipeline() with the same arguments and the "
-                    "same input shapes", rank=self.rank)
+                    f"{self.ledger.name(self.ledger.me)}: {problem}; every rank must build the "
+                    "same model and call pipeline() with the same arguments and the same input "
+                    "shapes", rank=self.rank)
                 err._mpmd_settled = True  # every rank raises it, in step
                 raise err
+
+    def _settings_difference(self) -> str:
+        """Each setting in which this rank differs from the first peer that
+        differs, with both values ('' if none does). Called by every rank
+        together once the settings digests disagree: one more exchange, of
+        every rank's settings (a rare error path), bounded by the start-up
+        timeout."""
+        me, theirs = self.ledger.me, self._gather_settings()
+        for rank, other in zip(self.ledger.ranks, theirs):
+            names = [k for k in {**self.settings, **other}
+                     if k not in self.settings or k not in other
+                     or self.settings[k][:_SETTING_CHARS] != other[k]]
+            if rank == me or not names:
+                continue
+            return "; ".join(
+                f"{k} is {self.settings.get(k, '(not set)')[:_SETTING_CHARS]} on "
+                f"{self.ledger.name(me)} (this rank) but {other.get(k, '(not set)')} on "
+                f"{self.ledger.name(rank)}" for k in names)
+        return ""
+
+    def _gather_settings(self) -> list[dict[str, str]]:
+        """Every ledger rank's settings (values cut to _SETTING_CHARS), by an
+        all_gather of their sizes, then of the JSON texts padded to the largest."""
+        mine = json.dumps([[k, v[:_SETTING_CHARS]] for k, v in self.settings.items()]).encode()
+        n, group, limit = len(self.ledger.ranks), self.ledger.group, self.startup_timeout_s
+        sizes = torch.zeros(n, 1, dtype=torch.int64)
+        self.wait(lockstep.all_gather(list(sizes.unbind(0)), torch.tensor([len(mine)]), group,
+                                      limit), "the exchange of settings sizes (all_gather)", limit)
+        padded = torch.zeros(int(sizes.max()), dtype=torch.uint8)
+        padded[:len(mine)] = torch.frombuffer(bytearray(mine), dtype=torch.uint8)
+        texts = torch.zeros(n, padded.numel(), dtype=torch.uint8)
+        self.wait(lockstep.all_gather(list(texts.unbind(0)), padded, group, limit),
+                  "the exchange of settings (all_gather)", limit)
+        return [dict(json.loads(bytes(texts[i, :int(sizes[i])].tolist()))) for i in range(n)]
 
     def _tied_groups(self) -> list[tuple[Any, list[torch.nn.Parameter]]]:
         """Per set of ranks sharing parameters: (process group, this rank's shared params).
