@@ -28,10 +28,13 @@ end exchange (RankRuntime.run). So:
   call of a peer.
 
 The exchanges run on a gloo group of their own over all the pipeline's ranks
-(created at the first exchange): they never pair with a collective of the
-user's or of the step (a broadcast on the pipeline group), and on NCCL jobs
-they stay on the CPU. A failed rank's message travels in a second all_gather,
-made only when some record says a rank failed.
+(created at the first exchange, shared by the ledgers of every pipeline group
+over the same ranks, replaced after a failure on it): they never pair with a
+collective of the user's or of the step (a broadcast on the pipeline group),
+and on NCCL jobs they stay on the CPU. A failed rank's message travels in a
+second all_gather, made only when some record says a rank failed. A ledger
+(the sequence, the call's phase, whether the groups broke) belongs to one
+pipeline group (and dp group): a new group starts afresh.
 
 NOTE [Bounded collectives]: every collective the library issues carries the
 wait's timeout as its own (c10d options ``timeout``), so that work on a
@@ -229,7 +232,7 @@ class Ledger:
         self.ranks = tuple(ranks)
         self.me = dist.get_rank()
         self.index = self.ranks.index(self.me)
-        self.group: Any = None          # the control group (gloo), made at the first exchange
+        self.group: Any = None          # the exchanges' group (gloo), got at the first exchange
         self.seq = 0
         self.broken: str | None = None
         self.phase = _IDLE
@@ -247,10 +250,7 @@ class Ledger:
     # -------------------------------------------------------- groups
     def _control_group(self, timeout_s: float) -> Any:
         if self.group is None:
-            # Collective over self.ranks only; bounded by the timeout (the rendezvous
-            # of a gloo group waits on the store that long at most).
-            self.group = dist.new_group(list(self.ranks), timeout=_timedelta(timeout_s),
-                                        backend="gloo", use_local_synchronization=True)
+            self.group = _exchange_group(self.ranks, timeout_s)
         return self.group
 
     def uses(self, groups: Iterable[Any]) -> None:
@@ -260,9 +260,12 @@ class Ledger:
                 self._groups.add(g)
 
     def break_(self, reason: str) -> None:
-        """Mark the groups unusable (the first reason is kept) and abandon them."""
+        """Mark the groups unusable (the first reason is kept) and abandon them;
+        the exchanges' group too (a later ledger over these ranks makes another)."""
         if self.broken is None:
             self.broken = reason
+        if self.group is not None and _EXCHANGE_GROUPS.get(self.ranks) is self.group:
+            del _EXCHANGE_GROUPS[self.ranks]
         abandon([self.group, *self._groups])
 
     def check_usable(self, what: str) -> None:
@@ -445,12 +448,28 @@ def _default_group() -> Any:
     return dist.distributed_c10d._get_default_group() if dist.is_initialized() else None
 
 
-_LEDGERS: dict[tuple[int, ...], Ledger] = {}
+# Ledgers by (pipeline group, dp group) name; the exchanges' groups by ranks.
+_LEDGERS: dict[tuple[str, str], Ledger] = {}
+_EXCHANGE_GROUPS: dict[tuple[int, ...], Any] = {}
 
 
-def ledger_for(replicas: Sequence[Sequence[int]] | None, group: Any) -> Ledger | None:
-    """The ledger of the pipeline whose replicas hold these global ranks (or,
-    without replicas, whose pipeline group is ``group``); None for one rank."""
+def _exchange_group(ranks: tuple[int, ...], timeout_s: float) -> Any:
+    """The gloo group of the exchanges over ``ranks`` (NOTE [Lockstep]): made
+    once (collective over ``ranks`` only; its rendezvous bounded by the
+    timeout), again after a failure on it or a new default group."""
+    group = _EXCHANGE_GROUPS.get(ranks)
+    if group is None or group not in dist.distributed_c10d._world.pg_map:
+        group = dist.new_group(list(ranks), timeout=_timedelta(timeout_s), backend="gloo",
+                               use_local_synchronization=True)
+        _EXCHANGE_GROUPS[ranks] = group
+    return group
+
+
+def ledger_for(replicas: Sequence[Sequence[int]] | None, group: Any,
+               dp_group: Any = None) -> Ledger | None:
+    """The ledger of the pipeline over ``group`` (and ``dp_group``), whose
+    replicas hold these global ranks (without replicas: ``group``'s ranks);
+    None for one rank."""
     if not (dist.is_available() and dist.is_initialized()):
         return None
     if replicas is None:
@@ -458,9 +477,10 @@ def ledger_for(replicas: Sequence[Sequence[int]] | None, group: Any) -> Ledger |
     ranks = tuple(sorted({r for replica in replicas for r in replica}))
     if len(ranks) < 2:
         return None
-    ledger = _LEDGERS.get(ranks)
-    if ledger is None or ledger._world is not _default_group():  # a new world
-        ledger = _LEDGERS[ranks] = Ledger(ranks)
+    key = (getattr(group, "group_name", ""), getattr(dp_group, "group_name", ""))
+    ledger = _LEDGERS.get(key)
+    if ledger is None or ledger._world is not _default_group() or ledger.ranks != ranks:
+        ledger = _LEDGERS[key] = Ledger(ranks)  # a new group, or a new world
     return ledger
 
 
@@ -469,12 +489,12 @@ def pipeline_call(kind: str) -> Callable[[Callable], Callable]:
     ``eval_step``): a call refuses to start on unusable groups, and a failure
     of this rank's own code before the call's begin exchange is sent to the
     other ranks (NOTE [Lockstep]). Reads the pipeline's ``_mpmd_group``,
-    ``_mpmd_replicas`` and ``timeout``."""
+    ``_mpmd_dp_group``, ``_mpmd_replicas`` and ``timeout``."""
 
     def wrap(fn: Callable) -> Callable:
         @functools.wraps(fn)
         def call(self: Any, *args: Any, **kwargs: Any) -> Any:
-            ledger = ledger_for(self._mpmd_replicas, self._mpmd_group)
+            ledger = ledger_for(self._mpmd_replicas, self._mpmd_group, self._mpmd_dp_group)
             if ledger is None:
                 return fn(self, *args, **kwargs)
             ledger.check_usable(kind)

@@ -205,7 +205,7 @@ class RankRuntime:
         self.build_timeout_s = (self.startup_timeout_s if startup_timeout is not None or
                                 compiler is None else
                                 max(self.timeout_s, _COMPILED_BUILD_TIMEOUT_S))
-        self.ledger = lockstep.ledger_for(self.replicas, group)
+        self.ledger = lockstep.ledger_for(self.replicas, group, dp_group)
         self.lookahead = lookahead
         self.pp_size = dist.get_world_size(group) if group is not None else 1
         self.rank = dist.get_rank(group) if group is not None else 0
