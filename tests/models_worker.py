@@ -53,6 +53,21 @@ class HFLogits(nn.Module):
         return self.lm(input_ids=ids).logits
 
 
+class TransposedCut(nn.Module):
+    """A stage boundary right after a transpose: the value crossing it is not
+    contiguous (as a q/k projection's heads are when a cut falls there)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 16)
+        self.b = nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x).transpose(1, 2)
+        mpmd.stage_boundary()
+        return self.b(h.transpose(1, 2).reshape(x.shape[0], x.shape[1], 16))
+
+
 def lm_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), target.flatten())
 
@@ -69,6 +84,9 @@ def build(name: str) -> tuple[nn.Module, torch.Tensor, torch.Tensor, Any, dict]:
         return (CheckpointedMLP(), torch.randn(8, 16, generator=g),
                 torch.randn(8, 16, generator=g), F.mse_loss,
                 {2: ["blocks.2"], 4: ["blocks.1", "blocks.2", "blocks.3"]})
+    if name == "transposed":
+        return (TransposedCut(), torch.randn(8, 6, 8, generator=g),
+                torch.randn(8, 6, 8, generator=g), F.mse_loss, {2: None})
     if name == "dropout":
         return (models.DropoutMLP(d=16), torch.randn(8, 16, generator=g),
                 torch.randn(8, 16, generator=g), F.mse_loss, {2: None, 4: None})

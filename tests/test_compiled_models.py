@@ -25,6 +25,9 @@ CASES = [dict(id=f"{model}-{schedule}-{'inductor' if compile else 'fx'}", model=
 CASES += [dict(id=f"dropout-{schedule}-{'inductor' if compile else 'fx'}", model="dropout",
                schedule=schedule, compile=compile)
           for compile in (False, "inductor") for schedule in ("1f1b", "zero_bubble")]
+# A non-contiguous value crossing the cut: its gradient comes back contiguous.
+CASES += [dict(id=f"transposed-{schedule}-fx", model="transposed", schedule=schedule,
+               compile=False) for schedule in ("1f1b", "zero_bubble")]
 CASE_IDS = [c["id"] for c in CASES]
 _GRID = GridRun(2, "models_worker:grid", CASES, task="models")
 

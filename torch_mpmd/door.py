@@ -70,6 +70,14 @@ def _output_examples(gm: torch.fx.GraphModule) -> list[Any]:
             else v for v in values]
 
 
+def _lockstep(pipe: Any, kind: str, fn: Any, *args: Any) -> Any:
+    """``fn(*args)`` as a call of ``pipe`` in lockstep with the other ranks
+    (lockstep.pipeline_call): a failure before its exchanges reaches them."""
+    from torch_mpmd.lockstep import pipeline_call
+
+    return pipeline_call(kind)(lambda _pipe, *a: fn(*a))(pipe, *args)
+
+
 class _StepLoss(torch.autograd.Function):
     """The step's loss as an autograd node: backward multiplies the gradients
     the step computed by the upstream gradient."""
@@ -109,7 +117,7 @@ class _PipelinedForward(torch.autograd.Function):
                 "torch.compile(backend='mpmd') keeps the pipeline state of the latest forward "
                 "only: call backward() on an output before the next forward with grad enabled "
                 "(run forwards you do not backpropagate under torch.no_grad())")
-        door._run_backward(grads)
+        _lockstep(door.pipeline, "backward", door._run_backward, grads)
         return (None,) * (1 + ctx.num_params)
 
 
@@ -242,7 +250,7 @@ class Door:
         pipe = self.pipeline
         m = pipe.num_microbatches
         if keep_graph:
-            rt = self._forward_keeping_graph(args, kwargs)
+            rt = _lockstep(pipe, "forward", self._forward_keeping_graph, args, kwargs)
         else:
             rt, _ = pipe._forward_only(args, kwargs, [None] * m, eval_loss=False)
         try:

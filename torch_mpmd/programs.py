@@ -173,7 +173,10 @@ class _Traced(torch.nn.Module):
         if self.loss is not None:
             loss = self.loss(tuple(out[self.num_sent:]), flat[:self.num_user], list(flat[k:]))
             return (loss.clone() if 0 in self.clone_outputs else loss,)
-        return tuple(o.clone() if i in self.clone_outputs else o
+        # Sent values are traced contiguous: their gradients come back from the
+        # transport contiguous, and B's tangents must have the traced strides
+        # (a transposed q/k crossing a cut would otherwise meet a view in B).
+        return tuple((o.clone() if i in self.clone_outputs else o).contiguous()
                      for i, o in enumerate(out[:self.num_sent]))
 
 
