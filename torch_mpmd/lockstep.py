@@ -127,17 +127,19 @@ def wait(work: Any, what: str, timeout_s: float, *, rank: int,
     """Wait for ``work`` at most ``timeout_s`` (+ a grace second); a failure or
     timeout calls ``on_failure(reason)`` (which marks the groups unusable) and
     raises PipelineError naming ``what``."""
+    cause: Exception | None = None
     try:
         ok = work.wait(timeout=_timedelta(timeout_s + _WAIT_GRACE_S))
         reason = None if ok is not False else f"timed out after {timeout_s:g} s"
     except Exception as e:  # noqa: BLE001  (c10d raises RuntimeError subclasses)
+        cause = e
         reason = f"failed within the {timeout_s:g} s timeout: {_first_line(str(e), 500)}"
     if reason is None:
         return
     if on_failure is not None:
         on_failure(f"{what} {reason}")
     raise PipelineError(f"rank {rank}: {what} {reason} (a peer that stalled or died, or "
-                        f"that is in another call){_UNUSABLE}", rank=rank)
+                        f"that is in another call){_UNUSABLE}", rank=rank) from cause
 
 
 _UNUSABLE = ("; the pipeline's process groups cannot be used after this: restart the job "
@@ -224,14 +226,14 @@ _IDLE, _PREP, _RUNNING, _AFTER = "idle", "prep", "running", "after"
 
 
 class Ledger:
-    """Exchange state shared by every pipeline over one set of ranks (in this
-    process): the sequence number, the phase of the current call, and why the
-    groups are unusable, if they are (NOTE [Lockstep]). Ranks are global."""
+    """Exchange state shared by every pipeline over one pipeline group (and dp
+    group), in this process: the sequence number, the phase of the current
+    call, and why the groups are unusable, if they are (NOTE [Lockstep]).
+    ``ranks``: every rank of the pipeline (all replicas), global ranks."""
 
     def __init__(self, ranks: Sequence[int]) -> None:
         self.ranks = tuple(ranks)
         self.me = dist.get_rank()
-        self.index = self.ranks.index(self.me)
         self.group: Any = None          # the exchanges' group (gloo), got at the first exchange
         self.seq = 0
         self.broken: str | None = None
@@ -248,13 +250,13 @@ class Ledger:
             f"global rank {rank}")
 
     # -------------------------------------------------------- groups
-    def _control_group(self, timeout_s: float) -> Any:
+    def _exchanges_group(self, timeout_s: float) -> Any:
         if self.group is None:
             self.group = _exchange_group(self.ranks, timeout_s)
         return self.group
 
     def uses(self, groups: Iterable[Any]) -> None:
-        """Groups to abandon with the control group when the pipeline breaks."""
+        """Groups to abandon with the exchanges' group when the pipeline breaks."""
         for g in groups:
             if g is not None:
                 self._groups.add(g)
@@ -284,7 +286,7 @@ class Ledger:
         where = _call_name(KINDS[kind], phase, step)
         what = f"waiting for the other ranks at {where} (exchange #{self.seq}, all_gather)"
         try:
-            group = self._control_group(timeout_s)
+            group = self._exchanges_group(timeout_s)
         except Exception as e:  # noqa: BLE001
             reason = (f"the other ranks did not arrive at {where} within {timeout_s:g} s "
                       f"(creating the group of the ranks' exchanges: {_first_line(str(e))})")
