@@ -27,7 +27,6 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.fx
 
 from torch_mpmd.frame import FrameCall, FrameModule, frame_call
@@ -232,7 +231,7 @@ class Door:
         rt = self.pipeline._runtime()
         if rt.pp_size > 1:
             flat = torch.cat([g.reshape(-1) for g in grads])
-            rt.wait(dist.all_reduce(flat, group=rt.group, async_op=True),
+            rt.wait(rt.all_reduce(flat, rt.group),
                     f"the sum of input gradients ({len(grads)} tensors, all_reduce)")
             grads = [part.view_as(g) for part, g in
                      zip(flat.split([g.numel() for g in grads]), grads)]

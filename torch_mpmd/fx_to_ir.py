@@ -27,7 +27,6 @@ from typing import Any
 import torch
 import torch.fx
 import torch.utils._pytree as pytree
-from torch.fx.experimental.symbolic_shapes import optimization_hint
 
 from torch_mpmd import _C
 from torch_mpmd.capture import CaptureError, PlaceholderInfo, size_hint

@@ -95,7 +95,7 @@ def mean_loss(rt: "RankRuntime", losses: Mapping[int, torch.Tensor], num_microba
         loss = torch.zeros((), dtype=torch.float32, device=device)
     rt.broadcast_loss_from_last(loss)
     if rt.dp_group is not None:
-        rt.wait(dist.all_reduce(loss, group=rt.dp_group, async_op=True),
+        rt.wait(rt.all_reduce(loss, rt.dp_group),
                 "the data-parallel loss all_reduce")
         loss /= dist.get_world_size(rt.dp_group)
     return loss
@@ -130,7 +130,7 @@ def _combine(local: torch.Tensor, norm_type: float, rt: "RankRuntime") -> torch.
         op = dist.ReduceOp.SUM
         if norm_type != 0:  # ||g|| = (sum over ranks of ||g_r||^p)^(1/p); the 0-"norm" counts
             x = x.pow(norm_type)
-    rt.wait(dist.all_reduce(x, op=op, group=rt.group, async_op=True),
+    rt.wait(rt.all_reduce(x, rt.group, op),
             "the global gradient norm (all_reduce over the pipeline ranks)")
     if not math.isinf(norm_type) and norm_type != 0:
         x = x.pow(1.0 / norm_type)
