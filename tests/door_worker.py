@@ -192,8 +192,13 @@ def input_grad(case: dict[str, Any], group: Any, timeout: float) -> dict[str, An
     def train_loss(x, y):
         return loss_of(name, model, x, y)
 
+    calls: list[str] = []  # the step runs under autograd here: hooks must still run once
+    for n, p in model.named_parameters():
+        p.register_hook(lambda g, n=n: calls.append(n))
     train_loss(x, y).backward()
-    return dict(input_grad=_diff(x.grad, x_ref.grad, *TOL), grads=_grads(model, ref))
+    return dict(input_grad=_diff(x.grad, x_ref.grad, *TOL), grads=_grads(model, ref),
+                hook_calls=sorted(calls),
+                with_grad=sorted(n for n, p in model.named_parameters() if p.grad is not None))
 
 
 def autograd_grad(case: dict[str, Any], group: Any, timeout: float) -> dict[str, Any]:

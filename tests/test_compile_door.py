@@ -81,6 +81,7 @@ def test_an_input_that_requires_grad_gets_its_gradient_on_every_rank(case_id):
     for rank, res in enumerate(_results(case_id)):
         assert res["input_grad"]["ok"], f"rank {rank}: {res['input_grad']}"
         assert not _bad(rank, res["grads"]), _bad(rank, res["grads"])
+        assert res["hook_calls"] == res["with_grad"], f"rank {rank}: hooks {res['hook_calls']}"
 
 
 def test_autograd_grad_scaled_losses_and_the_sum_reduction():

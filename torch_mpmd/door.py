@@ -77,6 +77,24 @@ def _lockstep(pipe: Any, kind: str, fn: Any, *args: Any) -> Any:
     return pipeline_call(kind)(lambda _pipe, *a: fn(*a))(pipe, *args)
 
 
+def _mute_hooks(params: list[torch.Tensor]) -> list[tuple[dict, dict]]:
+    """Empty the parameters' gradient-hook dicts in place (the engine holds the
+    dicts themselves); returns what _unmute_hooks puts back."""
+    muted = []
+    for p in params:
+        for name in ("_backward_hooks", "_post_accumulate_grad_hooks"):
+            hooks = getattr(p, name, None)
+            if hooks:
+                muted.append((hooks, dict(hooks)))
+                hooks.clear()
+    return muted
+
+
+def _unmute_hooks(muted: list[tuple[dict, dict]]) -> None:
+    for hooks, saved in muted:
+        hooks.update(saved)
+
+
 class _StepLoss(torch.autograd.Function):
     """The step's loss as an autograd node: backward multiplies the gradients
     the step computed by the upstream gradient."""
@@ -203,6 +221,9 @@ class Door:
             p.grad = None
         rt = pipe._ensure_built(*first_microbatch(args, kwargs, pipe.num_microbatches))
         rt.runner.hooks_run_later = True  # they run in _StepLoss.backward, once
+        # The step itself may run under the autograd engine (inputs that require
+        # grad): the parameters' hooks are silenced there, to run in backward.
+        muted = _mute_hooks(every)
         try:
             loss = pipe.step(*args, **kwargs)
             local = [p for p in pipe.parameters() if p.requires_grad]
@@ -210,6 +231,7 @@ class Door:
         finally:
             for p, g in zip(every, stash):
                 p.grad = g
+            _unmute_hooks(muted)
         grads += self._input_grads([flat[i] for i in grad_inputs])
         if self.reduction == "sum":
             m = pipe.num_microbatches
