@@ -43,23 +43,33 @@ class _Counter:
         self.module.compile_fx_inner = self.original
 
 
+def _model(name: str, stages: int) -> tuple[torch.nn.Module, list[str], int]:
+    """(model, split points, vocabulary) by name."""
+    if name == "gpt":
+        return pipeline_worker.build_model("gpt"), SPLITS[stages], 32
+    import models_worker  # a Hugging Face LM returning its logits
+
+    model, _, _, _, splits = models_worker.build(name)
+    return model, splits[stages], 64
+
+
 def run_case(case: dict[str, Any], group: Any, timeout: float) -> dict[str, Any]:
     rank, world = _rank_world()
     res: dict[str, Any] = dict(id=case["id"], rank=rank, error=None, steps={})
     counter = _Counter()
     try:
-        model = pipeline_worker.build_model("gpt")
-        ref = copy.deepcopy(model)
         stages = world * (2 if case["schedule"] in ("zbv", "dualpipev") else 1)
+        model, splits, vocab = _model(case.get("model", "gpt"), stages)
+        ref = copy.deepcopy(model)
         pipe = mpmd.pipeline(model, loss_fn=lm_loss, schedule=case["schedule"],
-                             num_microbatches=M, split_points=SPLITS[stages], group=group,
+                             num_microbatches=M, split_points=splits, group=group,
                              timeout=timeout, compile=case["compile"],
                              dynamic=not case.get("mark"))
         tol = TOL[case["compile"]]
         g = torch.Generator().manual_seed(3)
         for batch, t in case["sizes"]:
-            x = torch.randint(0, 32, (batch, t), generator=g)
-            y = torch.randint(0, 32, (batch, t), generator=g)
+            x = torch.randint(0, vocab, (batch, t), generator=g)
+            y = torch.randint(0, vocab, (batch, t), generator=g)
             if case.get("mark"):
                 torch._dynamo.mark_dynamic(x, 1)
             for p in (*model.parameters(), *ref.parameters()):

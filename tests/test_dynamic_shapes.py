@@ -1,5 +1,6 @@
 """Symbolic sizes (issue 11 §4) on 2 gloo ranks: pipeline(dynamic=True), or a
-sequence dim marked with torch._dynamo.mark_dynamic, captures once and builds
+sequence dim marked with torch._dynamo.mark_dynamic, captures once (the GPT, a
+Hugging Face Llama) and builds
 (and compiles) the stage programs once; each step sizes every transfer from
 its own inputs. Several sequence lengths (and a batch size change) in turn:
 loss and every gradient equal one process at each; a length the capture
@@ -19,6 +20,8 @@ CASES = [
     dict(id="zbv-inductor", schedule="zbv", compile="inductor", sizes=LENGTHS),
     dict(id="1f1b-inductor-marked", schedule="1f1b", compile="inductor", mark=True,
          sizes=LENGTHS),
+    dict(id="hf_llama-1f1b-fx", model="hf_llama", schedule="1f1b", compile=False,
+         sizes=[(4, 8), (4, 12), (4, 16)]),
     dict(id="1f1b-fx-length-1", schedule="1f1b", compile=False,
          sizes=[(4, 8), (4, 1), (4, 12), (4, 1)]),
 ]
@@ -41,7 +44,7 @@ def _check_steps(ranks: list[dict]) -> None:
     assert not bad, "\n".join(bad)
 
 
-@pytest.mark.parametrize("case_id", [c["id"] for c in CASES[:4]])
+@pytest.mark.parametrize("case_id", [c["id"] for c in CASES[:5]])
 def test_new_sequence_lengths_run_on_one_capture_and_one_compilation(case_id):
     ranks = _results(case_id)
     _check_steps(ranks)
