@@ -27,6 +27,7 @@ import torch.utils._pytree as pytree
 
 from torch_mpmd import meta_init, trace, training
 from torch_mpmd.data_parallel import mesh_groups
+from torch_mpmd.sharding import DATA_PARALLEL_MODES, ParamShards
 from torch_mpmd.lockstep import pipeline_call
 from torch_mpmd.programs import resolve_compiler
 from torch_mpmd.microbatch import first_microbatch, merge_microbatches, split_tree
@@ -130,7 +131,9 @@ class Pipeline(torch.nn.Module):
                  compile: Any = False,
                  bytes_cost: float | None = None,
                  startup_timeout: datetime.timedelta | None = None,
-                 dynamic: bool = False) -> None:
+                 dynamic: bool = False, dp_mesh: Any = None,
+                 data_parallel: str = "replicate",
+                 reshard_after_forward: bool = False) -> None:
         super().__init__()
         # Not registered as a submodule: parameters() must list this rank's only.
         object.__setattr__(self, "_mpmd_module", module)
@@ -173,11 +176,32 @@ class Pipeline(torch.nn.Module):
         if self._mpmd_meta:  # now, so that an optimizer built before the first step
             # holds the Parameters that this rank later materializes in place
             meta_init.replace_with_standins(module, self.device)
+        self.data_parallel = data_parallel
+        self._mpmd_reshard_after_forward = reshard_after_forward
+        # Sharded data parallel: the user's parameters are DTensor shards from
+        # now on, so an optimizer built before the first step holds them.
+        self._mpmd_shards = (ParamShards(module, dp_mesh)
+                             if data_parallel == "shard" and dp_mesh is not None else None)
+        if self._mpmd_shards is not None:
+            self._mirror_shards()
+            return
         # Until capture: mirror the whole module's tree (see the module docstring).
         self._modules = module._modules
         self._parameters = module._parameters
         self._buffers = module._buffers
         self._non_persistent_buffers_set = module._non_persistent_buffers_set
+
+    def _mirror_shards(self) -> None:
+        """Until capture, with sharded data parallel: the module's tree with each
+        parameter replaced by its shard."""
+        module, shards = self._mpmd_module, self._mpmd_shards
+        for fqn, p in module.named_parameters(remove_duplicate=False):
+            _set_path(self, fqn, shards.shard_of(p), "parameter")
+        for name, mod in module.named_modules():
+            for leaf, b in mod._buffers.items():
+                if b is not None:
+                    _set_path(self, f"{name}.{leaf}" if name else leaf, b, "buffer",
+                              persistent=leaf not in mod._non_persistent_buffers_set)
 
     # ------------------------------------------------------------ properties
     @property
@@ -274,7 +298,8 @@ class Pipeline(torch.nn.Module):
                               lookahead=self._mpmd_lookahead, settings=settings,
                               seed=self._mpmd_seed, dp_group=self._mpmd_dp_group,
                               replicas=self._mpmd_replicas, compiler=self._mpmd_compiler,
-                              startup_timeout=self.startup_timeout)
+                              startup_timeout=self.startup_timeout, shards=self._mpmd_shards,
+                              reshard_after_forward=self._mpmd_reshard_after_forward)
         if previous is not None:
             old = sorted(n for n, _ in self.named_parameters(remove_duplicate=False))
             new = sorted(self._local_tensors(runtime, split)[0])
@@ -288,11 +313,27 @@ class Pipeline(torch.nn.Module):
         self._mpmd_input_signature = sig
         self._mpmd_captures.setdefault(sig, []).append((runtime, split))
         self._adopt_local_tensors(runtime, split)
-        if self._mpmd_meta and previous is None:
-            local = list(self.parameters()) + list(self.buffers())
-            self.parameter_bytes = meta_init.materialize(
-                self._mpmd_module, local, self._mpmd_init_fn, self.device)
-            meta_init.synchronize(runtime.tied_groups, runtime.dp_group, local, runtime)
+        shards = self._mpmd_shards
+        if previous is None and (self._mpmd_meta or shards is not None):
+            # The compute tensors of this rank's stages (with sharding, the
+            # parameters are their shards' full-shape compute parameters).
+            compute = self._local_tensors(runtime, split, user=False)
+            local = list({id(t): t for t in [*compute[0].values(), *compute[1].values()]}
+                         .values())
+            if self._mpmd_meta:
+                self.parameter_bytes = meta_init.materialize(
+                    self._mpmd_module, local, self._mpmd_init_fn, self.device)
+                tied = [(pg, [shards.compute[id(p)] for p in ps] if shards is not None else ps)
+                        for pg, ps in runtime.tied_groups]
+                meta_init.synchronize(tied, runtime.dp_group, local, runtime)
+            if shards is not None:
+                shards.take(local)  # materialized values into the shards; compute freed
+                shards.release(local)  # other ranks' stages' shards
+                if self._mpmd_meta:
+                    self.parameter_bytes = sum(
+                        t.numel() * t.element_size()
+                        for t in [*self.parameters(), *self.buffers()]
+                        if not meta_init.is_standin(getattr(t, "_local_tensor", t)))
         return runtime
 
     def _shared_settings(self, split: Any, sig: tuple) -> dict[str, str]:
@@ -305,12 +346,16 @@ class Pipeline(torch.nn.Module):
                 "num_stages": str(split.num_stages),
                 "microbatch inputs": _describe_key(sig),
                 "compile": _compile_label(self._mpmd_compile),
-                "bytes_cost": str(self._mpmd_bytes_cost)}
+                "bytes_cost": str(self._mpmd_bytes_cost),
+                "data_parallel": self.data_parallel,
+                "reshard_after_forward": str(self._mpmd_reshard_after_forward)}
 
-    def _local_tensors(self, runtime: RankRuntime, split: Any
+    def _local_tensors(self, runtime: RankRuntime, split: Any, *, user: bool = True
                        ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], set[str]]:
         """This rank's parameters and buffers by FQN (aliases of tied weights
-        included), and the non-persistent buffer names."""
+        included), and the non-persistent buffer names. ``user``: parameters as
+        the user holds them (their shards with sharded data parallel), else the
+        stages' own."""
         infos = {p.name: p for p in split.captured.placeholders
                  if p.kind in ("parameter", "buffer")}
         params: dict[str, torch.Tensor] = {}
@@ -335,6 +380,8 @@ class Pipeline(torch.nn.Module):
                 info = infos.get(fqn)
                 for alias in info.aliases if info is not None else ():
                     table[alias] = table[fqn]
+        if user and self._mpmd_shards is not None:
+            params = {fqn: self._mpmd_shards.shard_of(p) for fqn, p in params.items()}
         non_persistent = {fqn for fqn, info in infos.items() if not info.persistent}
         for fqn, b in self._mpmd_module.named_buffers(remove_duplicate=False):
             mod, _, leaf = fqn.rpartition(".")
@@ -720,7 +767,8 @@ def pipeline(module: torch.nn.Module, *, loss_fn: Callable[..., torch.Tensor] | 
              compile: Any = False,
              bytes_cost: float | None = None,
              startup_timeout: float | datetime.timedelta | None = None,
-             dynamic: bool = False) -> Pipeline:
+             dynamic: bool = False, data_parallel: str = "replicate",
+             reshard_after_forward: bool = False) -> Pipeline:
     """Wrap ``module`` for pipeline-parallel training over ``group`` (default: the
     default process group; none initialized means one rank).
 
@@ -754,7 +802,16 @@ def pipeline(module: torch.nn.Module, *, loss_fn: Callable[..., torch.Tensor] | 
     ``mesh``: a DeviceMesh with dimensions ("dp", "pp"): the pipeline runs over
     "pp" and is replicated over "dp" (each replica steps on its own batch;
     gradients are averaged over "dp" as each stage's backward ends, and the
-    returned loss is the global mean). ``timeout`` (seconds or timedelta)
+    returned loss is the global mean). ``data_parallel``: ``"replicate"``
+    (the default: every dp rank holds whole stages, gradients all-reduced)
+    or ``"shard"`` (ZeRO-3, as FSDP2: parameters, gradients and optimizer
+    state split along dim 0 over "dp"; ``parameters()`` are DTensors from
+    here on; each stage's parameters are all-gathered by the schedule's
+    UNSHARD action ahead of its first compute and freed by RESHARD after its
+    last, gradients reduce-scattered at REDUCE_GRAD; see sharding.py);
+    ``reshard_after_forward=True`` also frees them between a stage's last
+    forward and its backward when other stages run in between (less memory,
+    one more gather). ``timeout`` (seconds or timedelta)
     bounds every wait of a call, the library's own collectives included; a
     rank whose own code fails (a bad argument only it sees, a loss_fn that
     raises) makes every rank raise PipelineError at once, naming it, and the
@@ -793,7 +850,8 @@ def pipeline(module: torch.nn.Module, *, loss_fn: Callable[..., torch.Tensor] | 
                               stages_per_rank=stages_per_rank, split_points=split_points,
                               num_stages=num_stages, group=group, mesh=mesh, timeout=timeout,
                               lookahead=lookahead, compile=compile,
-                              bytes_cost=bytes_cost)
+                              bytes_cost=bytes_cost, data_parallel=data_parallel,
+                              reshard_after_forward=reshard_after_forward)
     grp, td, dp_group, replicas = (settings["group"], settings["timeout"], settings["dp_group"],
                                    settings["replicas"])
     return Pipeline(module, loss_fn=loss_fn, schedule=schedule,
@@ -804,7 +862,8 @@ def pipeline(module: torch.nn.Module, *, loss_fn: Callable[..., torch.Tensor] | 
                     bytes_cost=bytes_cost,
                     startup_timeout=(_timeout(startup_timeout, "startup_timeout")
                                      if startup_timeout is not None else None),
-                    dynamic=_check_dynamic(dynamic))
+                    dynamic=_check_dynamic(dynamic), dp_mesh=settings["dp_mesh"],
+                    data_parallel=data_parallel, reshard_after_forward=reshard_after_forward)
 
 
 def _check_dynamic(dynamic: Any) -> bool:
@@ -828,7 +887,9 @@ def _check_bytes_cost(bytes_cost: Any) -> None:
 def check_settings(*, schedule: Any, num_microbatches: Any, stages_per_rank: Any = None,
                    split_points: Any = None, num_stages: Any = None, group: Any = None,
                    mesh: Any = None, timeout: Any = 60.0, lookahead: Any = 2,
-                   compile: Any = False, bytes_cost: Any = None) -> dict[str, Any]:
+                   compile: Any = False, bytes_cost: Any = None,
+                   data_parallel: Any = "replicate",
+                   reshard_after_forward: Any = False) -> dict[str, Any]:
     """Check the settings of pipeline() (and of the mpmd backend's options, which
     are the same) before any rank communicates; a ValueError names the values.
     Returns the pipeline group, the dp group and replicas (from ``mesh``) and
@@ -845,6 +906,14 @@ def check_settings(*, schedule: Any, num_microbatches: Any, stages_per_rank: Any
         if group is not None:
             raise ValueError("pass either mesh= (dimensions 'dp' and 'pp') or group=, not both")
         group, dp_group, replicas = mesh_groups(mesh)
+    if not isinstance(data_parallel, str) or data_parallel not in DATA_PARALLEL_MODES:
+        raise ValueError(f"data_parallel={data_parallel!r} must be one of "
+                         f"{', '.join(map(repr, DATA_PARALLEL_MODES))}")
+    if data_parallel == "shard" and (mesh is None or "dp" not in (mesh.mesh_dim_names or ())):
+        raise ValueError("data_parallel='shard' shards over the mesh's 'dp' dimension: pass "
+                         "mesh=init_device_mesh(..., mesh_dim_names=('dp', 'pp'))")
+    if not isinstance(reshard_after_forward, bool):
+        raise ValueError(f"reshard_after_forward={reshard_after_forward!r} must be True or False")
     if isinstance(schedule, str) and schedule not in schedule_names():
         import os
 
@@ -887,4 +956,7 @@ def check_settings(*, schedule: Any, num_microbatches: Any, stages_per_rank: Any
     if isinstance(schedule, Schedule) and schedule.num_ranks != pp:
         raise ValueError(f"schedule '{schedule.name}' has {schedule.num_ranks} ranks, the "
                          f"pipeline group has pp_size={pp}")
-    return {"group": grp, "timeout": td, "dp_group": dp_group, "replicas": replicas}
+    # A dp dimension of size 1 shards nothing: the stages run replicated.
+    dp_mesh = mesh["dp"] if data_parallel == "shard" and dp_group is not None else None
+    return {"group": grp, "timeout": td, "dp_group": dp_group, "replicas": replicas,
+            "dp_mesh": dp_mesh}

@@ -66,6 +66,12 @@ class _AutogradView:
     def reduce_grad(self, stage: int) -> None:
         self._runner.reduce_grad(stage)
 
+    def unshard(self, stage: int) -> None:
+        self._runner.unshard(stage)
+
+    def reshard(self, stage: int) -> None:
+        self._runner.reshard(stage)
+
     @property
     def error(self) -> BaseException | None:
         return self._runner.error
@@ -138,7 +144,16 @@ class ProgramRunner(StageRunner):
                 wanted = [n for n in st.signature.user_inputs if n in grad_inputs]
                 if wanted:  # the programs return no input gradients
                     raise ProgramsUnsupported(f"user input(s) {', '.join(wanted)} require grad")
-                programs[s] = self._build(s, st, inputs[0], leaves, spec, loss_fn)
+                # Sharded parameters are traced (and compiled) with their full
+                # values' layout, not their stand-ins' (every replica builds at
+                # the same step, so these gathers pair up).
+                if self.sharded is not None:
+                    self.sharded.ready(s)
+                try:
+                    programs[s] = self._build(s, st, inputs[0], leaves, spec, loss_fn)
+                finally:
+                    if self.sharded is not None:
+                        self.sharded.reshard(s)
         except ProgramsUnsupported as e:
             programs = None
             self.fallback_reason = f"stage {s}: {e}"
@@ -230,6 +245,8 @@ class ProgramRunner(StageRunner):
         return plan
 
     def forward(self, stage: int, mb: int, inputs: list[list[torch.Tensor]]) -> Any:
+        if self.sharded is not None:
+            self.sharded.ready(stage)
         if not self._functional:
             return super().forward(stage, mb, inputs), None
         plan = self._plans.get(stage) or self._plan(stage)
@@ -299,6 +316,8 @@ class ProgramRunner(StageRunner):
 
     def backward(self, stage: int, mb: int, grads: list[list[torch.Tensor]], input_only: bool,
                  state: list[torch.Tensor] | None = None) -> Any:
+        if self.sharded is not None:
+            self.sharded.ready(stage)
         if not self._functional:
             return super().backward(stage, mb, grads, input_only), None
         plan = self._plans.get(stage) or self._plan(stage)
@@ -337,6 +356,8 @@ class ProgramRunner(StageRunner):
 
     def backward_weight(self, stage: int, mb: int, carry: list[torch.Tensor] | None = None
                         ) -> None:
+        if self.sharded is not None:
+            self.sharded.ready(stage)
         if not self._functional:
             return super().backward_weight(stage, mb)
         prog = self.programs[stage]

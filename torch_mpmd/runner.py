@@ -257,6 +257,10 @@ class StageRunner:
         # and nothing could observe it (the step restores the caller's RNG state).
         self._draws_rng: dict[tuple[int, bool, bool], bool] = {}
         self.on_reduce_grad: Callable[[int], None] | None = None
+        # Sharded data parallel (sharding.ShardedStages): the UNSHARD/RESHARD
+        # actions go to it, and every compute action first makes sure its
+        # stage's parameters are gathered.
+        self.sharded: Any = None
         # Bytes of activations autograd holds per local stage, now and at peak
         # (tensors saved for backward, parameters and buffers excluded).
         self.live_bytes: dict[int, int] = {s: 0 for s in self.stages}
@@ -315,6 +319,16 @@ class StageRunner:
     # raised by any of these methods is stored in `error` by the C++ trampoline
     # (csrc/python/runtime/module.cpp) and becomes the PipelineError's cause.
 
+    def unshard(self, stage: int) -> None:
+        """UNSHARD: post the gather of the stage's sharded parameters."""
+        if self.sharded is not None:
+            self.sharded.unshard(stage)
+
+    def reshard(self, stage: int) -> None:
+        """RESHARD: free the stage's gathered parameters."""
+        if self.sharded is not None:
+            self.sharded.reshard(stage)
+
     def reduce_grad(self, stage: int) -> None:
         """REDUCE_GRAD: the stage's backward is over; starts its data-parallel
         reduction when there is one (tied weights are summed after the step)."""
@@ -333,6 +347,8 @@ class StageRunner:
 
     def forward(self, stage: int, mb: int, inputs: list[list[torch.Tensor]]
                 ) -> list[list[torch.Tensor]]:
+        if self.sharded is not None:
+            self.sharded.ready(stage)
         st = self.stages[stage]
         sig = st.signature
         training = self.training
@@ -463,6 +479,8 @@ class StageRunner:
 
     def backward(self, stage: int, mb: int, grads: list[list[torch.Tensor]],
                  input_only: bool) -> list[list[torch.Tensor]]:
+        if self.sharded is not None:
+            self.sharded.ready(stage)
         if input_only and stage in self.whole_backward:
             return self._whole_backward_as_input(stage, mb, grads)
         saved = self._saved[(stage, mb)] if input_only else self._saved.pop((stage, mb))
@@ -544,6 +562,8 @@ class StageRunner:
         return result
 
     def backward_weight(self, stage: int, mb: int) -> None:
+        if self.sharded is not None:
+            self.sharded.ready(stage)
         saved = self._saved.pop((stage, mb))
         self.live_bytes[stage] -= saved.saved_bytes
         weights = self.stages[stage].weights

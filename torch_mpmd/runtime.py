@@ -27,9 +27,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.fx
+from torch.distributed.tensor import DTensor
 
 from torch_mpmd import _runtime, lockstep
 from torch_mpmd.data_parallel import DataParallel, new_replica_group
+from torch_mpmd.sharding import ParamShards, ShardedStages, local_grad, set_local_grad
 from torch_mpmd.program_runner import ProgramRunner
 from torch_mpmd.lockstep import PipelineError
 from torch_mpmd.programs import Compiler
@@ -74,9 +76,13 @@ def backward_only_text(schedule: Schedule) -> str:
 
 
 def resolve_schedule(schedule: Any, *, pp_size: int, num_stages: int, num_microbatches: int,
-                     edges: Sequence[tuple[int, int]]) -> Schedule:
+                     edges: Sequence[tuple[int, int]], shard: bool = False,
+                     reshard_after_forward: bool = False) -> Schedule:
     """The lowered, validated schedule for the plan: from a name, a Schedule, or
-    a text/CSV file. Errors name the values that do not fit."""
+    a text/CSV file. Errors name the values that do not fit. ``shard``: the
+    lowering places UNSHARD/RESHARD actions (sharded data parallel; a schedule
+    given lowered keeps its own, and stages without them gather lazily: NOTE
+    [Lazy gather] in sharding.py)."""
     spr = num_stages // pp_size
     if isinstance(schedule, str) and schedule in schedule_names():
         if schedule in V_SCHEDULES and spr != 2:
@@ -109,7 +115,9 @@ def resolve_schedule(schedule: Any, *, pp_size: int, num_stages: int, num_microb
             raise ValueError(f"lowered schedule '{sched.name}' has stage edges {sched.edges}, "
                              f"the model's plan has {sorted(edges)}; pass it compute-only")
     else:
-        sched = sched.with_edges(sorted(edges)).lower()
+        sched = sched.with_edges(sorted(edges))
+        sched = (sched.lower(shard=True, reshard_after_forward=reshard_after_forward) if shard
+                 else sched.lower())
     sched.validate()
     return sched
 
@@ -187,8 +195,12 @@ class RankRuntime:
                  lookahead: int, settings: Mapping[str, str], seed: int | None,
                  dp_group: Any = None, replicas: list[list[int]] | None = None,
                  compiler: Compiler | None = None,
-                 startup_timeout: datetime.timedelta | None = None) -> None:
+                 startup_timeout: datetime.timedelta | None = None,
+                 shards: ParamShards | None = None,
+                 reshard_after_forward: bool = False) -> None:
         self.model = model
+        # Sharded data parallel: every parameter's DTensor shard (sharding.py).
+        self.shards = shards
         self.group = group
         self.dp_group = dp_group
         # Global ranks of every pipeline replica by pp rank, and which one is ours.
@@ -213,7 +225,8 @@ class RankRuntime:
         self.layout = EdgeLayout.build(model.signatures, model.example_values)
         self.schedule = resolve_schedule(schedule, pp_size=self.pp_size, num_stages=num_stages,
                                          num_microbatches=num_microbatches,
-                                         edges=self.layout.edges())
+                                         edges=self.layout.edges(), shard=shards is not None,
+                                         reshard_after_forward=reshard_after_forward)
         self.stage_to_rank = list(self.schedule.stage_to_rank)
         self.local_stages = tuple(s for s in range(num_stages) if self.stage_to_rank[s] == self.rank)
         producers: list[list[int]] = [[] for _ in range(num_stages)]
@@ -250,6 +263,8 @@ class RankRuntime:
         self.dp = self._data_parallel() if dp_group is not None else None
         if self.dp is not None:
             self.runner.on_reduce_grad = self.dp.reduce
+        if isinstance(self.dp, ShardedStages):
+            self.runner.sharded = self.dp
         if self.ledger is not None:
             self.ledger.uses(self._groups())
 
@@ -380,7 +395,7 @@ class RankRuntime:
             else:
                 pg = new_replica_group(ranks, self.replicas, self.replica)
             if self.rank in ranks:
-                params = [self.model.tensors[f] for f in sorted(by_ranks[ranks])]
+                params = [self.user_param(self.model.tensors[f]) for f in sorted(by_ranks[ranks])]
                 groups.append((pg, params))
         return groups
 
@@ -389,12 +404,20 @@ class RankRuntime:
         groups = [self.group, self.dp_group, *getattr(self, "_transport_groups", ())]
         return groups + [g for g, _ in getattr(self, "tied_groups", [])]
 
-    def _data_parallel(self) -> DataParallel:
-        stage_params = {s: [p for p in self.model.stages[s].parameters() if p.requires_grad]
-                        for s in self.local_stages}
+    def _data_parallel(self) -> DataParallel | ShardedStages:
         order = [int(t[:-len("REDUCE_GRAD")]) for t in self.schedule.actions[self.rank]
                  if t.endswith("REDUCE_GRAD")]
+        if self.shards is not None:
+            every = {s: list(self.model.stages[s].parameters()) for s in self.local_stages}
+            return ShardedStages(self.shards, every, order, self.timeout_s, self.wait)
+        stage_params = {s: [p for p in self.model.stages[s].parameters() if p.requires_grad]
+                        for s in self.local_stages}
         return DataParallel(self.dp_group, stage_params, order, self.timeout_s)
+
+    def user_param(self, t: torch.Tensor) -> torch.Tensor:
+        """The parameter the user holds for a stage's tensor ``t``: its DTensor
+        shard with sharded data parallel, else ``t``."""
+        return self.shards.shard_of(t) if self.shards is not None else t
 
     def release(self, *, groups: bool = False) -> None:
         """Drop the executors and the transport (and with them the process-group
@@ -520,7 +543,12 @@ class RankRuntime:
                 self._end_loss = self._loss_of(outcome, kind)
         except BaseException:
             self.runner.end_step()
+            if isinstance(self.dp, ShardedStages):
+                self.dp.abandon()
             raise
+        finally:
+            if isinstance(self.dp, ShardedStages):
+                self.dp.reshard_all()  # what an executor without RESHARD left gathered
 
     # NOTE [Loss in the end exchange]: the last stage's rank puts the mean of
     # the microbatches' losses (float32 bits) in its end-exchange record, so
@@ -595,7 +623,7 @@ class RankRuntime:
             lockstep.abandon(self._groups())
 
     def tied_grads_before(self) -> list[list[torch.Tensor | None]]:
-        return [[p.grad.clone() if p.grad is not None else None for p in params]
+        return [[g.clone() if (g := local_grad(p)) is not None else None for p in params]
                 for _, params in self.tied_groups]
 
     def sum_tied_grads(self, before: list[list[torch.Tensor | None]]) -> None:
@@ -605,16 +633,18 @@ class RankRuntime:
         for (pg, params), prev in zip(self.tied_groups, before):
             deltas = []
             for p, old in zip(params, prev):
-                g = p.grad if p.grad is not None else torch.zeros_like(p)
+                g = local_grad(p)
+                if g is None:
+                    g = torch.zeros_like(p._local_tensor if isinstance(p, DTensor) else p)
                 deltas.append(g - old if old is not None else g)
             flat = torch.cat([d.reshape(-1) for d in deltas])
             self.wait(self.all_reduce(flat, pg),
                       f"the sum of tied parameter gradients ({len(params)} tensors, all_reduce)")
             offset = 0
             for p, old, d in zip(params, prev, deltas):
-                inc = flat[offset:offset + d.numel()].view_as(p)
+                inc = flat[offset:offset + d.numel()].view_as(d)
                 offset += d.numel()
-                p.grad = inc.clone() if old is None else old + inc
+                set_local_grad(p, inc.clone() if old is None else old + inc)
 
     @property
     def last_rank(self) -> int:

@@ -29,6 +29,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from torch_mpmd.sharding import local_grad
+
 if TYPE_CHECKING:
     from torch_mpmd.runtime import RankRuntime
 
@@ -113,15 +115,17 @@ def counted_parameters(rt: "RankRuntime", local: list[torch.Tensor]) -> list[tor
         ranks = {rt.stage_to_rank[s] for s in p.stages}
         t = rt.model.tensors.get(p.fqn)
         if t is not None and len(ranks) > 1 and rt.rank != min(ranks):
-            skip.add(id(t))
+            skip.add(id(rt.user_param(t)))
     return [p for p in local if id(p) not in skip]
 
 
-def _combine(local: torch.Tensor, norm_type: float, rt: "RankRuntime") -> torch.Tensor:
+def _combine(local: torch.Tensor, norm_type: float, rt: "RankRuntime", group: Any = None,
+             what: str = "the pipeline ranks") -> torch.Tensor:
     """The global norm from this rank's norm of its counted gradients, reduced
-    over the pipeline ranks (in float64: a p-th power of a float32 norm can
-    overflow). The same value on every rank."""
-    if rt.pp_size == 1:
+    over the pipeline ranks (or ``group``) in float64: a p-th power of a
+    float32 norm can overflow. The same value on every rank."""
+    group = group if group is not None else rt.group
+    if group is None or dist.get_world_size(group) == 1:
         return local
     x = local.double()
     if math.isinf(norm_type):
@@ -130,8 +134,7 @@ def _combine(local: torch.Tensor, norm_type: float, rt: "RankRuntime") -> torch.
         op = dist.ReduceOp.SUM
         if norm_type != 0:  # ||g|| = (sum over ranks of ||g_r||^p)^(1/p); the 0-"norm" counts
             x = x.pow(norm_type)
-    rt.wait(rt.all_reduce(x, rt.group, op),
-            "the global gradient norm (all_reduce over the pipeline ranks)")
+    rt.wait(rt.all_reduce(x, group, op), f"the global gradient norm (all_reduce over {what})")
     if not math.isinf(norm_type) and norm_type != 0:
         x = x.pow(1.0 / norm_type)
     return x.to(local.dtype)
@@ -149,6 +152,8 @@ def clip_grad_norm_(rt: "RankRuntime", parameters: list[torch.Tensor], max_norm:
     zero factor as torch's would be."""
     max_norm = float(max_norm)
     norm_type = float(norm_type)
+    if rt.shards is not None:
+        return _clip_sharded(rt, parameters, max_norm, norm_type, foreach, error_if_nonfinite)
     grads = [p.grad for p in counted_parameters(rt, parameters) if p.grad is not None]
     if grads:
         local = torch.nn.utils.get_total_norm(grads, norm_type, False, foreach)
@@ -163,4 +168,33 @@ def clip_grad_norm_(rt: "RankRuntime", parameters: list[torch.Tensor], max_norm:
             "non-finite, so it cannot be clipped. To disable this error and scale the "
             "gradients by the non-finite norm anyway, set `error_if_nonfinite=False`")
     torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total, foreach)
+    return total
+
+
+def _clip_sharded(rt: "RankRuntime", parameters: list[torch.Tensor], max_norm: float,
+                  norm_type: float, foreach: bool | None, error_if_nonfinite: bool
+                  ) -> torch.Tensor:
+    """clip_grad_norm_ with sharded data parallel: each rank's gradients are
+    DTensor shards (0-dim ones replicas, counted on dp rank 0 only); the norm
+    of the local parts is combined over the pipeline ranks, then over "dp"."""
+    counted = counted_parameters(rt, parameters)
+    first = rt.shards.rank == 0
+    grads = [g for p in counted if (g := local_grad(p)) is not None and (p.dim() > 0 or first)]
+    if grads:
+        local = torch.nn.utils.get_total_norm(grads, norm_type, False, foreach)
+        local = local.to(device=rt.device, dtype=torch.float32)
+    else:
+        local = torch.full((), math.inf if norm_type == -math.inf else 0.0,
+                           dtype=torch.float32, device=rt.device)
+    total = _combine(_combine(local, norm_type, rt), norm_type, rt, group=rt.shards.group,
+                     what="the data-parallel ranks")
+    if error_if_nonfinite and not bool(torch.isfinite(total)):
+        raise RuntimeError(
+            f"The total norm of order {norm_type} for gradients from all pipeline stages is "
+            "non-finite, so it cannot be clipped. To disable this error and scale the "
+            "gradients by the non-finite norm anyway, set `error_if_nonfinite=False`")
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    every = [g for p in parameters if (g := local_grad(p)) is not None]
+    if every:
+        torch._foreach_mul_(every, coef.to(every[0].device))
     return total

@@ -1,0 +1,347 @@
+"""Sharded data parallel (ZeRO-3) of a pipeline's stages over the "dp" mesh dimension.
+
+With ``pipeline(..., mesh=mesh, data_parallel="shard")`` every parameter is
+split along dim 0 over the dp ranks, as torch's FSDP2 does: the user sees a
+DTensor ``Parameter`` with placement ``Shard(0)`` (0-dim parameters:
+``Replicate()``) under the module's own FQN, builds the optimizer over those
+and checkpoints them with DCP (which reshards them to any layout). The
+stage graphs and programs keep reading the module's own full-shape
+parameters, the *compute parameters*: between gathers they hold a stand-in
+that owns no memory (meta_init's zero-stride expand), and the schedule's
+actions give them their values:
+
+    UNSHARD(s)     post the all-gather of stage s's shards (asynchronous)
+    first compute  wait for it; each compute parameter takes its full value
+    RESHARD(s)     compute parameters back to stand-ins
+    REDUCE_GRAD(s) reduce-scatter of the stage's full gradients, averaged
+                   over dp, into the shards' DTensor gradients (async; the
+                   step waits for them at its end)
+
+NOTE [Why not fully_shard]: FSDP2 gathers in a module forward pre-hook and
+reduces in autograd post-backward hooks. The stage programs (programs.py) take
+parameters as inputs and run with no autograd engine, so neither hook fires;
+and the schedule, not the module call order, knows when a stage runs next.
+The collectives are therefore the executor's actions, and this module does
+what FSDP2's hooks would: flat per-stage buffers, one all-gather and one
+reduce-scatter per stage, the same dim-0 layout (``torch.chunk`` sizes) so
+the DTensors are exactly FSDP2's.
+
+NOTE [Lazy gather]: a compute action of a stage whose parameters are not
+gathered gathers them at once (synchronously). The executors that run part of
+a schedule (forward-only inference, eval) carry no UNSHARD actions and rely on
+it; every replica of a pipeline rank runs the same program, so their gathers
+pair up. After every executor run, whatever is still gathered is resharded.
+
+A parameter read by two stages of this rank (tied weights, V schedules) is
+gathered by each stage's UNSHARD and stays full until both have resharded; its
+gradient is reduced once, at the later stage's REDUCE_GRAD.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from torch_mpmd import lockstep
+from torch_mpmd.meta_init import is_standin
+
+__all__ = ["ParamShards", "ShardedStages", "DATA_PARALLEL_MODES", "local_grad",
+           "set_local_grad"]
+
+DATA_PARALLEL_MODES = ("replicate", "shard")
+
+
+def _standin(t: torch.Tensor) -> torch.Tensor:
+    return torch.zeros((), dtype=t.dtype, device=t.device).expand(t.shape)
+
+
+def _rows(d0: int, size: int, rank: int) -> tuple[int, int]:
+    """Rows [start, stop) of dim 0 that dp rank ``rank`` holds: torch.chunk's
+    split (chunks of ceil(d0/size) rows, the last ones short or empty), which
+    is DTensor's Shard(0) layout."""
+    c = -(-d0 // size)
+    start = min(rank * c, d0)
+    return start, min(start + c, d0)
+
+
+def local_grad(p: torch.Tensor) -> torch.Tensor | None:
+    """The gradient of ``p`` as this rank holds it (a DTensor's local shard)."""
+    g = p.grad
+    return g._local_tensor if isinstance(g, DTensor) else g
+
+
+def set_local_grad(p: torch.Tensor, value: torch.Tensor) -> None:
+    """``p.grad`` = ``value`` (this rank's part of it, for a DTensor ``p``)."""
+    if isinstance(p, DTensor):
+        if isinstance(p.grad, DTensor):
+            p.grad._local_tensor.copy_(value)
+        else:
+            p.grad = DTensor.from_local(value, p.device_mesh, p.placements, run_check=False,
+                                        shape=p.shape, stride=p.stride())
+    else:
+        p.grad = value
+
+
+class ParamShards:
+    """Every parameter of a module as a DTensor shard over ``mesh`` (1-D, "dp"),
+    made when the pipeline is built. ``of[id(compute parameter)]`` is its
+    shard; the compute parameters become stand-ins (see the module docstring)."""
+
+    def __init__(self, module: torch.nn.Module, mesh: Any) -> None:
+        self.mesh = mesh
+        self.group = mesh.get_group()
+        self.size = dist.get_world_size(self.group)
+        self.rank = dist.get_rank(self.group)
+        self.of: dict[int, torch.nn.Parameter] = {}
+        self.compute: dict[int, torch.nn.Parameter] = {}  # id(shard) -> compute parameter
+        for p in module.parameters():  # deduplicated: tied parameters share a shard
+            shard = self._make(p)
+            self.of[id(p)] = shard
+            self.compute[id(shard)] = p
+            p.data = _standin(p)
+
+    def _make(self, p: torch.nn.Parameter) -> torch.nn.Parameter:
+        if p.dim() == 0:
+            local, placement = p.detach().clone(), Replicate()
+        else:
+            start, stop = _rows(p.shape[0], self.size, self.rank)
+            local, placement = p.detach()[start:stop], Shard(0)
+            # A meta-device model's stand-in stays one (materialized later).
+            local = _standin(local) if is_standin(p) else local.clone()
+        dt = DTensor.from_local(local, self.mesh, [placement], run_check=False,
+                                shape=p.shape, stride=torch.empty(p.shape, device="meta").stride())
+        return torch.nn.Parameter(dt, requires_grad=p.requires_grad)
+
+    def shard_of(self, t: torch.Tensor) -> torch.Tensor:
+        """The user's parameter for ``t`` (its shard; ``t`` itself for buffers)."""
+        return self.of.get(id(t), t)
+
+    def take(self, params: Iterable[torch.Tensor]) -> None:
+        """Compute parameters that hold full values (materialized, or loaded):
+        copy this rank's rows into their shards and free them."""
+        with torch.no_grad():
+            for p in params:
+                shard = self.of.get(id(p))
+                # 0-dim parameters are never stand-ins (nor materialized): their
+                # shard (a replica) holds the value already.
+                if shard is None or is_standin(p) or p.dim() == 0:
+                    continue
+                local = shard._local_tensor
+                start, stop = _rows(p.shape[0], self.size, self.rank)
+                src = p.detach()[start:stop]
+                if is_standin(local) or local.shape != src.shape:
+                    local.data = src.clone()
+                else:
+                    local.copy_(src)
+                p.data = _standin(p)
+
+    def release(self, keep: Iterable[torch.Tensor]) -> None:
+        """Free the shards of every parameter not in ``keep`` (compute
+        parameters of this rank's stages): other ranks' stages never run here."""
+        kept = {id(p) for p in keep}
+        for pid, shard in self.of.items():
+            local = shard._local_tensor
+            if pid not in kept and not is_standin(local) and local.numel() > 1:
+                local.data = _standin(local)
+
+
+@dataclass
+class _Slot:
+    """One parameter's place in a stage's flat buffers."""
+    param: torch.nn.Parameter  # compute parameter (full shape)
+    shard: torch.nn.Parameter  # its DTensor shard
+    rows: int                  # dim 0 of the full parameter
+    row_numel: int             # elements per row
+    chunk: int                 # rows per rank, padded (ceil(rows / dp))
+    offset: int                # in this rank's flat shard
+
+    @property
+    def numel(self) -> int:
+        return self.chunk * self.row_numel
+
+
+def _layout(params: Sequence[torch.nn.Parameter], shards: ParamShards
+            ) -> tuple[list[_Slot], list[torch.nn.Parameter], int]:
+    """(slots of the dim-0 sharded parameters, the replicated 0-dim ones, flat numel)."""
+    slots, replicated, offset = [], [], 0
+    for p in params:
+        if p.dim() == 0:
+            replicated.append(p)
+            continue
+        rows = p.shape[0]
+        slot = _Slot(p, shards.of[id(p)], rows, p.numel() // rows if rows else 0,
+                     -(-rows // shards.size), offset)
+        slots.append(slot)
+        offset += slot.numel
+    return slots, replicated, offset
+
+
+class ShardedStages:
+    """UNSHARD, RESHARD and REDUCE_GRAD of one rank's stages (the module docstring).
+
+    ``stage_params``: per local stage, the compute parameters it reads;
+    ``reduce_order``: the stages in the order of their REDUCE_GRAD actions
+    (a parameter several stages read is reduced at the last of them);
+    ``wait(work, what)`` waits for a collective within the pipeline timeout.
+    """
+
+    def __init__(self, shards: ParamShards, stage_params: Mapping[int, Sequence[torch.nn.Parameter]],
+                 reduce_order: Sequence[int], timeout_s: float,
+                 wait: Callable[[Any, str], None]) -> None:
+        self.shards = shards
+        self.group = shards.group
+        self.size = shards.size
+        self.timeout_s = timeout_s
+        self.wait = wait
+        self.ranks = dist.get_process_group_ranks(self.group)
+        self.gather = {s: _layout(ps, shards) for s, ps in stage_params.items()}
+        owner: dict[int, int] = {}
+        by_id: dict[int, torch.nn.Parameter] = {}
+        for s in list(stage_params) + list(reduce_order):  # the last REDUCE_GRAD wins
+            for p in stage_params.get(s, ()):
+                if p.requires_grad:
+                    owner[id(p)] = s
+                    by_id[id(p)] = p
+        self.reduce_layout = {s: _layout([by_id[i] for i, o in owner.items() if o == s], shards)
+                              for s in stage_params}
+        self._users: dict[int, int] = {}  # id(compute parameter) -> gathered stages using it
+        self._gathered: set[int] = set()
+        self._pending: dict[int, tuple[Any, torch.Tensor]] = {}
+        self._reductions: list[tuple[Any, torch.Tensor, list[_Slot], list[torch.nn.Parameter]]] = []
+
+    def _what(self, verb: str, stage: int) -> str:
+        return (f"the {verb} of stage {stage}'s parameters over the data-parallel group "
+                f"(global ranks {self.ranks})")
+
+    # ------------------------------------------------------------ UNSHARD
+    def unshard(self, stage: int) -> None:
+        """Post the all-gather of the stage's shards (returns at once)."""
+        if stage in self._gathered or stage in self._pending or stage not in self.gather:
+            return
+        slots, _, numel = self.gather[stage]
+        flat = torch.empty(numel, dtype=slots[0].param.dtype if slots else torch.float32,
+                           device=slots[0].param.device if slots else "cpu")
+        for slot in slots:
+            local = slot.shard._local_tensor.reshape(-1)
+            flat[slot.offset:slot.offset + local.numel()].copy_(local)
+        out = flat.new_empty(self.size * numel)
+        opts = torch._C._distributed_c10d.AllgatherOptions()
+        opts.timeout = lockstep._timedelta(self.timeout_s)
+        work = self.group._allgather_base(out, flat, opts)
+        self._pending[stage] = (work, out)
+
+    def ready(self, stage: int) -> None:
+        """Before a compute action of the stage: its parameters hold full values
+        (waits for the UNSHARD's gather, or gathers now: NOTE [Lazy gather])."""
+        if stage in self._gathered or stage not in self.gather:
+            return
+        if stage not in self._pending:
+            self.unshard(stage)
+        work, out = self._pending.pop(stage)
+        self.wait(work, self._what("all-gather", stage))
+        slots, replicated, numel = self.gather[stage]
+        table = out.view(self.size, numel)
+        for slot in slots:
+            p = slot.param
+            if self._users.get(id(p), 0) == 0:
+                rows = table[:, slot.offset:slot.offset + slot.numel]
+                full = rows.reshape(self.size * slot.chunk, slot.row_numel)[:slot.rows]
+                p.data = full.reshape(p.shape)
+            self._users[id(p)] = self._users.get(id(p), 0) + 1
+        for p in replicated:
+            if self._users.get(id(p), 0) == 0:
+                p.data = self.shards.of[id(p)]._local_tensor.clone()
+            self._users[id(p)] = self._users.get(id(p), 0) + 1
+        self._gathered.add(stage)
+
+    # ------------------------------------------------------------ RESHARD
+    def reshard(self, stage: int) -> None:
+        """Free the stage's full parameters (a gather still in flight is
+        dropped: its work keeps its own buffers)."""
+        self._pending.pop(stage, None)
+        if stage not in self._gathered:
+            return
+        self._gathered.discard(stage)
+        slots, replicated, _ = self.gather[stage]
+        for p in [s.param for s in slots] + replicated:
+            n = self._users.get(id(p), 0) - 1
+            self._users[id(p)] = n
+            if n <= 0:
+                p.data = _standin(p)
+
+    def reshard_all(self) -> None:
+        for stage in list(self._gathered) + list(self._pending):
+            self.reshard(stage)
+
+    # ------------------------------------------------------------ REDUCE_GRAD
+    def reduce(self, stage: int) -> None:
+        """Post the reduce-scatter of the stage's gradients (mean over dp); the
+        compute parameters' full gradients are released."""
+        slots, replicated, numel = self.reduce_layout.get(stage, ([], [], 0))
+        if slots:
+            p0 = slots[0].param
+            grad_dtype = p0.grad.dtype if p0.grad is not None else p0.dtype
+            table = torch.zeros(self.size, numel, dtype=grad_dtype, device=p0.device)
+            for slot in slots:
+                g = slot.param.grad
+                if g is not None:  # rank r's rows go to row r of the table
+                    g = g.reshape(slot.rows, slot.row_numel)
+                    for r in range(self.size):
+                        start, stop = _rows(slot.rows, self.size, r)
+                        n = (stop - start) * slot.row_numel
+                        table[r, slot.offset:slot.offset + n].copy_(g[start:stop].reshape(-1))
+                slot.param.grad = None
+            table.div_(self.size)
+            out = table.new_empty(numel)
+            opts = torch._C._distributed_c10d.ReduceScatterOptions()
+            opts.reduceOp = dist.ReduceOp.SUM
+            opts.timeout = lockstep._timedelta(self.timeout_s)
+            work = self.group._reduce_scatter_base(out, table.view(-1), opts)
+            self._reductions.append((work, out, slots, []))
+        if replicated:
+            grads = []
+            for p in replicated:
+                grads.append(p.grad.reshape(1) if p.grad is not None else
+                             torch.zeros(1, dtype=p.dtype, device=p.device))
+                p.grad = None
+            flat = torch.cat(grads).div_(self.size)
+            work = lockstep.all_reduce(flat, self.group, self.timeout_s)
+            self._reductions.append((work, flat, [], replicated))
+
+    def begin_step(self) -> None:
+        self._reductions = []
+
+    def end_step(self, wait: Callable[[Any, str], None] | None = None) -> None:
+        """Wait for the step's reductions (by ``wait``, default the pipeline's)
+        and add them to the shards' gradients."""
+        wait = wait or self.wait
+        pending, self._reductions = self._reductions, []
+        for work, out, slots, replicated in pending:
+            n = len(slots) + len(replicated)
+            wait(work, f"the data-parallel gradient reduce-scatter ({n} tensors) over "
+                      f"global ranks {self.ranks}")
+            for slot in slots:
+                local = slot.shard._local_tensor
+                rows = local.shape[0]
+                g = out[slot.offset:slot.offset + rows * slot.row_numel].view(local.shape)
+                self._add(slot.shard, g)
+            for i, p in enumerate(replicated):
+                self._add(self.shards.of[id(p)], out[i].clone())
+
+    @staticmethod
+    def _add(shard: torch.nn.Parameter, g: torch.Tensor) -> None:
+        current = local_grad(shard)
+        if current is None:
+            set_local_grad(shard, g.clone())
+        else:
+            current.add_(g)
+
+    def abandon(self) -> None:
+        """Forget a failed step's collectives (their works keep their buffers)."""
+        self._reductions = []
+        self._pending = {}
