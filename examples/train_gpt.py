@@ -18,7 +18,9 @@ Options: --schedule {gpipe,1f1b,interleaved_1f1b,looped_bfs,zero_bubble,zbv,dual
 (save at the end, with the step and the LR scheduler), --resume (start from its latest
 checkpoint; any pipeline size), --clip 1.0 (global gradient-norm clipping over all stages;
 0: none), --eval-every 20 (the loss on a held-out batch, forward only; 0: never),
---compile (stage programs compiled by Inductor), --door (train through
+--shard (with --dp: sharded data parallel, ZeRO-3: parameters, gradients and
+optimizer state split over the replicas, gathered per stage by the schedule's
+UNSHARD actions), --compile (stage programs compiled by Inductor), --door (train through
 torch.compile(train_loss, backend="mpmd") and loss.backward() instead of pipe.step).
 
 The model is examples/gpt_model.py's GPT (token embedding tied to the
@@ -80,6 +82,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     p.add_argument("--dp", type=int, default=1,
                    help="data-parallel replicas of the pipeline (world size = dp x pp)")
+    p.add_argument("--shard", action="store_true",
+                   help="with --dp: shard parameters, gradients and optimizer state over the "
+                        "replicas (pipeline(data_parallel='shard'))")
     p.add_argument("--checkpoint-dir", default=None,
                    help="save model and optimizer here at the end (torch.distributed.checkpoint)")
     p.add_argument("--resume", action="store_true",
@@ -272,6 +277,10 @@ def main() -> int:
     settings = dict(schedule=args.schedule, num_microbatches=args.microbatches,
                     stages_per_rank=args.stages_per_rank, split_points=points, device=device,
                     seed=args.seed, mesh=mesh, compile="inductor" if args.compile else False)
+    if args.shard:
+        if mesh is None or args.door:
+            raise SystemExit("--shard needs --dp 2 or more (and not --door)")
+        settings["data_parallel"] = "shard"
     if args.door:  # the compile door: the same pipeline, built on the first call
         if args.resume:
             raise SystemExit("--door does not take --resume (its pipeline exists after the "
@@ -306,6 +315,7 @@ def main() -> int:
               f"{n_params / 1e3:.1f}K params; corpus {len(data.ids)} chars")
         print(f"pipeline: {args.schedule}, pp={pp}, dp={args.dp}, {num_stages} stages "
               f"({args.stages_per_rank} per rank), split_points={points}, "
+              f"data parallel {'sharded' if args.shard else 'replicated'}, "
               f"{args.microbatches} microbatches of {args.batch_size // args.microbatches}, "
               f"device {device}")
 
@@ -367,6 +377,11 @@ def main() -> int:
         print("last step, per rank: bubble " + ", ".join(f"{b:.0%}" for b in bubbles) +
               "; peak activations " + ", ".join(f"{float(t[0]) / 2**20:.1f} MiB" for t in everyone))
         print(f"trace: {trace_path} (chrome://tracing, ui.perfetto.dev); timeline: {png_path}")
+        gathers = stats.get("collectives", {}).get("all_gather")
+        if gathers:  # sharded data parallel: how much of the parameter gathers compute hid
+            print(f"rank 0 parameter all-gathers: {gathers['count']} of "
+                  f"{gathers['bytes'] / gathers['count'] / 2**10:.0f} KiB, "
+                  f"{gathers['hidden_fraction']:.0%} hidden behind other work")
 
     # The held-out loss after the last step: evaluated after the trace was
     # written, which shows the last run of the pipeline (a training step).

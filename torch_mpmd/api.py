@@ -505,6 +505,8 @@ class Pipeline(torch.nn.Module):
         self._history().append(record)
         self.__dict__["_mpmd_last"] = record
         self.__dict__["_mpmd_last_stats"] = None
+        self.__dict__["_mpmd_last_collectives"] = (
+            rt.dp.report() if self._mpmd_shards is not None and rt.dp is not None else None)
 
     def _forget_last_step(self) -> None:
         self.__dict__["_mpmd_last"] = None
@@ -519,12 +521,18 @@ class Pipeline(torch.nn.Module):
         ``peak_buffered`` values, ``peak_state_values`` (values held for
         backward by the executor), ``peak_activation_bytes`` per local stage,
         ``span_s``, ``compute_s`` and the measured ``bubble_fraction``
-        (:func:`torch_mpmd.trace.step_metrics`). Empty before the first call
-        and after a call that failed."""
+        (:func:`torch_mpmd.trace.step_metrics`); with sharded data parallel,
+        ``collectives``: its all-gathers (count, bytes, seconds, the seconds
+        compute waited for them and the share hidden behind other work) and
+        reduce-scattered bytes (``ShardedStages.report``). Empty before the
+        first call and after a call that failed."""
         if self._mpmd_last is None:
             return {}
         if self._mpmd_last_stats is None:
             self._mpmd_last_stats = self._mpmd_last.stats()
+            collectives = self.__dict__.get("_mpmd_last_collectives")
+            if collectives is not None:
+                self._mpmd_last_stats["collectives"] = collectives
         return self._mpmd_last_stats
 
     def stage_times(self, last_n: int | None = None) -> dict[int, dict[str, float]]:

@@ -529,6 +529,8 @@ class RankRuntime:
         step = int(getattr(self.runner, "step", -1))
         ledger = self.ledger
         self._end_loss = None
+        if isinstance(self.dp, ShardedStages):
+            self.dp.begin_run()
         try:
             if ledger is not None:
                 ledger.begin(kind, timeout_s=self.timeout_s, step=step, digest=self.digest)

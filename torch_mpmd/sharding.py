@@ -43,6 +43,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import time
+
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -213,6 +215,11 @@ class ShardedStages:
         self._gathered: set[int] = set()
         self._pending: dict[int, tuple[Any, torch.Tensor]] = {}
         self._reductions: list[tuple[Any, torch.Tensor, list[_Slot], list[torch.nn.Parameter]]] = []
+        # This step's gathers, for report(): (posted, completed, waited) in
+        # seconds of time.perf_counter, completion set by the work's future.
+        self._timing: dict[int, list[float]] = {}
+        self._gathers: list[tuple[float, float, float, int]] = []
+        self._reduced_bytes = 0
 
     def _what(self, verb: str, stage: int) -> str:
         return (f"the {verb} of stage {stage}'s parameters over the data-parallel group "
@@ -232,8 +239,14 @@ class ShardedStages:
         out = flat.new_empty(self.size * numel)
         opts = torch._C._distributed_c10d.AllgatherOptions()
         opts.timeout = lockstep._timedelta(self.timeout_s)
+        posted = time.perf_counter()
         work = self.group._allgather_base(out, flat, opts)
         self._pending[stage] = (work, out)
+        timing = self._timing[stage] = [posted, 0.0]
+        try:
+            work.get_future().then(lambda _f, t=timing: t.__setitem__(1, time.perf_counter()))
+        except RuntimeError:  # a backend without futures: completion = end of the wait
+            pass
 
     def ready(self, stage: int) -> None:
         """Before a compute action of the stage: its parameters hold full values
@@ -243,7 +256,12 @@ class ShardedStages:
         if stage not in self._pending:
             self.unshard(stage)
         work, out = self._pending.pop(stage)
+        start = time.perf_counter()
         self.wait(work, self._what("all-gather", stage))
+        end = time.perf_counter()
+        posted, done = self._timing.pop(stage, (start, 0.0))
+        done = min(done, end) if done else end
+        self._gathers.append((posted, done, end - start, out.numel() * out.element_size()))
         slots, replicated, numel = self.gather[stage]
         table = out.view(self.size, numel)
         for slot in slots:
@@ -302,6 +320,7 @@ class ShardedStages:
             opts.reduceOp = dist.ReduceOp.SUM
             opts.timeout = lockstep._timedelta(self.timeout_s)
             work = self.group._reduce_scatter_base(out, table.view(-1), opts)
+            self._reduced_bytes += table.numel() * table.element_size()
             self._reductions.append((work, out, slots, []))
         if replicated:
             grads = []
@@ -315,6 +334,24 @@ class ShardedStages:
 
     def begin_step(self) -> None:
         self._reductions = []
+        self._reduced_bytes = 0
+
+    def begin_run(self) -> None:
+        """An executor run starts: report() covers it alone."""
+        self._gathers = []
+
+    def report(self) -> dict[str, Any]:
+        """The last step's collectives on this rank: all-gathers (count, bytes
+        received, seconds from post to completion, seconds a compute action
+        waited for them, and the share hidden behind other work) and
+        reduce-scatters (count, bytes sent)."""
+        total = sum(done - posted for posted, done, _, _ in self._gathers)
+        exposed = sum(min(waited, done - posted) for posted, done, waited, _ in self._gathers)
+        return {"all_gather": {"count": len(self._gathers),
+                               "bytes": sum(b for *_, b in self._gathers),
+                               "seconds": total, "exposed_s": exposed,
+                               "hidden_fraction": (1.0 - exposed / total) if total > 0 else 0.0},
+                "reduce_scatter_bytes": self._reduced_bytes}
 
     def end_step(self, wait: Callable[[Any, str], None] | None = None) -> None:
         """Wait for the step's reductions (by ``wait``, default the pipeline's)

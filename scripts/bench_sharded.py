@@ -1,0 +1,156 @@
+"""Replicated vs sharded data parallel around a pipeline, side by side (issue 14 §6).
+
+    torchrun --standalone --nproc-per-node 4 scripts/bench_sharded.py [--rounds 6]
+
+pp2 x dp2 on 4 ranks (gloo, one thread each), the example GPT (examples/gpt_model.py,
+--layers 8, --d-model 128), 1f1b, 4 microbatches. Two pipelines over the same
+model and batches, one per data_parallel mode, run in alternating blocks of
+steps (so load on this machine affects both alike); each step is
+pipe.step + AdamW.step + zero_grad. Printed on rank 0:
+- the median step time of each and their ratio;
+- per rank, the bytes of parameters, gradients and optimizer state it holds
+  (local shards; stand-ins hold none);
+- with "shard": the step's all-gathers (count, bytes) and the share of their
+  time hidden behind other work (Pipeline.last_step_stats["collectives"]);
+- the simulated step (the schedule's actions with the measured per-stage F/B
+  times, and the measured all-gather time as the UNSHARD cost) against the
+  measured span of rank 0's step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+sys.path.insert(0, os.path.join(ROOT, "examples"))
+import torch_mpmd as mpmd  # noqa: E402
+from gpt_model import GPTConfig, build_model  # noqa: E402
+
+
+def _local_bytes(tensors: list[torch.Tensor]) -> int:
+    total = 0
+    for t in tensors:
+        t = getattr(t, "_local_tensor", t)
+        if not mpmd.meta_init.is_standin(t):
+            total += t.numel() * t.element_size()
+    return total
+
+
+def _state_bytes(pipe: mpmd.Pipeline, opt: torch.optim.Optimizer) -> dict[str, int]:
+    params = list(pipe.parameters())
+    grads = [p.grad for p in params if p.grad is not None]
+    state = [v for s in opt.state.values() for v in s.values()
+             if isinstance(v, torch.Tensor) and v.dim() > 0]
+    return {"params": _local_bytes(params), "grads": _local_bytes(grads),
+            "optimizer": _local_bytes(state)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--rounds", type=int, default=6, help="alternating blocks")
+    p.add_argument("--block", type=int, default=3, help="steps per block")
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--d-model", type=int, default=128)
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    world = dist.get_world_size()
+    if world != 4:
+        raise SystemExit("run with torchrun --nproc-per-node 4 (pp2 x dp2)")
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
+    dp_rank = mesh.get_local_rank("dp")
+    cfg = GPTConfig(vocab_size=64, block_size=64, n_layer=args.layers, n_head=4,
+                    d_model=args.d_model)
+    gen = torch.Generator().manual_seed(1000 + dp_rank)
+    x = torch.randint(0, 64, (16, 64), generator=gen)
+    y = torch.randint(0, 64, (16, 64), generator=gen)
+
+    def lm_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(out.reshape(-1, out.shape[-1]), target.reshape(-1))
+
+    runs = {}
+    for mode in ("replicate", "shard"):
+        pipe = mpmd.pipeline(build_model(cfg, 0), loss_fn=lm_loss, schedule="1f1b",
+                             num_microbatches=4, mesh=mesh, data_parallel=mode,
+                             split_points=[f"blocks.{args.layers // 2}"], timeout=120)
+        opt = torch.optim.AdamW(pipe.parameters(), lr=1e-3)
+        runs[mode] = {"pipe": pipe, "opt": opt, "times": [], "hidden": []}
+
+    def one_step(run: dict) -> float:
+        t0 = time.perf_counter()
+        run["pipe"].step(x, target=y)
+        run["opt"].step()
+        run["opt"].zero_grad()
+        return time.perf_counter() - t0
+
+    for run in runs.values():  # capture and warm up
+        for _ in range(2):
+            one_step(run)
+    for _ in range(args.rounds):
+        for mode, run in runs.items():
+            for _ in range(args.block):
+                run["times"].append(one_step(run))
+                if mode == "shard":
+                    gathers = run["pipe"].last_step_stats["collectives"]["all_gather"]
+                    run["hidden"].append(gathers["hidden_fraction"])
+
+    # Memory held between steps: gradients as they are after the step (before zero_grad).
+    for run in runs.values():
+        run["pipe"].step(x, target=y)
+        run["memory"] = _state_bytes(run["pipe"], run["opt"])
+        run["opt"].zero_grad()
+    shard = runs["shard"]["pipe"]
+    stats = shard.last_step_stats
+    gathers = stats["collectives"]["all_gather"]
+    # Simulated step with the collectives: measured F/B per stage, the measured
+    # mean all-gather time as UNSHARD's cost (REDUCE_GRAD's reduce-scatter moves
+    # the same bytes: the same cost).
+    times = shard.stage_times()
+    gather_s = gathers["seconds"] / max(1, gathers["count"])
+    local = {s: {"F": t["F"], "B": t["B"], "UNSHARD": gather_s, "REDUCE_GRAD": gather_s}
+             for s, t in times.items()}
+    everyone: list[dict] = [None] * world  # type: ignore[list-item]
+    dist.all_gather_object(everyone, {"rank": dist.get_rank(), "stages": local,
+                                      "memory": {m: r["memory"] for m, r in runs.items()},
+                                      "span": stats["span_s"]})
+    if dist.get_rank() != 0:
+        dist.destroy_process_group()
+        return
+    stage_costs = {}
+    for entry in everyone:
+        stage_costs.update({int(s): c for s, c in entry["stages"].items()})
+    sim = shard.schedule.simulate(stage_costs=[stage_costs[s] for s in sorted(stage_costs)])
+    med = {m: statistics.median(r["times"]) for m, r in runs.items()}
+    print(f"GPT {args.layers}x{args.d_model}, pp2 x dp2 (4 ranks x 1 thread, gloo), 1f1b, m=4, "
+          f"{args.rounds} blocks of {args.block} steps")
+    print(f"step time (median): replicate {med['replicate'] * 1e3:.1f} ms, shard "
+          f"{med['shard'] * 1e3:.1f} ms, shard/replicate {med['shard'] / med['replicate']:.2f}")
+    print("bytes held per rank (params + grads + AdamW state), replicate -> shard:")
+    for entry in everyone:
+        mem = entry["memory"]
+        r, s = sum(mem["replicate"].values()), sum(mem["shard"].values())
+        print(f"  rank {entry['rank']}: {r / 2**20:.2f} MiB -> {s / 2**20:.2f} MiB "
+              f"({s / r:.2f}); shard: params {mem['shard']['params'] / 2**20:.2f}, grads "
+              f"{mem['shard']['grads'] / 2**20:.2f}, optimizer "
+              f"{mem['shard']['optimizer'] / 2**20:.2f} MiB")
+    print(f"rank 0 all-gathers per step: {gathers['count']} of "
+          f"{gathers['bytes'] / max(1, gathers['count']) / 2**20:.2f} MiB, "
+          f"{gather_s * 1e3:.2f} ms each; hidden behind other work: median "
+          f"{statistics.median(runs['shard']['hidden']):.0%}")
+    print(f"simulated step with collectives {sim.makespan * 1e3:.1f} ms, measured span "
+          f"(rank 0) {everyone[0]['span'] * 1e3:.1f} ms, measured/simulated "
+          f"{everyone[0]['span'] / sim.makespan:.2f}")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
