@@ -13,7 +13,7 @@ namespace mpmd {
 namespace {
 
 constexpr std::array<std::string_view, kNumActionKinds> kKindNames = {
-    "F", "B", "I", "W", "SEND_F", "RECV_F", "SEND_B", "RECV_B", "REDUCE_GRAD"};
+    "F", "B", "I", "W", "SEND_F", "RECV_F", "SEND_B", "RECV_B", "REDUCE_GRAD", "UNSHARD", "RESHARD"};
 
 [[noreturn]] void fail(std::string_view text, size_t pos, std::string_view why) {
   throw ParseError(fmt::format("invalid action '{}' at character {}: {} "
@@ -60,11 +60,14 @@ Action commAction(int32_t stage, ActionKind kind, int32_t microbatch, int32_t pe
   return Action{stage, kind, microbatch, peer_stage};
 }
 
-Action reduceGradAction(int32_t stage) { return Action{stage, ActionKind::ReduceGrad, -1, -1}; }
+Action stageCollectiveAction(int32_t stage, ActionKind kind) { return Action{stage, kind, -1, -1}; }
+Action reduceGradAction(int32_t stage) { return stageCollectiveAction(stage, ActionKind::ReduceGrad); }
+Action unshardAction(int32_t stage) { return stageCollectiveAction(stage, ActionKind::Unshard); }
+Action reshardAction(int32_t stage) { return stageCollectiveAction(stage, ActionKind::Reshard); }
 
 std::string toString(const Action& action) {
   std::string out = fmt::format("{}{}", action.stage, kindName(action.kind));
-  if (action.kind != ActionKind::ReduceGrad) out += fmt::format("{}", action.microbatch);
+  if (!isStageCollective(action.kind)) out += fmt::format("{}", action.microbatch);
   if (isCommunication(action.kind) &&
       action.peer_stage != defaultPeerStage(action.stage, action.kind)) {
     out += fmt::format("{}{}", isSend(action.kind) ? "->" : "<-", action.peer_stage);
@@ -94,12 +97,13 @@ Action parseAction(std::string_view text) {
       best_len = name.size();
     }
   }
-  if (best < 0) fail(token, pos, "unknown action kind (F, B, I, W, SEND_F, RECV_F, SEND_B, RECV_B, REDUCE_GRAD)");
+  if (best < 0) fail(token, pos, "unknown action kind (F, B, I, W, SEND_F, RECV_F, SEND_B, RECV_B, REDUCE_GRAD, "
+                               "UNSHARD, RESHARD)");
   action.kind = static_cast<ActionKind>(best);
   pos += best_len;
 
-  if (action.kind == ActionKind::ReduceGrad) {
-    if (pos != token.size()) fail(token, pos, "REDUCE_GRAD takes no microbatch");
+  if (isStageCollective(action.kind)) {
+    if (pos != token.size()) fail(token, pos, fmt::format("{} takes no microbatch", kindName(action.kind)));
     return action;
   }
   action.microbatch = readNumber(token, pos, "microbatch index");

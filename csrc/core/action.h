@@ -2,7 +2,8 @@
 //
 // An action is (stage, kind, microbatch). Its one text form is compatible with
 // torch.distributed.pipelining: `2F0`, `2B0`, `2I0`, `2W0`, `2SEND_F0`,
-// `1RECV_F0`, `2SEND_B0`, `1RECV_B0`, `2REDUCE_GRAD` (no microbatch).
+// `1RECV_F0`, `2SEND_B0`, `1RECV_B0`, and the stage collectives, which take no
+// microbatch: `2REDUCE_GRAD`, `2UNSHARD`, `2RESHARD` (isStageCollective).
 //
 // NOTE [Peer stages]: torch's form implies the stage at the other end of a
 // transfer: SEND_F goes to stage+1, RECV_F comes from stage-1, SEND_B goes to
@@ -28,14 +29,16 @@ enum class ActionKind : uint8_t {
   SendB,           // SEND_B: send input gradients to peer_stage
   RecvB,           // RECV_B: receive output gradients from peer_stage
   ReduceGrad,      // REDUCE_GRAD: reduce this stage's gradients (dp, tied)
+  Unshard,         // UNSHARD: post the all-gather of this stage's sharded parameters
+  Reshard,         // RESHARD: free this stage's gathered parameters
 };
 
-inline constexpr int kNumActionKinds = 9;
+inline constexpr int kNumActionKinds = 11;
 
 struct Action {
   int32_t stage = 0;
   ActionKind kind = ActionKind::Forward;
-  int32_t microbatch = -1;  // -1 only for ReduceGrad
+  int32_t microbatch = -1;  // -1 only for the stage collectives
   int32_t peer_stage = -1;  // communication kinds only; always explicit after parse
 
   friend bool operator==(const Action&, const Action&) = default;
@@ -52,6 +55,11 @@ constexpr bool isCompute(ActionKind kind) {  // F, B, I, W
 constexpr bool isSend(ActionKind kind) { return kind == ActionKind::SendF || kind == ActionKind::SendB; }
 constexpr bool isRecv(ActionKind kind) { return kind == ActionKind::RecvF || kind == ActionKind::RecvB; }
 constexpr bool isCommunication(ActionKind kind) { return isSend(kind) || isRecv(kind); }
+// REDUCE_GRAD, UNSHARD, RESHARD: per-stage actions of the whole step, with no
+// microbatch (microbatch -1, no number in the text form).
+constexpr bool isStageCollective(ActionKind kind) {
+  return kind == ActionKind::ReduceGrad || kind == ActionKind::Unshard || kind == ActionKind::Reshard;
+}
 // B or I: the backward that frees the forward's activations.
 constexpr bool isBackward(ActionKind kind) {
   return kind == ActionKind::FullBackward || kind == ActionKind::BackwardInput;
@@ -64,6 +72,10 @@ int32_t defaultPeerStage(int32_t stage, ActionKind kind);
 Action computeAction(int32_t stage, ActionKind kind, int32_t microbatch);
 Action commAction(int32_t stage, ActionKind kind, int32_t microbatch, int32_t peer_stage);
 Action reduceGradAction(int32_t stage);
+Action unshardAction(int32_t stage);
+Action reshardAction(int32_t stage);
+// Any stage collective; `kind` must satisfy isStageCollective.
+Action stageCollectiveAction(int32_t stage, ActionKind kind);
 
 // Text form; inverse of parseAction.
 std::string toString(const Action& action);

@@ -265,6 +265,7 @@ Schedule insertGradReduce(Schedule with_transfers) {
 Schedule lower(const Schedule& compute_only, const LowerOptions& options) {
   Schedule out = orderChannels(insertTransfers(compute_only));
   if (options.grad_reduce) out = insertGradReduce(std::move(out));
+  if (options.shard) out = insertUnshardReshard(std::move(out), options.shard_options);
   return out;
 }
 

@@ -117,7 +117,7 @@ void inferShape(Schedule& schedule) {
   schedule.stage_to_rank.assign(schedule.num_stages, -1);
   for (int r = 0; r < schedule.num_ranks; ++r) {
     for (const auto& a : schedule.programs[r]) {
-      if (!isCompute(a.kind) && a.kind != ActionKind::ReduceGrad) continue;
+      if (!isCompute(a.kind) && !isStageCollective(a.kind)) continue;
       int& owner = schedule.stage_to_rank[a.stage];
       if (owner >= 0 && owner != r) {
         throw ScheduleError(fmt::format("stage {} has compute actions on rank {} and rank {} ({})",

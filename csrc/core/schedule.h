@@ -1,7 +1,8 @@
 // Schedule: the per-rank action programs of one pipeline step.
 //
 // A compute-only schedule holds F/B/I/W actions; a lowered one also holds the
-// SEND/RECV and REDUCE_GRAD actions the executor runs (see lowering.h). Both
+// SEND/RECV, REDUCE_GRAD and UNSHARD/RESHARD actions the executor runs (see
+// lowering.h). Both
 // share this type: lowering is a function Schedule -> Schedule.
 #pragma once
 
@@ -45,7 +46,7 @@ struct Schedule {
   std::vector<int> activation_bound;
 
   int stagesPerRank() const { return num_ranks ? num_stages / num_ranks : 0; }
-  bool isLowered() const;       // holds any SEND/RECV/REDUCE_GRAD action
+  bool isLowered() const;       // holds any non-compute action (SEND/RECV, REDUCE_GRAD, UNSHARD/RESHARD)
   bool splitsBackward() const;  // uses I/W instead of B
   size_t numActions() const;
   // Producers of each stage and consumers of each stage, from `edges`.

@@ -19,6 +19,8 @@ double CostModel::computeCost(const Action& action) const {
     case ActionKind::BackwardInput: return c.backward_input;
     case ActionKind::BackwardWeight: return c.backward_weight;
     case ActionKind::ReduceGrad: return c.reduce_grad;
+    case ActionKind::Unshard: return c.unshard;
+    case ActionKind::Reshard: return c.reshard;
     default: return 0.0;
   }
 }
@@ -130,6 +132,9 @@ SimulationResult simulate(const Schedule& s, const CostModel& model, bool record
   std::vector<SlotTime> slots(index.numSlots());
   std::vector<size_t> pc(p, 0);
   std::vector<double> now(p, 0.0);
+  // The collective stream of each rank: when its last collective ends. And
+  // per stage: when its last UNSHARD's gather ends (a stage is on one rank).
+  std::vector<double> stream(p, 0.0), gathered(num_stages, 0.0);
   std::vector<int> live(p, 0), peak(p, 0);  // in-flight forwards, as peakActivations counts them
   std::vector<int> runnable;
   for (int r = p - 1; r >= 0; --r) runnable.push_back(r);
@@ -142,7 +147,7 @@ SimulationResult simulate(const Schedule& s, const CostModel& model, bool record
     runnable.pop_back();
     const auto& program = s.programs[r];
     const size_t size = program.size();
-    double t = now[r], busy = result.busy[r];
+    double t = now[r], busy = result.busy[r], rank_stream = stream[r];
     int rank_live = live[r], rank_peak = peak[r];
     size_t i = pc[r];
     for (; i < size; ++i) {
@@ -178,11 +183,22 @@ SimulationResult simulate(const Schedule& s, const CostModel& model, bool record
       } else {
         if (a.kind == ActionKind::Forward) rank_peak = std::max(rank_peak, ++rank_live);
         else if (isBackward(a.kind)) --rank_live;
-        // Unvalidated input may name a stage out of range: cost it as computeCost does.
-        const double cost = static_cast<size_t>(a.stage) < num_stages
-                                ? table.compute[static_cast<size_t>(a.stage) * kNumActionKinds +
-                                                static_cast<size_t>(a.kind)]
-                                : model.computeCost(a);
+        // Unvalidated input may name a stage out of range: cost it as
+        // computeCost does, with no gather to wait for.
+        const bool known = static_cast<size_t>(a.stage) < num_stages;
+        const double cost = known ? table.compute[static_cast<size_t>(a.stage) * kNumActionKinds +
+                                                  static_cast<size_t>(a.kind)]
+                                  : model.computeCost(a);
+        if (a.kind == ActionKind::Unshard || a.kind == ActionKind::ReduceGrad) {
+          // Issued at t, run on the collective stream; the rank goes on.
+          start = std::max(t, rank_stream);
+          rank_stream = start + cost;
+          if (known && a.kind == ActionKind::Unshard) gathered[a.stage] = rank_stream;
+          if (record_timeline) result.timeline[r][i] = {start, rank_stream};
+          continue;
+        }
+        if (known) t = std::max(t, gathered[a.stage]);  // compute and RESHARD need the gather
+        start = t;
         t += cost;
         if (isCompute(a.kind)) busy += cost;
       }
@@ -190,6 +206,7 @@ SimulationResult simulate(const Schedule& s, const CostModel& model, bool record
     }
     pc[r] = i;
     now[r] = t;
+    stream[r] = rank_stream;
     result.busy[r] = busy;
     live[r] = rank_live;
     peak[r] = rank_peak;
@@ -198,6 +215,8 @@ SimulationResult simulate(const Schedule& s, const CostModel& model, bool record
     if (pc[r] < s.programs[r].size()) reportStuck(s, index, pc);
   }
 
+  // A rank's step ends when its program and its collectives have.
+  for (int r = 0; r < p; ++r) now[r] = std::max(now[r], stream[r]);
   result.makespan = p ? *std::max_element(now.begin(), now.end()) : 0.0;
   result.bubble_fraction.resize(p);
   for (int r = 0; r < p; ++r) {

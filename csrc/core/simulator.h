@@ -3,8 +3,19 @@
 // Model: each rank runs its program in order. A compute action takes its
 // cost. A SEND costs the sender nothing (sends are asynchronous) and its data
 // arrives comm_latency + bytes / comm_bandwidth later. A RECV blocks the rank
-// until the data has arrived. REDUCE_GRAD takes reduce_grad. There is no
-// contention: the makespan is the exact critical path of the program order.
+// until the data has arrived.
+//
+// Data-parallel collectives run on one "collective stream" per rank, one
+// after another, as NCCL's and gloo's per-group queues run them, beside the
+// rank's compute:
+//   UNSHARD      costs the rank nothing when issued; its all-gather starts
+//                when the stream is free and ends `unshard` later, and the
+//                stage's next compute action (or RESHARD) waits for it;
+//   REDUCE_GRAD  the same, for `reduce_grad`: nothing waits for it in the
+//                step, but the step ends when it ends (the makespan counts it);
+//   RESHARD      blocks the rank for `reshard` (after the gather it frees).
+// There is no other contention: the makespan is the exact critical path of
+// the program order.
 #pragma once
 
 #include <cstdint>
@@ -19,7 +30,9 @@ struct KindCosts {
   double backward = 2.0;         // B
   double backward_input = 1.0;   // I
   double backward_weight = 1.0;  // W
-  double reduce_grad = 0.0;
+  double reduce_grad = 0.0;      // REDUCE_GRAD, on the collective stream
+  double unshard = 0.0;          // UNSHARD's all-gather, on the collective stream
+  double reshard = 0.0;          // RESHARD, blocking the rank
 };
 
 struct CostModel {
@@ -34,6 +47,8 @@ struct CostModel {
   double transferTime(const Action& send) const;
 };
 
+// For UNSHARD and REDUCE_GRAD: the collective's span on the collective
+// stream, not the rank's (which it does not hold up).
 struct ActionTiming {
   double start = 0.0;
   double end = 0.0;
@@ -41,7 +56,7 @@ struct ActionTiming {
 
 struct SimulationResult {
   double makespan = 0.0;
-  std::vector<double> busy;             // per rank: time spent in compute
+  std::vector<double> busy;             // per rank: time spent in compute (F, B, I, W)
   std::vector<double> bubble_fraction;  // per rank: (makespan - busy) / makespan
   std::vector<int> peak_activations;    // per rank (see peakActivations)
   int64_t messages = 0;                 // cross-rank transfers
@@ -52,7 +67,9 @@ struct SimulationResult {
 // Input must be lowered (a compute-only schedule with cross-rank dependencies
 // can never receive its inputs). Throws DeadlockError listing every blocked
 // rank, its action and what it waits for; ScheduleError for a RECV with no
-// SEND. Runs in time linear in the number of actions.
+// SEND. Runs in time linear in the number of actions. The deadlock check
+// looks at transfers only: the collectives pair a rank with its data-parallel
+// replicas, which run the same program, so they cannot close a cycle here.
 SimulationResult simulate(const Schedule& lowered, const CostModel& model = {},
                           bool record_timeline = false);
 

@@ -83,7 +83,7 @@ void checkActionFields(const Schedule& s, int r, size_t pos, const Action& a) {
   if (a.stage < 0 || a.stage >= s.num_stages) {
     failAt(r, pos, a, fmt::format("stage {} is outside 0..{}", a.stage, s.num_stages - 1));
   }
-  if (a.kind != ActionKind::ReduceGrad && (a.microbatch < 0 || a.microbatch >= s.num_microbatches)) {
+  if (!isStageCollective(a.kind) && (a.microbatch < 0 || a.microbatch >= s.num_microbatches)) {
     failAt(r, pos, a, fmt::format("microbatch {} is outside 0..{}", a.microbatch, s.num_microbatches - 1));
   }
   if (s.stage_to_rank[a.stage] != r) {
@@ -249,6 +249,7 @@ struct Collected {
   std::vector<SlotState> slots;
   bool transfers_ok = true;
   std::vector<int> peak;  // as peakActivations
+  std::vector<int> sharded_ranks;  // ranks whose program holds UNSHARD or RESHARD, ascending
 };
 
 // The transfers of a program touch many slot streams at once, which the
@@ -295,6 +296,10 @@ Collected collect(const Schedule& s, const TransferIndex& index) {
         continue;
       }
       c.lowered = true;
+      if ((a.kind == ActionKind::Unshard || a.kind == ActionKind::Reshard) &&
+          (c.sharded_ranks.empty() || c.sharded_ranks.back() != r)) {
+        c.sharded_ranks.push_back(r);
+      }
       if (!isCommunication(a.kind) || !c.transfers_ok) continue;
       if (c.slots.empty()) c.slots.resize(index.numSlots());
       prefetchSlotAhead(index, program, pos, c.slots);
@@ -349,6 +354,46 @@ bool transfersProvenValid(const Schedule& s, const TransferIndex& index, const C
   return true;
 }
 
+// NOTE [Unshard placement] in lowering.h: on a rank that gathers parameters,
+// each local stage's compute actions lie in UNSHARD..RESHARD windows that
+// neither nest nor stay open at the end. Fields were checked by collect.
+// `open_at` (per stage: position of the open window's UNSHARD, -1 when
+// closed) is all -1 on entry and on return, so ranks share it: the check
+// costs the rank's actions, not the schedule's stages.
+void checkShardWindows(const Schedule& s, int r, std::vector<int64_t>& open_at) {
+  const auto& program = s.programs[r];
+  std::vector<int> opened;  // stages whose window opened on this rank, each once
+  for (size_t pos = 0; pos < program.size(); ++pos) {
+    const Action& a = program[pos];
+    int64_t& open = open_at[a.stage];
+    if (a.kind == ActionKind::Unshard) {
+      if (open >= 0) {
+        failAt(r, pos, a, fmt::format("gathers stage {}'s parameters again while its UNSHARD at #{} "
+                                      "has no RESHARD yet", a.stage, open));
+      }
+      open = static_cast<int64_t>(pos);
+      opened.push_back(a.stage);
+    } else if (a.kind == ActionKind::Reshard) {
+      if (open < 0) failAt(r, pos, a, fmt::format("no UNSHARD of stage {} is open to close", a.stage));
+      open = -1;
+    } else if (isCompute(a.kind) && open < 0) {
+      failAt(r, pos, a, fmt::format("stage {}'s parameters are not gathered here (no UNSHARD of stage {} "
+                                    "before it since its last RESHARD)", a.stage, a.stage));
+    }
+  }
+  int64_t first_open = -1;  // the earliest window still open, reported first
+  for (int stage : opened) {
+    if (open_at[stage] >= 0 && (first_open < 0 || open_at[stage] < first_open)) first_open = open_at[stage];
+  }
+  for (int stage : opened) open_at[stage] = -1;
+  if (first_open >= 0) {
+    const Action& a = program[static_cast<size_t>(first_open)];
+    failAt(r, static_cast<size_t>(first_open), a,
+           fmt::format("stage {}'s parameters are still gathered at the end of the program (no RESHARD "
+                       "after this UNSHARD)", a.stage));
+  }
+}
+
 }  // namespace
 
 std::vector<int> peakActivations(const Schedule& schedule) {
@@ -368,6 +413,10 @@ void validateStatic(const Schedule& schedule) {
   const TransferIndex index(schedule);
   const Collected c = collect(schedule, index);
   checkComputeOrder(schedule, c.cp);
+  if (!c.sharded_ranks.empty()) {
+    std::vector<int64_t> open_at(schedule.num_stages, -1);
+    for (int r : c.sharded_ranks) checkShardWindows(schedule, r, open_at);
+  }
   if (c.lowered && !transfersProvenValid(schedule, index, c)) checkTransfersSlow(schedule, c.cp);
   if (!schedule.activation_bound.empty()) {
     for (int r = 0; r < schedule.num_ranks; ++r) {

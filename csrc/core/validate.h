@@ -18,6 +18,11 @@ namespace mpmd {
 //  - in a lowered schedule: every cross-rank dependency received before use
 //    and sent after production, every SEND with exactly one RECV, each
 //    channel's send order equal to its receive order (NOTE [Channel order]);
+//  - on a rank whose program holds UNSHARD/RESHARD: every compute action of
+//    each local stage inside one UNSHARD..RESHARD window of its stage, no
+//    UNSHARD while the stage's window is open, no RESHARD without one open,
+//    no window open at the end (NOTE [Unshard placement] in lowering.h);
+//    other ranks run replicated parameters and need none;
 //  - peak in-flight activations per rank within activation_bound if stated.
 void validateStatic(const Schedule& schedule);
 

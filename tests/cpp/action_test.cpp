@@ -14,12 +14,13 @@ namespace {
 const std::vector<ActionKind> kAllKinds = {
     ActionKind::Forward, ActionKind::FullBackward, ActionKind::BackwardInput,
     ActionKind::BackwardWeight, ActionKind::SendF, ActionKind::RecvF,
-    ActionKind::SendB, ActionKind::RecvB, ActionKind::ReduceGrad};
+    ActionKind::SendB, ActionKind::RecvB, ActionKind::ReduceGrad, ActionKind::Unshard,
+    ActionKind::Reshard};
 
 // An action of `kind` at `stage` built the way the library's builders do,
 // with the default peer for communication.
 Action makeAction(int32_t stage, ActionKind kind, int32_t microbatch) {
-  if (kind == ActionKind::ReduceGrad) return reduceGradAction(stage);
+  if (isStageCollective(kind)) return stageCollectiveAction(stage, kind);
   if (isCommunication(kind)) return commAction(stage, kind, microbatch, defaultPeerStage(stage, kind));
   return computeAction(stage, kind, microbatch);
 }
@@ -48,6 +49,27 @@ TEST(ActionText, PrintsTorchFormForEveryKind) {
   EXPECT_EQ(toString(makeAction(2, ActionKind::SendB, 0)), "2SEND_B0");
   EXPECT_EQ(toString(makeAction(1, ActionKind::RecvB, 0)), "1RECV_B0");
   EXPECT_EQ(toString(reduceGradAction(2)), "2REDUCE_GRAD");
+  EXPECT_EQ(toString(unshardAction(0)), "0UNSHARD");
+  EXPECT_EQ(toString(reshardAction(1)), "1RESHARD");
+}
+
+TEST(ActionText, StageCollectivesTakeNoMicrobatch) {
+  EXPECT_EQ(parseAction("0UNSHARD"), unshardAction(0));
+  EXPECT_EQ(parseAction("1RESHARD"), reshardAction(1));
+  EXPECT_EQ(parseAction("1RESHARD").microbatch, -1);
+  for (ActionKind kind : kAllKinds) {
+    EXPECT_EQ(isStageCollective(kind), kind == ActionKind::ReduceGrad || kind == ActionKind::Unshard ||
+                                           kind == ActionKind::Reshard);
+    EXPECT_FALSE(isStageCollective(kind) && (isCompute(kind) || isCommunication(kind)));
+  }
+  for (const char* token : {"0UNSHARD3", "1RESHARD0", "0UNSHARD->1", "0UNSHARD 1"}) {
+    try {
+      parseAction(token);
+      ADD_FAILURE() << "'" << token << "' parsed";
+    } catch (const ParseError& e) {
+      EXPECT_NE(std::string(e.what()).find("takes no microbatch"), std::string::npos) << e.what();
+    }
+  }
 }
 
 TEST(ActionText, PeerSuffixRoundTripsAndDefaultPeerIsOmitted) {
@@ -90,6 +112,8 @@ TEST(ActionText, TorchStringsParseToTorchFields) {
       {"2SEND_B5", 2, ActionKind::SendB, 5, 1},
       {"1RECV_B0", 1, ActionKind::RecvB, 0, 2},
       {"4REDUCE_GRAD", 4, ActionKind::ReduceGrad, -1, -1},
+      {"4UNSHARD", 4, ActionKind::Unshard, -1, -1},
+      {"0RESHARD", 0, ActionKind::Reshard, -1, -1},
       {" 2F0\t", 2, ActionKind::Forward, 0, -1},
       {"2147483647F2147483647", 2147483647, ActionKind::Forward, 2147483647, -1},
   };
@@ -104,7 +128,7 @@ TEST(ActionText, TorchStringsParseToTorchFields) {
 
 TEST(ActionText, MalformedTokensThrowParseErrorNamingTheToken) {
   const std::vector<std::string> bad = {
-      "", "F0", "0F", "0X1", "0F1x", "0REDUCE_GRAD3", "99999999999F0", "2147483648F0",
+      "", "F0", "0F", "0X1", "0F1x", "0REDUCE_GRAD3", "0UNSHARD3", "2RESHARD1", "99999999999F0", "2147483648F0",
       "0F99999999999", "0SEND_F1->0", "0RECV_F0", "0SEND_B0", "-1F0", "0F-1", "0F1->2",
       "0SEND_F1<-2", "0SEND_F1->", "1RECV_F1<-", "0send_f1", "0 F0", "0SEND_F"};
   for (const std::string& token : bad) {
@@ -128,7 +152,8 @@ TEST(ActionText, FuzzedTokensRoundTripOrThrowParseError) {
   std::mt19937 rng(20240601);
   const std::string alphabet = "0123456789FBIWSENDRCVUG_AFBW-><  \t";
   const std::vector<std::string> kinds = {"F", "B", "I", "W", "SEND_F", "RECV_F",
-                                          "SEND_B", "RECV_B", "REDUCE_GRAD"};
+                                          "SEND_B", "RECV_B", "REDUCE_GRAD", "UNSHARD",
+                                          "RESHARD"};
   auto pick = [&](size_t n) { return std::uniform_int_distribution<size_t>(0, n - 1)(rng); };
   auto digits = [&](size_t max_len) {
     std::string s;

@@ -146,6 +146,92 @@ TEST(Validate, BadEdgesAreNamed) {
   EXPECT_NE(whatOf([&] { validate(s); }).find("stage edge 1->0"), std::string::npos);
 }
 
+// --- collectives: UNSHARD/REDUCE_GRAD on the collective stream, RESHARD blocking
+
+Schedule shardedTwoStagesOneRank(int prefetch) {
+  LowerOptions options;
+  options.shard = true;
+  options.shard_options = {prefetch, false};
+  return lower(scheduleFromRows({0, 0}, 1, {"0F0 1F0 1B0 0B0"}), options);
+}
+
+TEST(SimulatorCollectives, UnshardDelaysTheStagesFirstCompute) {
+  Schedule s = scheduleFromRows({0}, 1, {"0UNSHARD 0F0 0B0 0RESHARD"});
+  CostModel model;
+  model.costs.unshard = 3.0;
+  SimulationResult r = simulate(s, model, /*record_timeline=*/true);
+  EXPECT_DOUBLE_EQ(r.makespan, 3.0 + 1.0 + 2.0);
+  EXPECT_EQ(r.busy, (std::vector<double>{3.0}));  // compute only
+  EXPECT_DOUBLE_EQ(r.timeline[0][0].start, 0.0);  // the gather on the stream
+  EXPECT_DOUBLE_EQ(r.timeline[0][0].end, 3.0);
+  EXPECT_DOUBLE_EQ(r.timeline[0][1].start, 3.0);  // 0F0 waited for it
+  EXPECT_DOUBLE_EQ(r.timeline[0][1].end, 4.0);
+}
+
+TEST(SimulatorCollectives, PrefetchOverlapsTheGatherWithEarlierWork) {
+  CostModel model;
+  model.costs.unshard = 3.0;
+  // Prefetch 0: 0UNSHARD 0F0 1UNSHARD 1F0 1B0 1RESHARD 1REDUCE_GRAD 0B0 ...
+  // gather 0 [0,3], 0F0 [3,4], gather 1 [4,7], 1F0 [7,8], 1B0 [8,10], 0B0 [10,12].
+  const Schedule none = shardedTwoStagesOneRank(0);
+  EXPECT_EQ(testing::rowOf(none, 0),
+            "0UNSHARD 0F0 1UNSHARD 1F0 1B0 1RESHARD 1REDUCE_GRAD 0B0 0RESHARD 0REDUCE_GRAD");
+  EXPECT_DOUBLE_EQ(simulate(none, model).makespan, 12.0);
+  // Prefetch 1: both gathers first, one after the other on the stream:
+  // gather 0 [0,3], gather 1 [3,6]; 0F0 [3,4], 1F0 [6,7], 1B0 [7,9], 0B0 [9,11].
+  const Schedule one = shardedTwoStagesOneRank(1);
+  EXPECT_EQ(testing::rowOf(one, 0),
+            "0UNSHARD 1UNSHARD 0F0 1F0 1B0 1RESHARD 1REDUCE_GRAD 0B0 0RESHARD 0REDUCE_GRAD");
+  SimulationResult r = simulate(one, model, /*record_timeline=*/true);
+  EXPECT_DOUBLE_EQ(r.makespan, 11.0);
+  EXPECT_DOUBLE_EQ(r.timeline[0][1].start, 3.0);  // 1UNSHARD waits for the stream
+  EXPECT_DOUBLE_EQ(r.timeline[0][1].end, 6.0);
+  EXPECT_DOUBLE_EQ(r.timeline[0][3].start, 6.0);  // 1F0
+}
+
+TEST(SimulatorCollectives, PerStageCollectiveCostsApply) {
+  CostModel model;
+  model.stage_costs = {KindCosts{}, KindCosts{}};
+  model.stage_costs[1].unshard = 5.0;  // stage 0 gathers for free
+  // gather 1 [0,5]; 0F0 [0,1]; 1F0 [5,6], 1B0 [6,8], 0B0 [8,10].
+  EXPECT_DOUBLE_EQ(simulate(shardedTwoStagesOneRank(1), model).makespan, 10.0);
+}
+
+TEST(SimulatorCollectives, ReshardBlocksTheRank) {
+  Schedule s = scheduleFromRows({0}, 1, {"0UNSHARD 0F0 0RESHARD 0UNSHARD 0B0 0RESHARD"});
+  CostModel model;
+  model.costs.reshard = 2.0;
+  model.costs.unshard = 1.0;
+  // gather [0,1], 0F0 [1,2], free [2,4], gather [4,5], 0B0 [5,7], free [7,9].
+  EXPECT_DOUBLE_EQ(simulate(s, model).makespan, 9.0);
+}
+
+TEST(SimulatorCollectives, ReduceGradIsAsynchronousAndEndsTheStep) {
+  // 0F0 1F0 1B0 1REDUCE_GRAD 0B0 0REDUCE_GRAD: 1B0 ends at 4; its reduction
+  // runs [4,9] while 0B0 computes [4,6]; 0's reduction queues behind: [9,14].
+  Schedule s = lower(scheduleFromRows({0, 0}, 1, {"0F0 1F0 1B0 0B0"}));
+  CostModel model;
+  model.costs.reduce_grad = 5.0;
+  SimulationResult r = simulate(s, model, /*record_timeline=*/true);
+  EXPECT_DOUBLE_EQ(r.makespan, 14.0);
+  EXPECT_EQ(r.busy, (std::vector<double>{6.0}));
+  ASSERT_EQ(testing::rowOf(s, 0), "0F0 1F0 1B0 1REDUCE_GRAD 0B0 0REDUCE_GRAD");
+  EXPECT_DOUBLE_EQ(r.timeline[0][3].start, 4.0);
+  EXPECT_DOUBLE_EQ(r.timeline[0][3].end, 9.0);
+  EXPECT_DOUBLE_EQ(r.timeline[0][4].start, 4.0);  // 0B0 did not wait for it
+  EXPECT_DOUBLE_EQ(r.timeline[0][5].start, 9.0);
+  EXPECT_DOUBLE_EQ(r.timeline[0][5].end, 14.0);
+}
+
+TEST(SimulatorCollectives, ShardedScheduleWithFreeCollectivesKeepsItsMakespan) {
+  LowerOptions options;
+  options.shard = true;
+  for (const std::string name : {"1f1b", "zero_bubble"}) {
+    const Schedule compute = makeSchedule(name, ScheduleSpec{4, 1, 8});
+    EXPECT_DOUBLE_EQ(simulate(lower(compute, options)).makespan, simulate(lower(compute)).makespan) << name;
+  }
+}
+
 }  // namespace
 }  // namespace mpmd
 
