@@ -91,7 +91,7 @@ void Executor::checkProgram() const {
   for (size_t i = 0; i < prog.size(); ++i) {
     const Action& a = prog[i];
     const bool stage_ok = a.stage >= 0 && a.stage < schedule_.num_stages;
-    const bool mb_ok = a.kind == ActionKind::ReduceGrad ||
+    const bool mb_ok = isStageCollective(a.kind) ||
                        (a.microbatch >= 0 && a.microbatch < schedule_.num_microbatches);
     const bool peer_ok = !isCommunication(a.kind) ||
                          (a.peer_stage >= 0 && a.peer_stage < schedule_.num_stages);
@@ -300,6 +300,12 @@ void Executor::execute(int64_t index, const Action& a) {
     case ActionKind::ReduceGrad:
       runner_.reduceGrad(a.stage);
       break;
+    case ActionKind::Unshard:
+      runner_.unshard(a.stage);
+      break;
+    case ActionKind::Reshard:
+      runner_.reshard(a.stage);
+      break;
   }
 }
 
@@ -323,8 +329,14 @@ void Executor::drainAction(int64_t index, const Action& a) {
       break;
     }
     case ActionKind::ReduceGrad:
+    case ActionKind::Unshard:
+    case ActionKind::Reshard:
       try {
-        runner_.reduceGrad(a.stage);  // pairs with the other replicas' reductions
+        // Pairs with the other replicas' collectives (RESHARD frees what the
+        // UNSHARD gathered).
+        if (a.kind == ActionKind::ReduceGrad) runner_.reduceGrad(a.stage);
+        else if (a.kind == ActionKind::Unshard) runner_.unshard(a.stage);
+        else runner_.reshard(a.stage);
       } catch (const std::exception&) {
         // The step has failed already; the first failure is the one reported.
       }

@@ -9,7 +9,10 @@
 //   SEND_F/SEND_B   take the values from the buffers and start an
 //                   asynchronous send; completed sends are reaped as the
 //                   program runs and all are waited for at the end;
-//   REDUCE_GRAD     tell the runner the stage's backward is over.
+//   REDUCE_GRAD     tell the runner the stage's backward is over;
+//   UNSHARD         tell the runner to post the all-gather of the stage's
+//                   parameters (it returns at once and waits for it itself);
+//   RESHARD         tell the runner to free them.
 // Buffers are keyed by TransferKey (stage edge, microbatch, direction) and
 // dropped at their single use, so activations live from their producer (or
 // RECV) to their consumer (or SEND) and nothing longer. Stages on the same rank
@@ -33,8 +36,9 @@
 // options.drain the executor finishes the program's communication instead:
 // each later RECV is still received (its values dropped), each SEND sends a
 // stand-in of the captured shapes (Transport::sendStandIn; zeros over c10d),
-// compute actions are skipped, and REDUCE_GRAD still tells the runner (a
-// data-parallel reduction pairs with the other replicas'). The peers complete
+// compute actions are skipped, and REDUCE_GRAD, UNSHARD and RESHARD still
+// tell the runner (a data-parallel collective pairs with the other replicas';
+// their errors are dropped, the first failure is the one reported). The peers complete
 // their step on stand-in values; the caller tells them afterwards that the
 // step failed (torch_mpmd/lockstep.py). The ExecutorError thrown at the end
 // names the first failure and has drained() true: every channel is in step

@@ -1,6 +1,7 @@
 // StageRunner: the compute side of the executor.
 //
-// The executor calls one method per compute action of its program; the
+// The executor calls one method per compute action of its program (and per
+// REDUCE_GRAD, UNSHARD and RESHARD); the
 // production implementation (torch_mpmd/runner.py, through the pybind layer)
 // runs the stage's fx.GraphModule under autograd. Producers and consumers of a
 // stage are listed in ascending stage order (Schedule::producersOf/consumersOf)
@@ -62,6 +63,18 @@ class StageRunner {
 
   // REDUCE_GRAD(stage): this stage's last backward of the step is done.
   virtual void reduceGrad(int stage) = 0;
+
+  // Sharded data parallel (NOTE [Unshard placement] in core/lowering.h);
+  // replicated runners keep the defaults, which do nothing.
+  // UNSHARD(stage): post the all-gather of the stage's parameters and return
+  // at once; the runner itself waits for it before the stage's next compute
+  // call (forward, backward or backwardWeight) or its reshard. Also called in
+  // a drained step (NOTE [Draining a failed step] in executor.h), where no
+  // compute follows: it pairs with the other replicas' all-gathers.
+  virtual void unshard(int stage) { (void)stage; }
+  // RESHARD(stage): free the gathered parameters of the stage (waiting first
+  // for a gather still in flight). Called in a drained step too.
+  virtual void reshard(int stage) { (void)stage; }
 };
 
 }  // namespace mpmd::runtime

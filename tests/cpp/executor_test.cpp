@@ -15,6 +15,8 @@
 // never fails the test.
 #include <gtest/gtest.h>
 
+#include <fmt/format.h>
+
 #include <atomic>
 #include <functional>
 #include <map>
@@ -592,6 +594,108 @@ TEST(Executor, RejectsProgramsThatDoNotFitTheSchedule) {
   s.programs[0].push_back(computeAction(1, ActionKind::Forward, 0));  // stage 1 is rank 1's
   std::string msg = testing::errorOf([&] { Executor(s, 0, runner, transport); });
   EXPECT_NE(msg.find("action 1F0"), std::string::npos) << msg;
+}
+
+// --- UNSHARD/RESHARD (sharded data parallel) ---------------------------------
+
+// Logs every runner call as the action text it serves ("0F1", "2UNSHARD").
+class RecordingRunner : public FakeRunner {
+ public:
+  using FakeRunner::FakeRunner;
+  std::vector<std::string> log;
+  bool unshard_throws = false;
+
+  std::vector<Values> forward(int stage, int mb, std::vector<Values> inputs, Values& state) override {
+    log.push_back(fmt::format("{}F{}", stage, mb));
+    return FakeRunner::forward(stage, mb, std::move(inputs), state);
+  }
+  std::vector<Values> backward(int stage, int mb, std::vector<Values> grads, bool input_only,
+                               Values& state) override {
+    log.push_back(fmt::format("{}{}{}", stage, input_only ? "I" : "B", mb));
+    return FakeRunner::backward(stage, mb, std::move(grads), input_only, state);
+  }
+  void backwardWeight(int stage, int mb, Values state) override {
+    log.push_back(fmt::format("{}W{}", stage, mb));
+    FakeRunner::backwardWeight(stage, mb, std::move(state));
+  }
+  void reduceGrad(int stage) override { log.push_back(fmt::format("{}REDUCE_GRAD", stage)); }
+  void unshard(int stage) override {
+    log.push_back(fmt::format("{}UNSHARD", stage));
+    if (unshard_throws) throw std::runtime_error("gather failed too");
+  }
+  void reshard(int stage) override { log.push_back(fmt::format("{}RESHARD", stage)); }
+};
+
+Schedule shardedGPipeOneRank() {
+  LowerOptions options;
+  options.shard = true;
+  options.shard_options = {1, true};
+  return lower(makeSchedule("gpipe", {1, 2, 2}), options);
+}
+
+TEST(ExecutorShard, RunnerSeesUnshardAndReshardInProgramOrder) {
+  const Schedule lowered = shardedGPipeOneRank();
+  // Stage 0 is idle from 0F1 to 0B0 while stage 1 runs 1F1 and 1B0: two
+  // windows.
+  ASSERT_EQ(testing::rowOf(lowered, 0),
+            "0UNSHARD 1UNSHARD 0F0 1F0 0F1 0RESHARD 1F1 0UNSHARD 1B0 0B0 1B1 1RESHARD 1REDUCE_GRAD 0B1 "
+            "0RESHARD 0REDUCE_GRAD");
+  Tables tables;
+  RecordingRunner runner(lowered, tables);
+  auto net = std::make_shared<MemoryNetwork>(1);
+  MemoryTransport transport(net, 0);
+  Executor exec(lowered, 0, runner, transport, {.trace = true});
+  exec.run();
+  std::vector<std::string> program;
+  for (const Action& a : lowered.programs[0]) program.push_back(toString(a));
+  EXPECT_EQ(runner.log, program);
+  EXPECT_EQ(exec.stats().trace.size(), program.size());  // traced like every action
+  expectMatchesReference(lowered, tables);
+}
+
+TEST(ExecutorShard, DrainedStepStillGathersAndFreesSwallowingTheirErrors) {
+  const Schedule lowered = shardedGPipeOneRank();
+  Tables tables;
+  RecordingRunner runner(lowered, tables);
+  runner.before = [&](const char* kind, int stage, int mb) {
+    if (std::string(kind) == "B" && stage == 1 && mb == 0) {
+      runner.unshard_throws = true;
+      throw std::runtime_error("boom");
+    }
+  };
+  auto net = std::make_shared<MemoryNetwork>(1);
+  MemoryTransport transport(net, 0);
+  Executor exec(lowered, 0, runner, transport, {.drain = true});
+  try {
+    exec.run();
+    FAIL() << "expected ExecutorError";
+  } catch (const ExecutorError& e) {
+    EXPECT_TRUE(e.drained());
+    EXPECT_EQ(e.action(), "1B0");
+    EXPECT_NE(std::string(e.what()).find("boom"), std::string::npos) << e.what();
+    EXPECT_EQ(std::string(e.what()).find("gather failed"), std::string::npos) << e.what();
+  }
+  runner.forgetStates();
+  // Compute stops at the failing 1B0; the collectives after it still run.
+  EXPECT_EQ(runner.log, (std::vector<std::string>{"0UNSHARD", "1UNSHARD", "0F0", "1F0", "0F1", "0RESHARD", "1F1",
+                                                  "0UNSHARD", "1B0", "1RESHARD", "1REDUCE_GRAD", "0RESHARD",
+                                                  "0REDUCE_GRAD"}));
+}
+
+TEST(ExecutorShard, EveryShardedScheduleRunsExactly) {
+  LowerOptions options;
+  options.shard = true;
+  for (const std::string name : {"1f1b", "interleaved_1f1b", "zero_bubble", "gpipe"}) {
+    for (bool raf : {false, true}) {
+      options.shard_options = {1, raf};
+      const int v = name == "interleaved_1f1b" || name == "gpipe" ? 2 : 1;
+      const Schedule lowered = lower(makeSchedule(name, {2, v, 4}), options);
+      Tables tables;
+      RunResult r = runAll(lowered, tables);
+      for (const std::string& e : r.errors) EXPECT_EQ(e, "") << name;
+      expectMatchesReference(lowered, tables);
+    }
+  }
 }
 
 }  // namespace

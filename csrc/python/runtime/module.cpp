@@ -98,6 +98,8 @@ struct MethodNames {
   PyObject* backward = PyUnicode_InternFromString("backward");
   PyObject* backward_weight = PyUnicode_InternFromString("backward_weight");
   PyObject* reduce_grad = PyUnicode_InternFromString("reduce_grad");
+  PyObject* unshard = PyUnicode_InternFromString("unshard");
+  PyObject* reshard = PyUnicode_InternFromString("reshard");
 };
 const MethodNames& methodNames() {
   static const MethodNames* names = new MethodNames();
@@ -125,13 +127,19 @@ const MethodNames& methodNames() {
 //       for W, or None for nothing, and is ignored after a B (input_only False).
 //     backward_weight(stage, mb, carry) -> None: carry is I's list, the
 //       executor's only reference.
-// reduce_grad(stage) is the same in both. Methods are called by name on every
-// call (a runner may replace them), through vectorcall: per call, no Python
-// objects beyond the argument and result lists.
+// reduce_grad(stage) is the same in both, and so are unshard(stage) and
+// reshard(stage) (sharded data parallel: StageRunner::unshard/reshard), which
+// a runner may lack: whether it has them is looked up once, here, and a
+// missing one is a no-op, so replicated runners need neither. Methods are
+// called by name on every call (a runner may replace them), through
+// vectorcall: per call, no Python objects beyond the argument and result lists.
 class PyStageRunner final : public StageRunner {
  public:
   explicit PyStageRunner(py::object runner)
-      : runner_(std::move(runner)), returns_state_(readReturnsState(runner_)) {}
+      : runner_(std::move(runner)),
+        returns_state_(readReturnsState(runner_)),
+        has_unshard_(py::hasattr(runner_, methodNames().unshard)),
+        has_reshard_(py::hasattr(runner_, methodNames().reshard)) {}
   ~PyStageRunner() override {
     py::gil_scoped_acquire gil;
     runner_ = py::object();
@@ -192,15 +200,14 @@ class PyStageRunner final : public StageRunner {
     }
   }
 
-  void reduceGrad(int stage) override {
-    py::gil_scoped_acquire gil;
-    try {
-      py::int_ s(stage);
-      PyObject* args[] = {nullptr, runner_.ptr(), s.ptr()};
-      callWith(methodNames().reduce_grad, args, 2);
-    } catch (py::error_already_set& e) {
-      throw failure(e);
-    }
+  void reduceGrad(int stage) override { callStage(methodNames().reduce_grad, stage); }
+
+  void unshard(int stage) override {
+    if (has_unshard_) callStage(methodNames().unshard, stage);
+  }
+
+  void reshard(int stage) override {
+    if (has_reshard_) callStage(methodNames().reshard, stage);
   }
 
  private:
@@ -212,6 +219,18 @@ class PyStageRunner final : public StageRunner {
                            typeName(flag));
     }
     return flag.ptr() == Py_True;
+  }
+
+  // runner.<name>(stage), under the GIL; a Python exception becomes failure().
+  void callStage(PyObject* name, int stage) {
+    py::gil_scoped_acquire gil;
+    try {
+      py::int_ s(stage);
+      PyObject* args[] = {nullptr, runner_.ptr(), s.ptr()};
+      callWith(name, args, 2);
+    } catch (py::error_already_set& e) {
+      throw failure(e);
+    }
   }
 
   // runner.<name>(stage, mb, *rest) with borrowed `rest` (at most 3).
@@ -251,6 +270,8 @@ class PyStageRunner final : public StageRunner {
 
   py::object runner_;
   bool returns_state_;
+  bool has_unshard_;  // looked up once: a runner without them is replicated
+  bool has_reshard_;
 };
 
 // The transport of a program without SEND/RECV (one rank): never used.
@@ -355,7 +376,8 @@ PYBIND11_MODULE(_runtime, m) {
            py::arg("drain") = false,
            "Executor of rank `rank`'s program of a lowered schedule (text form). `transport` "
            "may be None only when the program has no SEND/RECV. `runner` has methods forward, "
-           "backward, backward_weight and reduce_grad; with `runner.returns_state` True the "
+           "backward, backward_weight and reduce_grad, and may have unshard(stage) and "
+           "reshard(stage) (UNSHARD/RESHARD actions; a no-op when absent); with `runner.returns_state` True the "
            "executor holds the forward's saved tensors and I's carry for W: forward returns "
            "(sends, state), backward takes the state and returns (input_grads, carry), "
            "backward_weight takes the carry. With `drain`, a failure of this rank's own code "
