@@ -328,3 +328,87 @@ def test_csv_cells_parse_identically_in_torch_pipelining(name, spr):
     # And torch-printed actions load back into the same schedule.
     torch_rows = [[str(_Action.from_str(a)) for a in rank] for rank in sched.actions]
     assert Schedule.from_actions(torch_rows).actions == sched.actions
+
+
+# -- sharded data parallel: UNSHARD/RESHARD -----------------------------------
+
+
+def test_lower_shard_gathers_each_stage_around_its_compute():
+    low = make("1f1b", p=2, m=2).lower(shard=True)
+    assert low.actions == [
+        ["0UNSHARD", "0F0", "0SEND_F0", "0F1", "0SEND_F1", "0RECV_B0", "0B0", "0RECV_B1", "0B1",
+         "0RESHARD", "0REDUCE_GRAD"],
+        ["1UNSHARD", "1RECV_F0", "1F0", "1B0", "1SEND_B0", "1RECV_F1", "1F1", "1B1", "1SEND_B1",
+         "1RESHARD", "1REDUCE_GRAD"],
+    ]
+    assert low.is_lowered
+    low.validate()
+    assert Schedule.from_text(low.to_text()) == low
+    # The interleaved rank prefetches its second stage one compute ahead
+    # (prefetch 1) or right before its first compute, above its RECV (0).
+    inter = make("interleaved_1f1b", p=2, m=4, spr=2)
+    assert inter.lower(shard=True).actions[0][:4] == ["0UNSHARD", "0F0", "0SEND_F0", "2UNSHARD"]
+    assert inter.lower(shard=True, unshard_prefetch=0).actions[0][4:8] == [
+        "0SEND_F1", "2UNSHARD", "2RECV_F0", "2F0"]
+    split = make("gpipe", p=2, m=4, spr=2).lower(shard=True, reshard_after_forward=True)
+    assert split.actions[0].count("0UNSHARD") == 2 and split.actions[0].count("2UNSHARD") == 1
+
+
+def test_lower_shard_rejects_a_negative_prefetch_and_sharded_input():
+    with pytest.raises(ValueError, match="unshard_prefetch=-1"):
+        make().lower(shard=True, unshard_prefetch=-1)
+    with pytest.raises(ValueError, match="already lowered"):
+        make().lower(shard=True).lower(shard=True)
+
+
+def test_broken_unshard_windows_raise_value_error_naming_rank_and_action():
+    with pytest.raises(ValueError, match=r"rank 0, action #3 '0B0'"):
+        Schedule.from_actions([["0UNSHARD", "0F0", "0RESHARD", "0B0"]])
+    with pytest.raises(ValueError, match=r"rank 0, action #0 '0UNSHARD'.*end of the program"):
+        Schedule.from_actions([["0UNSHARD", "0F0", "0B0"]])
+    with pytest.raises(ValueError, match="takes no microbatch"):
+        Schedule.from_actions([["0UNSHARD3", "0F0", "0B0", "0RESHARD"]])
+
+
+def test_simulate_counts_the_gather_and_overlaps_it_with_earlier_compute():
+    # Two stages on one rank: 0F0 1F0 1B0 0B0. Gathers cost 3 and queue on one
+    # collective stream. Prefetch 0: gather 0 [0,3], 0F0 [3,4], gather 1
+    # [4,7], 1F0 [7,8], 1B0 [8,10], 0B0 [10,12]. Prefetch 1: gathers [0,3] and
+    # [3,6]; 0F0 [3,4], 1F0 [6,7], 1B0 [7,9], 0B0 [9,11].
+    s = Schedule.from_actions([["0F0", "1F0", "1B0", "0B0"]])
+    costs = {"UNSHARD": 3}
+    assert s.lower(shard=True, unshard_prefetch=0).simulate(costs).makespan == 12
+    one = s.lower(shard=True).simulate(costs, timeline=True)
+    assert one.makespan == 11
+    assert one.busy == [6]
+    assert one.timeline[0][:3] == [("0UNSHARD", 0, 3), ("1UNSHARD", 3, 6), ("0F0", 3, 4)]
+    assert s.lower(shard=True).simulate({"RESHARD": 1}).makespan == 6 + 2
+    assert s.lower(shard=True).simulate(stage_costs={1: {"UNSHARD": 5}}).makespan == 10
+    # REDUCE_GRAD is asynchronous too: 1REDUCE_GRAD [4,9] beside 0B0 [4,6],
+    # then 0REDUCE_GRAD [9,14].
+    assert s.simulate({"REDUCE_GRAD": 5}).makespan == 14
+
+
+def test_plot_of_a_sharded_schedule_draws_the_collectives(tmp_path):
+    pytest.importorskip("matplotlib")
+    from torch_mpmd.schedules._plot import KIND_COLOURS, save_timeline
+
+    low = make("interleaved_1f1b", p=2, m=4, spr=2).lower(shard=True, reshard_after_forward=True)
+    result = low.simulate({"UNSHARD": 0.5, "RESHARD": 0.1, "REDUCE_GRAD": 1}, timeline=True)
+    path = tmp_path / "sharded.png"
+    save_timeline(low, result, path)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert {"UNSHARD", "RESHARD"} <= set(KIND_COLOURS)
+
+
+@pytest.mark.parametrize("name,spr", [("1f1b", 1), ("interleaved_1f1b", 2)])
+def test_sharded_csv_cells_parse_identically_in_torch_pipelining(name, spr):
+    import csv
+    import io
+
+    from torch.distributed.pipelining.schedules import _Action
+
+    low = make(name, p=2, m=4, spr=spr).lower(shard=True)
+    for row in csv.reader(io.StringIO(low.to_csv())):
+        for cell in row:
+            assert str(_Action.from_str(cell)) == cell

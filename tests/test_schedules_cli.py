@@ -134,3 +134,12 @@ def test_png_without_matplotlib_exits_2_with_install_hint(tmp_path, monkeypatch,
     assert rc == 2 and captured.out == ""
     assert "pip install matplotlib" in captured.err
     assert not (tmp_path / "x.png").exists()
+
+
+def test_show_shard_lowers_with_unshard_and_its_cost_counts(tmp_path):
+    base = cli("show", "1f1b", "--ranks", 2, "--microbatches", 2)
+    sharded = cli("show", "1f1b", "--ranks", 2, "--microbatches", 2, "--shard", "--costs",
+                  "UNSHARD=2")
+    assert base.returncode == 0 and sharded.returncode == 0, sharded.stderr
+    assert "0UNSHARD" in sharded.stdout and "1RESHARD" in sharded.stdout
+    assert "makespan: 9\n" in base.stdout and "makespan: 11\n" in sharded.stdout

@@ -24,7 +24,9 @@ void bindActions(py::module_& m) {
       .value("RECV_F", ActionKind::RecvF)
       .value("SEND_B", ActionKind::SendB)
       .value("RECV_B", ActionKind::RecvB)
-      .value("REDUCE_GRAD", ActionKind::ReduceGrad);
+      .value("REDUCE_GRAD", ActionKind::ReduceGrad)
+      .value("UNSHARD", ActionKind::Unshard)
+      .value("RESHARD", ActionKind::Reshard);
 
   m.def("kind_name", [](ActionKind k) { return std::string(kindName(k)); }, py::arg("kind"),
         "Text name of a kind: 'F', 'SEND_B', 'REDUCE_GRAD'.");
@@ -32,11 +34,14 @@ void bindActions(py::module_& m) {
   py::class_<Action>(m, "Action", "One (stage, kind, microbatch) step of a rank's program.")
       .def_readonly("stage", &Action::stage)
       .def_readonly("kind", &Action::kind)
-      .def_readonly("microbatch", &Action::microbatch, "-1 for REDUCE_GRAD")
+      .def_readonly("microbatch", &Action::microbatch, "-1 for REDUCE_GRAD, UNSHARD and RESHARD")
       .def_readonly("peer_stage", &Action::peer_stage, "-1 for non-communication kinds")
       .def_property_readonly("is_compute", [](const Action& a) { return isCompute(a.kind); })
       .def_property_readonly("is_communication",
                              [](const Action& a) { return isCommunication(a.kind); })
+      .def_property_readonly("is_stage_collective",
+                             [](const Action& a) { return isStageCollective(a.kind); },
+                             "REDUCE_GRAD, UNSHARD or RESHARD (no microbatch)")
       .def_static("parse", &parseAction, py::arg("text"),
                   "Parse one token; ParseError (a ValueError) names the token on bad input.")
       .def("__str__", [](const Action& a) { return toString(a); })

@@ -108,9 +108,21 @@ void bindFunctions(py::module_& m) {
   m.def("order_channels", &orderChannels, py::arg("schedule"), Released());
   m.def("insert_grad_reduce", &insertGradReduce, py::arg("schedule"), Released());
   m.def(
+      "insert_unshard_reshard",
+      [](Schedule s, int unshard_prefetch, bool reshard_after_forward) {
+        return insertUnshardReshard(std::move(s), ShardOptions{unshard_prefetch, reshard_after_forward});
+      },
+      py::arg("schedule"), py::kw_only(), py::arg("unshard_prefetch") = 1,
+      py::arg("reshard_after_forward") = false, Released());
+  m.def(
       "lower",
-      [](const Schedule& s, bool grad_reduce) { return lower(s, LowerOptions{grad_reduce}); },
-      py::arg("schedule"), py::kw_only(), py::arg("grad_reduce") = true, Released());
+      [](const Schedule& s, bool grad_reduce, bool shard, int unshard_prefetch, bool reshard_after_forward) {
+        return lower(s, LowerOptions{grad_reduce, shard, ShardOptions{unshard_prefetch, reshard_after_forward}});
+      },
+      py::arg("schedule"), py::kw_only(), py::arg("grad_reduce") = true, py::arg("shard") = false,
+      py::arg("unshard_prefetch") = 1, py::arg("reshard_after_forward") = false, Released(),
+      "All lowering passes; with shard, UNSHARD/RESHARD too (NOTE [Unshard placement]). "
+      "ScheduleError for unshard_prefetch < 0.");
 
   m.def("validate_static", &validateStatic, py::arg("schedule"), Released());
   m.def("validate", &validate, py::arg("schedule"), Released(),

@@ -29,13 +29,15 @@ std::vector<std::vector<Span>> timelineSpans(const SimulationResult& r) {
 }  // namespace
 
 void bindSimulator(py::module_& m) {
-  py::class_<KindCosts>(m, "KindCosts", "Time per compute kind (defaults F=1, B=2, I=1, W=1).")
+  py::class_<KindCosts>(m, "KindCosts", "Time per action kind (defaults F=1, B=2, I=1, W=1; collectives 0).")
       .def(py::init<>())
       .def_readwrite("forward", &KindCosts::forward)
       .def_readwrite("backward", &KindCosts::backward)
       .def_readwrite("backward_input", &KindCosts::backward_input)
       .def_readwrite("backward_weight", &KindCosts::backward_weight)
-      .def_readwrite("reduce_grad", &KindCosts::reduce_grad);
+      .def_readwrite("reduce_grad", &KindCosts::reduce_grad)
+      .def_readwrite("unshard", &KindCosts::unshard)
+      .def_readwrite("reshard", &KindCosts::reshard);
 
   py::class_<CostModel>(m, "CostModel", "Compute costs plus a latency/bandwidth link model.")
       .def(py::init<>())

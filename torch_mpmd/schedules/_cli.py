@@ -62,8 +62,12 @@ def _build_parser() -> argparse.ArgumentParser:
     show.add_argument("--stages-per-rank", type=int, default=None,
                       help="default 2 for the V schedules (zbv, dualpipev), else 1")
     show.add_argument("--lowered", action="store_true", help="print the lowered program")
+    show.add_argument("--shard", action="store_true",
+                      help="lower for sharded data parallel (UNSHARD/RESHARD around each stage's "
+                           "compute) before simulating; implies --lowered")
     show.add_argument("--costs", type=_parse_costs, default=None,
-                      help="e.g. F=1,B=2,I=1,W=1,REDUCE_GRAD=0")
+                      help="e.g. F=1,B=2,I=1,W=1,REDUCE_GRAD=0,UNSHARD=0,RESHARD=0 (UNSHARD/RESHARD "
+                           "apply with --shard or to a --file schedule that holds them)")
     show.add_argument("--comm-latency", type=float, default=0.0, help="time per message")
     show.add_argument("--png", type=Path, help="draw the simulated timeline to this PNG")
     return parser
@@ -123,6 +127,10 @@ def _show(args: argparse.Namespace) -> None:
 
         _import_matplotlib()  # fail before printing anything when it is missing
     schedule = _load(args)
+    if args.shard:
+        if schedule.is_lowered:
+            raise UsageError("--shard lowers the schedule, which is lowered already")
+        schedule = schedule.lower(shard=True)
     shown = schedule.lower() if args.lowered and not schedule.is_lowered else schedule
     result = schedule.simulate(
         args.costs, comm_latency=args.comm_latency, timeline=args.png is not None

@@ -1,9 +1,11 @@
 """Timeline drawing with matplotlib (imported lazily; Agg canvas, no pyplot).
 
 Contract: ``save_timeline(schedule, result, path)`` writes a PNG with one row
-per rank (rank 0 on top) and one box per compute or REDUCE_GRAD action from
-``result.timeline`` (which must have been recorded), coloured by kind and
-labelled with the microbatch and stage. Raises ``ImportError`` with an install
+per rank (rank 0 on top) and one box per compute, REDUCE_GRAD, UNSHARD or
+RESHARD action of non-zero duration from ``result.timeline`` (which must have
+been recorded), coloured by kind and labelled with the microbatch and stage
+(collectives: a letter and the stage; REDUCE_GRAD and UNSHARD are drawn over
+their span on the collective stream, so they may overlap compute). Raises ``ImportError`` with an install
 hint when matplotlib is missing, ``ValueError`` without a timeline.
 """
 
@@ -24,9 +26,13 @@ KIND_COLOURS = {
     "I": "#a9d18e",
     "W": "#f4b183",
     "REDUCE_GRAD": "#bfbfbf",
+    "UNSHARD": "#b4a7d6",
+    "RESHARD": "#d9d2e9",
 }
 _KIND_LABELS = {"F": "forward", "B": "backward", "I": "input grad", "W": "weight grad",
-                "REDUCE_GRAD": "grad reduce"}
+                "REDUCE_GRAD": "grad reduce", "UNSHARD": "param gather", "RESHARD": "param free"}
+# Box label letters of the stage collectives (no microbatch).
+_COLLECTIVE_LETTERS = {"REDUCE_GRAD": "R", "UNSHARD": "U", "RESHARD": "X"}
 
 
 def _import_matplotlib():  # type: ignore[no-untyped-def]
@@ -55,7 +61,8 @@ def draw_timeline(ax, rows, makespan: float, points_per_unit: float) -> list:  #
                 seen.append(kind)
             ax.barh(rank, end - start, left=start, height=0.8, color=KIND_COLOURS[kind],
                     edgecolor="black", linewidth=0.6)
-            label = "R" if kind == "REDUCE_GRAD" else f"{action.microbatch}\ns{action.stage}"
+            letter = _COLLECTIVE_LETTERS.get(kind)
+            label = f"{letter}\ns{action.stage}" if letter else f"{action.microbatch}\ns{action.stage}"
             size = min(9.0, (end - start) * points_per_unit / 2.2)
             if size >= 4.0:
                 ax.text((start + end) / 2, rank, label, ha="center", va="center",

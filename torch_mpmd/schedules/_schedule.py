@@ -82,18 +82,48 @@ class Schedule:
 
     @property
     def is_lowered(self) -> bool:
-        """True when the programs hold SEND/RECV/REDUCE_GRAD actions."""
+        """True when the programs hold any action besides F/B/I/W: SEND/RECV,
+        REDUCE_GRAD, UNSHARD or RESHARD."""
         return self._cpp.is_lowered
 
     # -- transformations ----------------------------------------------------
-    def lower(self, *, grad_reduce: bool = True) -> "Schedule":
+    def lower(
+        self,
+        *,
+        grad_reduce: bool = True,
+        shard: bool = False,
+        unshard_prefetch: int = 1,
+        reshard_after_forward: bool = False,
+    ) -> "Schedule":
         """Add transfers (and REDUCE_GRAD unless ``grad_reduce=False``).
 
-        Raises ``ValueError`` when the schedule is already lowered.
+        With ``shard=True`` (ZeRO-3/FSDP-style sharded data parallel) each
+        rank also gathers each local stage's parameters (``UNSHARD``) before
+        its compute and frees them (``RESHARD``) after; NOTE [Unshard
+        placement] in csrc/core/lowering.h. ``unshard_prefetch`` (>= 0) is how
+        many compute actions ahead of the stage's first compute the gather is
+        posted; ``reshard_after_forward`` also frees the parameters between a
+        stage's forwards and backwards when more than ``unshard_prefetch``
+        compute actions of other stages run in between.
+
+        Raises ``ValueError`` when the schedule is already lowered or
+        ``unshard_prefetch`` is negative.
         """
         if self.is_lowered:
             raise ValueError(f"schedule '{self.name}' is already lowered")
-        return Schedule(_C.lower(self._cpp, grad_reduce=grad_reduce))
+        if isinstance(unshard_prefetch, bool) or not isinstance(unshard_prefetch, int):
+            raise ValueError(f"unshard_prefetch={unshard_prefetch!r} must be an int >= 0")
+        if unshard_prefetch < 0:
+            raise ValueError(f"unshard_prefetch={unshard_prefetch} must be >= 0")
+        return Schedule(
+            _C.lower(
+                self._cpp,
+                grad_reduce=grad_reduce,
+                shard=bool(shard),
+                unshard_prefetch=unshard_prefetch,
+                reshard_after_forward=bool(reshard_after_forward),
+            )
+        )
 
     def with_edges(self, edges: Iterable[Sequence[int]]) -> "Schedule":
         """A validated copy whose stage edges are exactly ``edges``.
@@ -137,8 +167,13 @@ class Schedule:
     ) -> SimulationResult:
         """Simulate all ranks; a compute-only schedule is lowered first.
 
-        ``costs`` maps ``"F" "B" "I" "W" "REDUCE_GRAD"`` to times (defaults
-        1, 2, 1, 1, 0); ``stage_costs`` overlays per-stage dicts on it.
+        ``costs`` maps ``"F" "B" "I" "W" "REDUCE_GRAD" "UNSHARD" "RESHARD"``
+        to times (defaults 1, 2, 1, 1, 0, 0, 0); ``stage_costs`` overlays
+        per-stage dicts on it. REDUCE_GRAD and UNSHARD are asynchronous: they
+        run one after another on the rank's collective stream, a stage's
+        compute waits for its UNSHARD, and the makespan includes every
+        collective's end; RESHARD blocks the rank (csrc/core/simulator.h).
+        To simulate sharding, lower with ``shard=True`` first.
         ``comm_bandwidth=0`` means infinite bandwidth. Raises ``ValueError``
         naming a bad key or value and ``DeadlockError`` naming blocked actions.
         """

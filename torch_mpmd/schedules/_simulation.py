@@ -23,6 +23,8 @@ COST_KEYS: dict[str, str] = {
     "I": "backward_input",
     "W": "backward_weight",
     "REDUCE_GRAD": "reduce_grad",
+    "UNSHARD": "unshard",
+    "RESHARD": "reshard",
 }
 
 CostDict = Mapping[str, float]
