@@ -105,7 +105,13 @@ class ParamShards:
             shard = self._make(p)
             self.of[id(p)] = shard
             self.compute[id(shard)] = p
-            p.data = _standin(p)
+            # NOTE [One-element parameters]: a stand-in of one element (a
+            # zero-stride view of a zero) cannot be told from a value
+            # (meta_init.is_standin counts it as one), and it owns its element
+            # anyway: these compute parameters keep their value, which take()
+            # copies back at capture (a meta-device model's init_fn writes it).
+            if p.numel() > 1:
+                p.data = _standin(p)
 
     def _make(self, p: torch.nn.Parameter) -> torch.nn.Parameter:
         if p.dim() == 0:
@@ -125,15 +131,18 @@ class ParamShards:
 
     def take(self, params: Iterable[torch.Tensor]) -> None:
         """Compute parameters that hold full values (materialized, or loaded):
-        copy this rank's rows into their shards and free them."""
+        copy this rank's rows into their shards and free them. Parameters of
+        one element or none hold their value (NOTE [One-element parameters]):
+        copied too."""
         with torch.no_grad():
             for p in params:
                 shard = self.of.get(id(p))
-                # 0-dim parameters are never stand-ins (nor materialized): their
-                # shard (a replica) holds the value already.
-                if shard is None or is_standin(p) or p.dim() == 0:
+                if shard is None or is_standin(p):
                     continue
                 local = shard._local_tensor
+                if p.dim() == 0:  # a replica: the whole value
+                    local.copy_(p.detach())
+                    continue
                 start, stop = _rows(p.shape[0], self.size, self.rank)
                 src = p.detach()[start:stop]
                 if is_standin(local) or local.shape != src.shape:

@@ -1,0 +1,243 @@
+"""Sharded data parallel (ZeRO-3, ``pipeline(..., data_parallel="shard")``) on
+a ("dp", "pp") = (2, 2) mesh of 4 gloo ranks, against one process stepping
+the unsplit model on the global batch (tests/sharded_worker.py).
+
+Three launches: the training grid (schedules, replicate vs shard,
+reshard_after_forward, Inductor, clip/eval/forward, a meta-device model), the
+checkpoints (saved sharded, loaded sharded, replicated, on another mesh and
+into a plain module through DCP alone), and a rank dying at its all-gather.
+Differences come back scaled by the fp32 tolerance (atol 1e-5, rtol 1e-4):
+a value <= 1 is within it.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import models
+import sharded_worker as W
+import torch_mpmd as mpmd
+from dist_harness import GridRun, run_ranks
+
+DP, PP = 2, 2
+SCHEDULES = ("1f1b", "interleaved_1f1b", "zero_bubble")
+
+
+def _cases() -> list[dict]:
+    cases = [dict(id=f"train-{model}-{schedule}", kind="train", model=model, schedule=schedule)
+             for model in ("gpt", "mlp") for schedule in SCHEDULES]
+    # After the shard runs of the same model and schedule: compared with them.
+    cases += [dict(id=f"replicate-{model}-1f1b", kind="train", model=model, schedule="1f1b",
+                   mode="replicate") for model in ("gpt", "mlp")]
+    cases += [
+        # Two stages per rank: another stage's compute runs between a stage's
+        # forwards and its backwards, so its parameters are freed in between.
+        dict(id="reshard_after_forward-gpt-gpipe", kind="train", model="gpt", schedule="gpipe",
+             spr=2, kwargs={"reshard_after_forward": True}),
+        dict(id="clip_eval-gpt-1f1b", kind="clip_eval", model="gpt", schedule="1f1b"),
+        dict(id="meta_init-gpt-1f1b", kind="meta_init", schedule="1f1b"),
+        dict(id="compile-mlp-1f1b", kind="train", model="mlp", schedule="1f1b",
+             kwargs={"compile": True}),
+    ]
+    return cases
+
+
+CASES = _cases()
+_GRID = GridRun(DP * PP, "sharded_worker:grid", CASES, task="sharded", timeout=400)
+
+
+def dp_rank(rank: int) -> int:
+    return rank // PP   # the mesh is (dp, pp): global rank = dp * PP + pp
+
+
+def pp_rank(rank: int) -> int:
+    return rank % PP
+
+
+def check_training(got: list[dict]) -> None:
+    """Losses and every gradient (full tensors) of both steps, and the
+    parameters after two AdamW steps, equal the reference's."""
+    for rank, r in enumerate(got):
+        assert all(d <= 1 for d in r["loss"]), (rank, r["loss"])
+        for step, (name, d) in enumerate(r["grads"]):
+            assert d <= 1, f"rank {rank} step {step}: gradient of {name} off by {d} tolerances"
+        name, d = r["params"]
+        assert d <= 1, f"rank {rank}: parameter {name} off by {d} tolerances after 2 steps"
+    # Every parameter is somewhere, and this rank's stages' only after capture.
+    assert set().union(*(r["names"] for r in got)) == set(got[0]["all_names"])
+    for r in got:
+        assert len(r["names"]) == r["listed_after"] < r["num_parameters"]
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("model", ["gpt", "mlp"])
+def test_sharded_training_equals_one_process(model, schedule):
+    got = _GRID.results(f"train-{model}-{schedule}")
+    check_training(got)
+    for rank, r in enumerate(got):
+        # Before the first step: all of the module's parameters, as DTensor
+        # shards (Shard(0); 0-dim: Replicate) holding torch.chunk's rows.
+        assert r["listed_before"] == r["num_parameters"]
+        assert not r["layout_before"]["bad"], (rank, r["layout_before"]["bad"])
+        assert not r["layout_after"]["bad"], (rank, r["layout_after"]["bad"])
+        assert r["optimizer_state_types"] == ["DTensor"]
+        if model == "mlp":   # uneven dim 0 over dp=2: ceil(rows / 2) on dp rank 0
+            rows = r["layout_before"]["local_rows"]
+            want = {"a.weight": [4, 3], "b.weight": [3, 2], "b.bias": [3, 2],
+                    "c.weight": [2, 1], "head.weight": [1, 0], "head.bias": [1, 0],
+                    "scale": [None, None]}
+            for name, per_dp in want.items():
+                expected = [] if per_dp[dp_rank(rank)] is None else [per_dp[dp_rank(rank)]]
+                assert rows[name] == expected, (rank, name, rows[name])
+    if model == "gpt":   # the tied embedding lives on both pipeline ranks
+        for rank, r in enumerate(got):
+            assert "wte.weight" in r["names"], (rank, r["names"])
+
+
+@pytest.mark.parametrize("model", ["gpt", "mlp"])
+def test_replicate_and_shard_give_the_same_losses_and_gradients(model):
+    got = _GRID.results(f"replicate-{model}-1f1b")
+    check_training(got)
+    for rank, r in enumerate(got):
+        assert r["grad_types"] == [] and "layout_after" not in r
+        assert "vs_other_mode" in r, "the shard run of this case did not finish first"
+        assert r["vs_other_mode"]["loss"] <= 1 and r["vs_other_mode"]["grads"] <= 1, \
+            (rank, r["vs_other_mode"])
+
+
+_ACTION = re.compile(r"^(\d+)([A-Z_]+?)(\d*)$")
+
+
+def test_reshard_after_forward_frees_between_forward_and_backward_and_trains_alike():
+    got = _GRID.results("reshard_after_forward-gpt-gpipe")
+    check_training(got)
+    for rank, r in enumerate(got):
+        assert not r["layout_after"]["bad"], (rank, r["layout_after"]["bad"])
+        parsed = [_ACTION.match(a).groups() for a in r["actions"]]
+        for stage in r["local_stages"]:
+            mine = [(i, kind) for i, (s, kind, _) in enumerate(parsed) if int(s) == stage]
+            last_f = max(i for i, k in mine if k == "F")
+            first_b = min(i for i, k in mine if k in ("B", "I"))
+            between = [k for i, k in mine if last_f < i < first_b]
+            if stage == r["local_stages"][0]:   # the other stage runs in between
+                assert "RESHARD" in between and "UNSHARD" in between, (rank, r["actions"])
+
+
+def test_compiled_stages_with_shard_equal_one_process():
+    got = _GRID.results("compile-mlp-1f1b")
+    check_training(got)
+    assert all(r["functional"] for r in got)   # Inductor-compiled stage programs ran
+
+
+def test_clip_grad_norm_eval_step_and_forward_with_shard_equal_one_process():
+    got = _GRID.results("clip_eval-gpt-1f1b")
+    for rank, r in enumerate(got):
+        # Two steps without zero_grad: the DTensor gradients accumulate.
+        assert r["accumulated_grads"][1] <= 1, (rank, r["accumulated_grads"])
+        assert r["norm"] <= 1, (rank, r["norm_value"], r["ref_norm_value"])
+        assert r["norm_value"] > 0.1 * 2   # the clip did scale the gradients
+        assert r["clipped_grads"][1] <= 1, (rank, r["clipped_grads"])
+        assert r["eval"] <= 1 and r["eval_kept_grads"] == 0, (rank, r)
+        assert r["forward"] <= 1, (rank, r["forward"])
+        assert r["step_after"] <= 1 and r["grads_after"][1] <= 1, (rank, r)
+    assert len({r["norm_value"] for r in got}) == 1   # the same on every rank
+
+
+def test_meta_device_model_holds_a_quarter_of_the_parameters_per_rank_and_trains_exactly():
+    got = _GRID.results("meta_init-gpt-1f1b")
+    total = got[0]["total_bytes"]
+    for rank, r in enumerate(got):
+        assert not r["still_meta"]
+        assert all(d <= 1 for d in r["loss"]), (rank, r["loss"])
+        assert all(d <= 1 for _, d in r["grads"]), (rank, r["grads"])
+        assert r["params"][1] <= 1, (rank, r["params"])
+        assert not r["layout_after"]["bad"], (rank, r["layout_after"]["bad"])
+        # 1/(pp*dp) of the model, give or take the split's balance and the tied
+        # embedding (held by both pipeline ranks).
+        share = r["local_bytes"] / total
+        assert 0.5 / (DP * PP) < share < 1.5 / (DP * PP), (rank, r["local_bytes"], total)
+    # The replicas of a pipeline rank hold disjoint rows: theirs add up to
+    # its stages' parameters, and the pipeline ranks' to the model (+ tied).
+    assert sum(r["local_bytes"] for r in got) >= total
+
+
+# ------------------------------------------------------------------ checkpoints
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    directory = str(tmp_path_factory.mktemp("sharded_ckpt"))
+    run = run_ranks(DP * PP, "sharded_worker:checkpoints", directory, timeout=300)
+    return run.results
+
+
+def test_checkpoint_saved_sharded_holds_the_reference_state(checkpoints):
+    for rank, r in enumerate(checkpoints):
+        assert r["save_error"] is None, f"rank {rank}:\n{r['save_error']}"
+        assert r["saved_vs_ref"] <= 1 and r["continuation_vs_ref"] <= 1, (rank, r)
+
+
+@pytest.mark.parametrize("into", ["a_pp2_dp2_shard", "b_pp2_dp2_replicate", "c_pp1_dp4_shard",
+                                  "c_pp4_dp1_shard", "d_plain_module"])
+def test_checkpoint_saved_sharded_loads_resharded_and_continues(checkpoints, into):
+    ranks = [0] if into == "d_plain_module" else range(DP * PP)
+    for rank in ranks:
+        r = checkpoints[rank]
+        assert r["save_error"] is None, f"rank {rank}:\n{r['save_error']}"
+        got = r[into]
+        assert got["error"] is None, f"rank {rank}:\n{got['error']}"
+        loaded = got["loaded"]
+        # Parameters and AdamW moments bit for bit as saved.
+        assert loaded["compared"] > 0 and loaded["moments"] > 0, (rank, loaded)
+        assert not loaded["unequal"] and not loaded["unknown"], (rank, loaded)
+        if into != "d_plain_module":
+            assert got["step"] == 2
+            assert got["types"] == (["DTensor"] if into in ("a_pp2_dp2_shard",
+                                                            "c_pp1_dp4_shard") else ["Parameter"])
+        # One more step equals the saving run's next step.
+        assert got["loss"] < 1e-5, (rank, got["loss"])
+        assert got["continued"][1] <= 1, (rank, got["continued"])
+
+
+# ------------------------------------------------------------------ failures
+
+def test_rank_dying_at_its_all_gather_makes_every_other_rank_raise_naming_it():
+    timeout = 10.0
+    run = run_ranks(DP * PP, "sharded_worker:die_in_all_gather", timeout, timeout=120,
+                    failure_grace=None, check=False)
+    assert not run.timed_out, "a surviving rank never gave up:\n" + run.describe()
+    assert run.returncodes[3] == 3, run.describe([3])
+    for rank in (0, 1, 2):
+        r = run.results[rank]
+        assert r is not None and r.get("first_step"), run.describe([rank])
+        assert r.get("raised") == "PipelineError", (rank, r, run.describe([rank]))
+        assert r["seconds"] < timeout + 10, (rank, r["seconds"])
+    # Global rank 1 is rank 3's dp partner: its all-gather is the one left waiting.
+    message = run.results[1]["message"]
+    assert "all-gather" in message and "data-parallel group" in message, message
+    assert re.search(r"global ranks \[1, 3\]", message), message
+
+
+# ------------------------------------------------------------------ one process
+
+def test_unknown_data_parallel_mode_is_a_value_error_naming_it():
+    with pytest.raises(ValueError, match=r"data_parallel='shrd'"):
+        mpmd.pipeline(models.MLP(), loss_fn=F.mse_loss, num_microbatches=2,
+                      data_parallel="shrd")
+
+
+def test_shard_without_a_mesh_is_a_value_error_naming_it():
+    with pytest.raises(ValueError, match=r"data_parallel='shard'.*mesh"):
+        mpmd.pipeline(models.MLP(), loss_fn=F.mse_loss, num_microbatches=2,
+                      data_parallel="shard")
+
+
+def test_worker_models_run_in_one_process():
+    """The worker's models and batches as the reference sees them (no launch)."""
+    for name in ("gpt", "mlp"):
+        x, y = W.batch(name, 1)
+        loss = W.loss_for(name)(W.build(name)(x), y)
+        assert loss.dim() == 0 and torch.isfinite(loss)
