@@ -33,7 +33,7 @@ from torch.distributed.device_mesh import init_device_mesh
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 import torch_mpmd as mpmd  # noqa: E402
-from gpt_model import GPTConfig, build_model  # noqa: E402
+from gpt_model import GPT, GPTConfig  # noqa: E402
 
 
 def _local_bytes(tensors: list[torch.Tensor]) -> int:
@@ -60,6 +60,8 @@ def main() -> None:
     p.add_argument("--block", type=int, default=3, help="steps per block")
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--d-model", type=int, default=128)
+    p.add_argument("--schedule", default="1f1b",
+                   help="1f1b (1 stage per rank) or interleaved_1f1b (2 per rank)")
     args = p.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -77,20 +79,27 @@ def main() -> None:
     def lm_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(out.reshape(-1, out.shape[-1]), target.reshape(-1))
 
+    spr = 2 if args.schedule == "interleaved_1f1b" else 1
+    points = [f"blocks.{args.layers * k // (2 * spr)}" for k in range(1, 2 * spr)]
     runs = {}
     for mode in ("replicate", "shard"):
-        pipe = mpmd.pipeline(build_model(cfg, 0), loss_fn=lm_loss, schedule="1f1b",
+        torch.manual_seed(0)  # the same model in both modes
+        pipe = mpmd.pipeline(GPT(cfg), loss_fn=lm_loss, schedule=args.schedule,
                              num_microbatches=4, mesh=mesh, data_parallel=mode,
-                             split_points=[f"blocks.{args.layers // 2}"], timeout=120)
+                             split_points=points, stages_per_rank=spr, timeout=120)
         opt = torch.optim.AdamW(pipe.parameters(), lr=1e-3)
         runs[mode] = {"pipe": pipe, "opt": opt, "times": [], "hidden": []}
 
     def one_step(run: dict) -> float:
         t0 = time.perf_counter()
         run["pipe"].step(x, target=y)
+        t1 = time.perf_counter()
         run["opt"].step()
         run["opt"].zero_grad()
-        return time.perf_counter() - t0
+        t2 = time.perf_counter()
+        run.setdefault("pipe_s", []).append(t1 - t0)
+        run.setdefault("opt_s", []).append(t2 - t1)
+        return t2 - t0
 
     for run in runs.values():  # capture and warm up
         for _ in range(2):
@@ -118,10 +127,12 @@ def main() -> None:
     gather_s = gathers["seconds"] / max(1, gathers["count"])
     local = {s: {"F": t["F"], "B": t["B"], "UNSHARD": gather_s, "REDUCE_GRAD": gather_s}
              for s, t in times.items()}
+    hidden = statistics.median(runs["shard"]["hidden"])
     everyone: list[dict] = [None] * world  # type: ignore[list-item]
     dist.all_gather_object(everyone, {"rank": dist.get_rank(), "stages": local,
                                       "memory": {m: r["memory"] for m, r in runs.items()},
-                                      "span": stats["span_s"]})
+                                      "span": stats["span_s"], "hidden": hidden,
+                                      "gathers": gathers})
     if dist.get_rank() != 0:
         dist.destroy_process_group()
         return
@@ -130,10 +141,15 @@ def main() -> None:
         stage_costs.update({int(s): c for s, c in entry["stages"].items()})
     sim = shard.schedule.simulate(stage_costs=[stage_costs[s] for s in sorted(stage_costs)])
     med = {m: statistics.median(r["times"]) for m, r in runs.items()}
-    print(f"GPT {args.layers}x{args.d_model}, pp2 x dp2 (4 ranks x 1 thread, gloo), 1f1b, m=4, "
+    print(f"GPT {args.layers}x{args.d_model}, pp2 x dp2 (4 ranks x 1 thread, gloo), "
+          f"{args.schedule}, m=4, "
           f"{args.rounds} blocks of {args.block} steps")
     print(f"step time (median): replicate {med['replicate'] * 1e3:.1f} ms, shard "
           f"{med['shard'] * 1e3:.1f} ms, shard/replicate {med['shard'] / med['replicate']:.2f}")
+    print("  of which pipe.step: " + ", ".join(
+        f"{m} {statistics.median(r['pipe_s']) * 1e3:.1f} ms" for m, r in runs.items()) +
+        "; AdamW step + zero_grad: " + ", ".join(
+        f"{m} {statistics.median(r['opt_s']) * 1e3:.1f} ms" for m, r in runs.items()))
     print("bytes held per rank (params + grads + AdamW state), replicate -> shard:")
     for entry in everyone:
         mem = entry["memory"]
@@ -142,10 +158,12 @@ def main() -> None:
               f"({s / r:.2f}); shard: params {mem['shard']['params'] / 2**20:.2f}, grads "
               f"{mem['shard']['grads'] / 2**20:.2f}, optimizer "
               f"{mem['shard']['optimizer'] / 2**20:.2f} MiB")
-    print(f"rank 0 all-gathers per step: {gathers['count']} of "
-          f"{gathers['bytes'] / max(1, gathers['count']) / 2**20:.2f} MiB, "
-          f"{gather_s * 1e3:.2f} ms each; hidden behind other work: median "
-          f"{statistics.median(runs['shard']['hidden']):.0%}")
+    for entry in everyone:
+        g = entry["gathers"]
+        print(f"rank {entry['rank']} all-gathers per step: {g['count']} of "
+              f"{g['bytes'] / max(1, g['count']) / 2**20:.2f} MiB, "
+              f"{g['seconds'] / max(1, g['count']) * 1e3:.2f} ms each; hidden behind other "
+              f"work (median over steps): {entry['hidden']:.0%}")
     print(f"simulated step with collectives {sim.makespan * 1e3:.1f} ms, measured span "
           f"(rank 0) {everyone[0]['span'] * 1e3:.1f} ms, measured/simulated "
           f"{everyone[0]['span'] / sim.makespan:.2f}")

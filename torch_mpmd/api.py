@@ -406,12 +406,18 @@ class Pipeline(torch.nn.Module):
         """Load this rank's entries of ``state_dict``: a full checkpoint of the
         module works on every rank (keys of other ranks' stages are skipped);
         with ``strict``, this rank's keys must all be there and keys the module
-        does not have are errors."""
+        does not have are errors. With sharded data parallel, a full tensor
+        (a plain state dict, e.g. pretrained weights) loads its rows into the
+        parameter's shard."""
         if self.is_captured:
             local = set(super().state_dict().keys())
             model_keys = set(self._mpmd_module.state_dict().keys())
             state_dict = {k: v for k, v in state_dict.items()
                           if k in local or k not in model_keys}
+        if self._mpmd_shards is not None:
+            params = dict(self.named_parameters(remove_duplicate=False))
+            state_dict = {k: self._mpmd_shards.shard_value(params[k], v) if k in params else v
+                          for k, v in state_dict.items()}
         return super().load_state_dict(state_dict, strict=strict, assign=assign)
 
     def describe(self) -> str:

@@ -129,6 +129,22 @@ class ParamShards:
         """The user's parameter for ``t`` (its shard; ``t`` itself for buffers)."""
         return self.of.get(id(t), t)
 
+    def shard_value(self, shard: torch.Tensor, value: Any) -> Any:
+        """``value`` for loading into the DTensor ``shard``: a full plain tensor
+        becomes a DTensor of this rank's rows (anything else is returned as is,
+        for load_state_dict to judge)."""
+        if not isinstance(shard, DTensor) or isinstance(value, DTensor) or \
+                not isinstance(value, torch.Tensor) or value.shape != shard.shape:
+            return value
+        if value.dim() == 0 or isinstance(shard.placements[0], Replicate):
+            local = value.detach()
+        else:
+            start, stop = _rows(value.shape[0], self.size, self.rank)
+            local = value.detach()[start:stop]
+        local = local.to(device=shard._local_tensor.device, dtype=shard.dtype)
+        return DTensor.from_local(local, self.mesh, shard.placements, run_check=False,
+                                  shape=shard.shape, stride=shard.stride())
+
     def take(self, params: Iterable[torch.Tensor]) -> None:
         """Compute parameters that hold full values (materialized, or loaded):
         copy this rank's rows into their shards and free them. Parameters of
