@@ -271,6 +271,7 @@ def train(case: dict[str, Any]) -> dict[str, Any]:
         res["grads"].append(worst(diffs))
         seen["losses"].append(loss.detach().clone())
         seen["grads"].append({n: full(p.grad).clone() for n, p in pipe.named_parameters()})
+        res["grad_types"] = sorted({type(p.grad).__name__ for p in pipe.parameters()})
         opt.step()
         opt.zero_grad()
         ropt.step()
@@ -281,8 +282,7 @@ def train(case: dict[str, Any]) -> dict[str, Any]:
     res["num_parameters"] = len(list(ref.parameters()))
     res["local_stages"] = list(pipe.local_stages)
     res["listed_after"] = len(list(pipe.parameters()))
-    res["grad_types"] = sorted({type(p.grad).__name__ for p in pipe.parameters()
-                                if p.grad is not None})
+    res["param_types"] = sorted({type(p).__name__ for p in pipe.parameters()})
     if mode == "shard":
         now = {n: p.detach() for n, p in ref_params(ref).items()}
         res["layout_after"] = layout(pipe, now, dp, dp_rank, exact=False)

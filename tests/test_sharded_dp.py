@@ -85,6 +85,7 @@ def test_sharded_training_equals_one_process(model, schedule):
         assert not r["layout_before"]["bad"], (rank, r["layout_before"]["bad"])
         assert not r["layout_after"]["bad"], (rank, r["layout_after"]["bad"])
         assert r["optimizer_state_types"] == ["DTensor"]
+        assert r["param_types"] == ["DTensor"] and r["grad_types"] == ["DTensor"]
         if model == "mlp":   # uneven dim 0 over dp=2: ceil(rows / 2) on dp rank 0
             rows = r["layout_before"]["local_rows"]
             want = {"a.weight": [4, 3], "b.weight": [3, 2], "b.bias": [3, 2],
@@ -103,7 +104,7 @@ def test_replicate_and_shard_give_the_same_losses_and_gradients(model):
     got = _GRID.results(f"replicate-{model}-1f1b")
     check_training(got)
     for rank, r in enumerate(got):
-        assert r["grad_types"] == [] and "layout_after" not in r
+        assert r["param_types"] == ["Parameter"] and r["grad_types"] == ["Tensor"]
         assert "vs_other_mode" in r, "the shard run of this case did not finish first"
         assert r["vs_other_mode"]["loss"] <= 1 and r["vs_other_mode"]["grads"] <= 1, \
             (rank, r["vs_other_mode"])
