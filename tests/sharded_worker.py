@@ -28,7 +28,6 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import models
 import torch_mpmd as mpmd
-import torch_mpmd.runtime as _runtime
 from dist_harness import partial_result
 
 RTOL, ATOL = 1e-4, 1e-5
@@ -40,31 +39,6 @@ LR = 1e-2
 # which Adam's m / sqrt(v) with the default eps=1e-8 turns into steps of ~lr
 # in arbitrary directions; eps=1e-5 keeps those steps below 1e-6.
 EPS = 1e-5
-
-
-def _patch_lowering() -> bool:
-    """Until Schedule.lower(shard=...) lands (the UNSHARD/RESHARD actions of
-    the C++ lowering), resolve_schedule lowers without them and every stage
-    gathers lazily (NOTE [Lazy gather] in sharding.py). A no-op once it
-    exists. Returns whether the patch was applied."""
-    lower = mpmd.schedules.Schedule.lower
-    code = getattr(lower, "__code__", None)
-    if code is None or "shard" in code.co_varnames:
-        return False
-    if getattr(_runtime.resolve_schedule, "_sharded_worker_patch", False):
-        return True
-    original = _runtime.resolve_schedule
-
-    def resolve(*args: Any, shard: bool = False, reshard_after_forward: bool = False,
-                **kwargs: Any) -> Any:
-        return original(*args, **kwargs)
-
-    resolve._sharded_worker_patch = True  # type: ignore[attr-defined]
-    _runtime.resolve_schedule = resolve
-    return True
-
-
-LOWERING_PATCHED = _patch_lowering()
 
 
 # ------------------------------------------------------------------ models and data
@@ -252,7 +226,7 @@ def train(case: dict[str, Any]) -> dict[str, Any]:
     initial = {n: p.detach().clone() for n, p in ref_params(ref).items()}
     pipe = _pipeline(model, name, schedule, mesh, pp, mode, case.get("spr"),
                      **case.get("kwargs", {}))
-    res: dict[str, Any] = {"lowering_patched": LOWERING_PATCHED}
+    res: dict[str, Any] = {}
     if mode == "shard":
         res["layout_before"] = layout(pipe, initial, dp, dp_rank, exact=True)
         res["listed_before"] = len(list(pipe.parameters()))
