@@ -161,6 +161,9 @@ def test_meta_device_model_holds_a_quarter_of_the_parameters_per_rank_and_trains
         # embedding (held by both pipeline ranks).
         share = r["local_bytes"] / total
         assert 0.5 / (DP * PP) < share < 1.5 / (DP * PP), (rank, r["local_bytes"], total)
+        # What the pipeline reports holding is what it holds (its local rows;
+        # buffers none here).
+        assert r["parameter_bytes"] == r["local_bytes"], (rank, r["parameter_bytes"])
     # The replicas of a pipeline rank hold disjoint rows: theirs add up to
     # its stages' parameters, and the pipeline ranks' to the model (+ tied).
     assert sum(r["local_bytes"] for r in got) >= total
@@ -242,3 +245,21 @@ def test_worker_models_run_in_one_process():
         x, y = W.batch(name, 1)
         loss = W.loss_for(name)(W.build(name)(x), y)
         assert loss.dim() == 0 and torch.isfinite(loss)
+
+
+def test_meta_device_one_element_parameters_are_initialized():
+    """A module whose only tensors have one element (OddMLP's 0-dim ``scale``)
+    is initialized on a meta-device model too (its stand-in is marked: its
+    layout cannot tell it from a value)."""
+    with torch.device("meta"):
+        model = W.OddMLP()
+    torch.manual_seed(0)
+    reference = W.OddMLP()
+    for mod in reference.modules():
+        W.deterministic_init(mod)
+    pipe = mpmd.pipeline(model, loss_fn=F.mse_loss, num_microbatches=2,
+                         init_fn=W.deterministic_init)
+    x, y = W.batch("mlp", 1)
+    loss = pipe.step(x, target=y)
+    assert float(model.scale) == pytest.approx(float(reference.scale))
+    assert float(loss) == pytest.approx(float(F.mse_loss(reference(x), y)), rel=1e-5)

@@ -330,10 +330,10 @@ class Pipeline(torch.nn.Module):
                 shards.take(local)  # materialized values into the shards; compute freed
                 shards.release(local)  # other ranks' stages' shards
                 if self._mpmd_meta:
-                    self.parameter_bytes = sum(
-                        t.numel() * t.element_size()
-                        for t in [*self.parameters(), *self.buffers()]
-                        if not meta_init.is_standin(getattr(t, "_local_tensor", t)))
+                    held = [getattr(t, "_local_tensor", t)  # a shard: its local rows
+                            for t in [*self.parameters(), *self.buffers()]]
+                    self.parameter_bytes = sum(t.numel() * t.element_size() for t in held
+                                               if not meta_init.is_standin(t))
         return runtime
 
     def _shared_settings(self, split: Any, sig: tuple) -> dict[str, str]:
@@ -813,10 +813,17 @@ def pipeline(module: torch.nn.Module, *, loss_fn: Callable[..., torch.Tensor] | 
     measured p2p rate) weighs the bytes crossing each cut of a balanced split
     against its compute (0: compute alone). ``schedule``: a
     name (``torch_mpmd.schedules.names()``), a Schedule, or a text/CSV file.
-    ``mesh``: a DeviceMesh with dimensions ("dp", "pp"): the pipeline runs over
-    "pp" and is replicated over "dp" (each replica steps on its own batch;
-    gradients are averaged over "dp" as each stage's backward ends, and the
-    returned loss is the global mean). ``data_parallel``: ``"replicate"``
+    ``mesh``: a DeviceMesh with dimensions named from ("dp", "pp", "tp"), in
+    any order, any of size 1 left out: the pipeline runs over "pp" and is
+    replicated over "dp" (each replica steps on its own batch; gradients are
+    averaged over "dp" as each stage's backward ends, and the returned loss is
+    the global mean). With "tp", apply DTensor tensor-parallel plans over
+    ``mesh["tp"]`` to the model before ``pipeline()`` (torchtitan's style,
+    ``parallelize_module``); each tp rank runs its own copy of the pipeline
+    on the same batch, its stages computing on local shards with the plan's
+    collectives, and DTensor parameters get DTensor gradients. Values
+    crossing stages must be plain tensors (the plans' default
+    ``use_local_output=True``). ``data_parallel``: ``"replicate"``
     (the default: every dp rank holds whole stages, gradients all-reduced)
     or ``"shard"`` (ZeRO-3, as FSDP2: parameters, gradients and optimizer
     state split along dim 0 over "dp"; ``parameters()`` are DTensors from
@@ -915,14 +922,21 @@ def check_settings(*, schedule: Any, num_microbatches: Any, stages_per_rank: Any
     _positive_int("lookahead", lookahead)
     _check_bytes_cost(bytes_cost)
     td = _timeout(timeout)
-    dp_group, replicas = None, None
+    dp_group, replicas, tp_size = None, None, 1
     if mesh is not None:
         if group is not None:
-            raise ValueError("pass either mesh= (dimensions 'dp' and 'pp') or group=, not both")
-        group, dp_group, replicas = mesh_groups(mesh)
+            raise ValueError("pass either mesh= (dimensions from 'dp', 'pp', 'tp') or group=, "
+                             "not both")
+        groups = mesh_groups(mesh)
+        group, dp_group, replicas = groups.pp, groups.dp, groups.replicas
+        tp_size = groups.sizes["tp"]
     if not isinstance(data_parallel, str) or data_parallel not in DATA_PARALLEL_MODES:
         raise ValueError(f"data_parallel={data_parallel!r} must be one of "
                          f"{', '.join(map(repr, DATA_PARALLEL_MODES))}")
+    if data_parallel == "shard" and tp_size > 1:
+        raise ValueError(f"data_parallel='shard' with tensor parallelism (the mesh's 'tp' dim "
+                         f"has size {tp_size}) is not supported yet: use "
+                         "data_parallel='replicate' with a 'tp' dim, or 'shard' without one")
     if data_parallel == "shard" and (mesh is None or "dp" not in (mesh.mesh_dim_names or ())):
         raise ValueError("data_parallel='shard' shards over the mesh's 'dp' dimension: pass "
                          "mesh=init_device_mesh(..., mesh_dim_names=('dp', 'pp'))")

@@ -30,7 +30,18 @@ def has_meta_tensors(module: torch.nn.Module) -> bool:
 
 
 def is_standin(t: torch.Tensor) -> bool:
+    """A stand-in: a zero-stride expand owning one element. Those of one
+    element or none cannot be told from a value by their layout: they carry a
+    mark (set by replace_with_standins, cleared by materialize)."""
+    if getattr(t, "_mpmd_standin", False):
+        return True
     return t.numel() > 1 and t.dim() > 0 and all(s == 0 for s in t.stride())
+
+
+def _marked(t: torch.Tensor) -> torch.Tensor:
+    if t.numel() <= 1:
+        t._mpmd_standin = True  # see is_standin
+    return t
 
 
 def _standin(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -44,13 +55,13 @@ def replace_with_standins(module: torch.nn.Module, device: torch.device) -> None
         for name, p in list(mod._parameters.items()):
             if p is not None and p.is_meta:
                 if id(p) not in done:
-                    done[id(p)] = torch.nn.Parameter(_standin(p, device),
-                                                     requires_grad=p.requires_grad)
+                    done[id(p)] = _marked(torch.nn.Parameter(_standin(p, device),
+                                                             requires_grad=p.requires_grad))
                 mod._parameters[name] = done[id(p)]
         for name, b in list(mod._buffers.items()):
             if b is not None and b.is_meta:
                 if id(b) not in done:
-                    done[id(b)] = _standin(b, device)
+                    done[id(b)] = _marked(_standin(b, device))
                 mod._buffers[name] = done[id(b)]
 
 
@@ -65,6 +76,7 @@ def materialize(module: torch.nn.Module, local: Iterable[torch.Tensor],
     for t in local:
         if is_standin(t) and id(t) not in fresh:
             t.data = torch.empty(t.shape, dtype=t.dtype, device=device)
+            t.__dict__.pop("_mpmd_standin", None)
             fresh.add(id(t))
             allocated += t.numel() * t.element_size()
     for name, mod in module.named_modules():
