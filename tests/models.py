@@ -377,3 +377,63 @@ class DropoutMLP(nn.Module):
         h = self.drop(torch.relu(self.a(x)))
         mpmd.stage_boundary()
         return self.b(self.drop(h))
+
+
+class TPAttention(nn.Module):
+    """Causal self-attention with separate ``q``, ``k``, ``v`` projections, so
+    that a column-parallel plan on each splits the heads over tensor-parallel
+    ranks as a unit (a fused qkv under ColwiseParallel would hand rank 0 all
+    of q and half of k); the head count comes from the local width
+    (``view(b, t, -1, head_dim)``), so the same code runs on a shard."""
+
+    def __init__(self, d: int, n_head: int) -> None:
+        super().__init__()
+        self.q = nn.Linear(d, d)
+        self.k = nn.Linear(d, d)
+        self.v = nn.Linear(d, d)
+        self.proj = nn.Linear(d, d)
+        self.head_dim = d // n_head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = (m(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+                   for m in (self.q, self.k, self.v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class TPBlock(nn.Module):
+    def __init__(self, d: int, n_head: int) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(d)
+        self.attn = TPAttention(d, n_head)
+        self.ln2 = nn.LayerNorm(d)
+        self.fc = nn.Linear(d, 4 * d)
+        self.proj = nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.proj(F.gelu(self.fc(self.ln2(x))))
+
+
+class TPGPT(nn.Module):
+    """A GPT whose blocks take torchtitan's tensor-parallel plan (q/k/v and
+    fc column-parallel, attn.proj and proj row-parallel; tests/tp_worker.py):
+    embeddings, LayerNorms and the head stay plain, and the unembedding is
+    tied to the token embedding (stages 0 and last)."""
+
+    def __init__(self, vocab: int = 32, d: int = 32, n_layer: int = 4, n_head: int = 4,
+                 block_size: int = 16) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(vocab, d)
+        self.wpe = nn.Embedding(block_size, d)
+        self.blocks = nn.ModuleList(TPBlock(d, n_head) for _ in range(n_layer))
+        self.ln_f = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.head.weight = self.wte.weight
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))

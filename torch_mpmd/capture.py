@@ -21,6 +21,7 @@ import logging
 import sys
 import itertools
 import types
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -270,6 +271,52 @@ def _record(records: list, gm: torch.fx.GraphModule, example_inputs: list) -> An
     return replay
 
 
+def _is_opaque(value: Any) -> bool:
+    """Whether ``value`` is an object Dynamo passes to the graph by reference
+    (an opaque type: torch.distributed's DeviceMesh and ProcessGroup)."""
+    if isinstance(value, (torch.Tensor, int, float, bool, torch.SymInt)) or value is None:
+        return False
+    try:
+        from torch._library.opaque_object import is_opaque_type
+    except ImportError:  # an older torch has no opaque types
+        return False
+    return bool(is_opaque_type(type(value)))
+
+
+def _opaque_inputs_as_constants(gm: torch.fx.GraphModule, example_inputs: list) -> list:
+    """Turn each opaque graph input into a ``get_attr`` of ``gm`` holding the
+    object; return the remaining example inputs.
+
+    NOTE [Opaque inputs]: a tensor-parallel model (DTensor, applied with
+    ``parallelize_module``) has forward hooks that close over its DeviceMesh;
+    Dynamo registers DeviceMesh and ProcessGroup as opaque reference types and
+    lifts them as graph inputs (``..._forward_pre_hooks_0_closure_0_cell_contents``).
+    They are the same objects on every call, so they are constants of the
+    model: as ``get_attr`` nodes, fx_to_ir classifies them CONSTANT and
+    build_stages puts the object on every stage that reads it, instead of a
+    placeholder that no microbatch could feed."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    if len(placeholders) != len(example_inputs) or not any(map(_is_opaque, example_inputs)):
+        return example_inputs  # (a count mismatch is reported by the caller)
+    kept = []
+    for i, (node, value) in enumerate(zip(placeholders, example_inputs)):
+        if not _is_opaque(value):
+            kept.append(value)
+            continue
+        attr = f"_mpmd_opaque_{i}"
+        setattr(gm, attr, value)
+        # FX warns of a get_attr that is not a submodule, parameter or buffer
+        # (it checks only those); a plain attribute is what we mean here.
+        with gm.graph.inserting_after(placeholders[-1]), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "Attempted to insert a get_attr Node")
+            const = gm.graph.get_attr(attr)
+        const.meta.update(node.meta)
+        node.replace_all_uses_with(const)
+        gm.graph.erase_node(node)
+    gm.recompile()
+    return kept
+
+
 def _logging_functions() -> set:
     """Dynamo's ignore set plus every logging.Logger method (including ones
     libraries add, like transformers' ``warning_once``): a log call in forward
@@ -392,6 +439,7 @@ def capture(module: torch.nn.Module, args: Sequence[Any], kwargs: Mapping[str, A
             f"expected Dynamo to produce one graph for {type(module).__name__}.forward, got "
             f"{len(records) // 2}")
     (gm, example_inputs), fake_outputs = records
+    example_inputs = _opaque_inputs_as_constants(gm, example_inputs)
 
     by_id, tensors = _named_module_tensors(module)
     input_ids: dict[int, str] = {}

@@ -1,8 +1,9 @@
 """Pipeline x data parallel: the dp side of a rank's runtime.
 
-With ``pipeline(..., mesh=DeviceMesh)`` whose dimensions are named ("dp",
-"pp"), each pipeline stage is replicated over the dp dimension; every replica
-steps on its own batch. At each stage's REDUCE_GRAD action (right after its
+With ``pipeline(..., mesh=DeviceMesh)`` whose dimensions are named from
+("dp", "pp", "tp") (:func:`mesh_groups`), each pipeline stage is replicated
+over the dp dimension; every replica steps on its own batch (tensor-parallel
+peers, along "tp", step on the same batch and reduce nothing here). At each stage's REDUCE_GRAD action (right after its
 last backward of the step) this rank starts an asynchronous all-reduce of the
 stage's parameter gradients over its dp group, so the reduction overlaps the
 rest of the schedule; the step waits for them at its end and averages. A
@@ -19,31 +20,77 @@ from __future__ import annotations
 
 import datetime
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from torch_mpmd import lockstep
+from torch_mpmd.sharding import local_grad, set_local_grad
 
-__all__ = ["DataParallel", "mesh_groups", "new_replica_group"]
+__all__ = ["DataParallel", "MESH_DIMS", "MeshGroups", "mesh_groups", "new_replica_group"]
 
 
-def mesh_groups(mesh: Any) -> tuple[Any, Any, list[list[int]]]:
-    """(pp group, dp group or None, global ranks of every replica by pp rank) of
-    a DeviceMesh with dimensions ("dp", "pp") or just ("pp",)."""
+MESH_DIMS = ("dp", "pp", "tp")
+
+
+@dataclass(frozen=True)
+class MeshGroups:
+    """What a pipeline takes from its DeviceMesh (:func:`mesh_groups`).
+
+    ``pp``: this rank's pipeline group (its ranks along "pp"); ``dp``: this
+    rank's data-parallel group (None without a "dp" dim of size > 1);
+    ``tp``: likewise along "tp". ``replicas``: the global ranks of every
+    pipeline replica, indexed by pp rank, one replica per (dp, tp)
+    coordinate in row-major (dp, tp) order, the same list on every rank;
+    ``sizes``: dim name -> size, every name of MESH_DIMS (1 when absent)."""
+
+    pp: Any
+    dp: Any
+    tp: Any
+    replicas: list[list[int]]
+    sizes: dict[str, int]
+
+
+def mesh_groups(mesh: Any) -> MeshGroups:
+    """The groups and replicas of a DeviceMesh whose dims are named from
+    ("dp", "pp", "tp"), in any order; any of them may be left out (size 1).
+
+    NOTE [Pipeline replicas]: every (dp, tp) coordinate runs its own copy of
+    the pipeline over "pp": its point-to-point transfers, lockstep records
+    and tied-weight groups are its own. Tensor-parallel peers run the same
+    stage programs, whose DTensor collectives (inside the programs) pair up
+    over "tp"; only "dp" replicas reduce gradients (DataParallel). A mesh
+    without "pp" gives every rank a one-rank pipeline group (created on every
+    rank in rank order: ``new_group`` is collective)."""
     names = tuple(mesh.mesh_dim_names or ())
-    if "pp" not in names or not set(names) <= {"dp", "pp"}:
-        raise ValueError(f"mesh must have dimensions named ('dp', 'pp') or ('pp',); got "
-                         f"{names or 'no names'} (init_device_mesh(..., mesh_dim_names=...))")
+    unknown = [n for n in names if n not in MESH_DIMS]
+    if not names or unknown:
+        what = (f"dimension(s) {', '.join(map(repr, unknown))} that torch_mpmd does not know"
+                if unknown else "no dimension names")
+        raise ValueError(f"mesh has {what} (dims {names or '(unnamed)'}, shape "
+                         f"{tuple(mesh.mesh.shape)}); name its dims from 'dp', 'pp' and 'tp', "
+                         "e.g. init_device_mesh(..., mesh_dim_names=('dp', 'pp', 'tp'))")
+    sizes = {n: (mesh.size(names.index(n)) if n in names else 1) for n in MESH_DIMS}
+    # The rank table with dims ordered (dp, tp, pp), absent ones of size 1:
+    # each row of the flattened (dp * tp, pp) table is a replica.
     table = mesh.mesh
-    if names == ("pp", "dp"):
-        table = table.transpose(0, 1)
-    replicas = table.reshape(-1, table.shape[-1]).tolist() if table.dim() > 1 else [
-        table.tolist()]
-    pp = mesh.get_group("pp")
-    dp = mesh.get_group("dp") if "dp" in names and mesh.size(names.index("dp")) > 1 else None
-    return pp, dp, replicas
+    order = [names.index(n) for n in ("dp", "tp", "pp") if n in names]
+    table = table.permute(*order).reshape(sizes["dp"] * sizes["tp"], sizes["pp"])
+    replicas = table.tolist()
+
+    def group(name: str) -> Any:
+        return mesh.get_group(name) if name in names and sizes[name] > 1 else None
+
+    pp = mesh.get_group("pp") if "pp" in names else None
+    if pp is None:  # a one-rank pipeline per rank (see the NOTE)
+        me = dist.get_rank()
+        for replica in replicas:
+            g = dist.new_group(replica)
+            if replica[0] == me:
+                pp = g
+    return MeshGroups(pp=pp, dp=group("dp"), tp=group("tp"), replicas=replicas, sizes=sizes)
 
 
 def new_replica_group(pp_ranks: Sequence[int], replicas: Sequence[Sequence[int]],
@@ -56,6 +103,12 @@ def new_replica_group(pp_ranks: Sequence[int], replicas: Sequence[Sequence[int]]
         if i == my_replica:
             mine = g
     return mine
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``p``: a DTensor's local shard, else ``p``."""
+    local = getattr(p, "_local_tensor", None)
+    return local if isinstance(local, torch.Tensor) else p
 
 
 class DataParallel:
@@ -80,8 +133,8 @@ class DataParallel:
 
     def begin_step(self) -> None:
         self._pending = []
-        self._before = {id(p): p.grad.clone() for ps in self.params.values() for p in ps
-                        if p.grad is not None}
+        self._before = {id(p): g.clone() for ps in self.params.values() for p in ps
+                        if (g := local_grad(p)) is not None}
 
     def reduce(self, stage: int) -> None:
         """REDUCE_GRAD(stage): start the all-reduce of the stage's gradient increments."""
@@ -89,8 +142,9 @@ class DataParallel:
         if not params:
             return
         parts = []
-        for p in params:
-            g = p.grad if p.grad is not None else torch.zeros_like(p)
+        for p in params:  # local parts: a DTensor's (tensor parallel) shard
+            g = local_grad(p)
+            g = g if g is not None else torch.zeros_like(_local(p))
             before = self._before.get(id(p))
             parts.append((g - before if before is not None else g).reshape(-1))
         flat = torch.cat(parts).div_(self.size)
@@ -106,9 +160,10 @@ class DataParallel:
             wait(work, f"the data-parallel gradient all_reduce ({len(params)} tensors)")
             offset = 0
             for p in params:
-                n = p.numel()
-                avg = flat[offset:offset + n].view_as(p)
+                local = _local(p)
+                n = local.numel()
+                avg = flat[offset:offset + n].view_as(local)
                 offset += n
                 before = self._before.get(id(p))
-                p.grad = avg.clone() if before is None else before + avg
+                set_local_grad(p, avg.clone() if before is None else before + avg)
         self._pending = []

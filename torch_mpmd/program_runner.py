@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
+from torch.distributed.tensor import DTensor
 
 from torch_mpmd.programs import (Compiler, ProgramsUnsupported, StagePrograms,
                                  build_stage_programs, flatten_target, loss_tail)
@@ -34,7 +35,19 @@ log = logging.getLogger("torch_mpmd")
 
 def _accumulate(p: torch.Tensor, g: torch.Tensor) -> None:
     """p.grad += g, as the engine's AccumulateGrad does (a new .grad takes the
-    parameter's layout)."""
+    parameter's layout). For a DTensor ``p`` (tensor parallel), ``g`` is the
+    gradient of its local shard (NOTE [DTensor parameters in programs]) and
+    ``p.grad`` a DTensor of ``p``'s placements, as eager DTensor gives."""
+    if isinstance(p, DTensor):
+        if p.grad is None:
+            local = p._local_tensor
+            if not (g.stride() == local.stride() and g.dtype == local.dtype):
+                g = torch.empty_like(local).copy_(g)
+            p.grad = DTensor.from_local(g, p.device_mesh, p.placements, run_check=False,
+                                        shape=p.shape, stride=p.stride())
+        else:
+            p.grad._local_tensor.add_(g)
+        return
     if p.grad is None:
         if g.stride() == p.stride() and g.dtype == p.dtype:
             p.grad = g

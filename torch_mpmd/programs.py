@@ -220,6 +220,65 @@ def _export(traced: _Traced, args: tuple, decompositions: dict | None
         return jd, jd.graph_module, jd._aot_state.fw_metadata
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The tensor a program reads for a parameter or buffer: a DTensor's
+    (tensor parallel) local shard, else the tensor itself."""
+    from torch.distributed.tensor import DTensor
+
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def _local_shards(joint: torch.fx.GraphModule, d: Any) -> None:
+    """Describe a joint graph over DTensor parameters (tensor parallel) as one
+    over their local shards, in place.
+
+    NOTE [DTensor parameters in programs]: AOTAutograd desugars a DTensor
+    parameter into two inputs, its local shard
+    (``SubclassGetAttrAOTInput(ParamAOTInput(fqn), "_local_tensor")``) and its
+    DeviceMesh (``attr="device_mesh"``), and its gradient likewise into two
+    outputs; the graph between them is over local shards, with the
+    tensor-parallel collectives as ``_c10d_functional`` ops. The mesh inputs
+    are only passed through (the collectives name their group by its string
+    name), so they are dropped, as are the gradients' mesh outputs, and the
+    local-shard inputs and outputs take their base's descriptor: the rest of
+    build_stage_programs then sees ordinary parameters (fed their local
+    shards, see _local) and gradients (accumulated into the DTensor's
+    ``.grad`` by the runner). A subclass anywhere else (a DTensor user input,
+    sent value or loss) stays as it is and is refused below."""
+    graph = joint.graph
+    out = graph.output_node()
+    descs = out.meta.get("desc")
+    changed = False
+    if descs is not None:
+        values, kept = [], []
+        for v, desc in zip(out.args[0], descs):
+            if (isinstance(desc, d.SubclassGetAttrAOTOutput) and
+                    isinstance(desc.base, d.GradAOTOutput)):
+                changed = True
+                if desc.attr != "_local_tensor":
+                    continue  # the gradient's mesh
+                desc = desc.base
+            values.append(v)
+            kept.append(desc)
+        out.args = (tuple(values),)
+        out.meta["desc"] = kept
+    for node in list(graph.nodes):
+        desc = node.meta.get("desc") if node.op == "placeholder" else None
+        if not (isinstance(desc, d.SubclassGetAttrAOTInput) and
+                isinstance(desc.base, (d.ParamAOTInput, d.BufferAOTInput))):
+            continue
+        changed = True
+        if desc.attr == "_local_tensor":
+            node.meta["desc"] = desc.base
+        elif not node.users:
+            graph.erase_node(node)
+        else:
+            raise ProgramsUnsupported(f"the program reads {desc.attr!r} of the DTensor "
+                                      f"{desc.base.target!r}, not only its local shard")
+    if changed:
+        joint.recompile()
+
+
 def build_stage_programs(stage: int, module: torch.fx.GraphModule, *, num_user: int,
                          received: Sequence[torch.Tensor], received_grad: Sequence[bool],
                          user_inputs: Sequence[Any], num_sent: int,
@@ -271,6 +330,7 @@ def build_stage_programs(stage: int, module: torch.fx.GraphModule, *, num_user: 
         raise ProgramsUnsupported(f"AOTAutograd could not trace the stage: "
                                   f"{type(e).__name__}: {str(e).splitlines()[0][:300]}") from e
 
+    _local_shards(joint, d)
     placeholders = [n for n in joint.graph.nodes if n.op == "placeholder"]
     out_node = joint.graph.output_node()
     out_descs = out_node.meta["desc"]
@@ -282,9 +342,9 @@ def build_stage_programs(stage: int, module: torch.fx.GraphModule, *, num_user: 
     for p in placeholders[:num_primals]:
         desc = p.meta["desc"]
         if isinstance(desc, d.ParamAOTInput):
-            state.append(named_params[desc.target])
+            state.append(_local(named_params[desc.target]))
         elif isinstance(desc, d.BufferAOTInput):
-            state.append(named_buffers[desc.target])
+            state.append(_local(named_buffers[desc.target]))
         elif isinstance(desc, d.PlainAOTInput):
             if desc.idx != num_plain:
                 raise ProgramsUnsupported(f"unexpected input order at {desc}")
@@ -302,9 +362,9 @@ def build_stage_programs(stage: int, module: torch.fx.GraphModule, *, num_user: 
         if isinstance(desc, d.InputMutationAOTOutput):
             m = desc.mutated_input
             if isinstance(m, d.ParamAOTInput):
-                mutations.append((i, named_params[m.target]))
+                mutations.append((i, _local(named_params[m.target])))
             elif isinstance(m, d.BufferAOTInput):
-                mutations.append((i, named_buffers[m.target]))
+                mutations.append((i, _local(named_buffers[m.target])))
             # a mutated received value or user input: the program works on its
             # own copy (as the autograd path feeds such a stage a clone)
         elif isinstance(desc, d.PlainAOTOutput):

@@ -173,6 +173,13 @@ class _Saved:
     xs: list[torch.Tensor] = field(default_factory=list)   # inputs of formula weight nodes
 
 
+def _storage(t: torch.Tensor) -> Any:
+    """The storage holding ``t``'s data on this rank: a DTensor's (tensor
+    parallel) is its local shard's; the DTensor wrapper itself has none."""
+    local = getattr(t, "_local_tensor", None)  # DTensor
+    return (local if isinstance(local, torch.Tensor) else t).untyped_storage()
+
+
 class _ForwardContext:
     """Grad mode, profiler label and (when measuring) saved-tensor hooks
     around one stage forward: the slow path of StageRunner._forward."""
@@ -185,7 +192,7 @@ class _ForwardContext:
         self._storages: dict[int, int] = {}
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
+        storage = _storage(t)
         self._storages[storage.data_ptr()] = storage.nbytes()
         # Detached: returning the tensor itself would make a saved output refer
         # to its own grad_fn, a cycle gc cannot break (leaks whatever part of
@@ -205,7 +212,7 @@ class _ForwardContext:
 
     def saved_bytes(self, module: torch.nn.Module) -> int:
         """Bytes of the tensors saved for backward, parameters and buffers excluded."""
-        own = {t.untyped_storage().data_ptr()
+        own = {_storage(t).data_ptr()
                for t in list(module.parameters()) + list(module.buffers())}
         return sum(n for ptr, n in self._storages.items() if ptr not in own)
 

@@ -170,6 +170,32 @@ def _is_autocast_enter(node: torch.fx.Node) -> bool:
         node.target, "__name__", "")
 
 
+def _check_not_dtensor(node: torch.fx.Node, v: Any) -> None:
+    """ValueError if the value crossing stages at ``node`` is a DTensor.
+
+    NOTE [DTensor boundaries]: with tensor parallelism each tp rank runs its
+    own pipeline replica, which sends its own tensors point to point; a
+    DTensor has no transfer of its own (c10d send has no sharding strategy)
+    and the receiving stage would mix it with plain tensors. torchtitan-style
+    plans hand plain local tensors between blocks (``use_local_output=True``,
+    the default of ColwiseParallel / RowwiseParallel), which cross stages like
+    any other tensor; a DTensor there is refused at the split."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch built without distributed
+        return
+    value = node.meta.get("example_value")
+    if isinstance(value, DTensor):
+        placements = getattr(value, "placements", "?")
+        raise ValueError(
+            f"the value {node.name!r} crossing from stage {v.producer_stage} to stage "
+            f"{v.consumer_stages[0]} is a DTensor (placements {placements}, shape "
+            f"{tuple(value.shape)}); torch_mpmd sends plain tensors between stages: make the "
+            "tensor-parallel plan return local tensors at stage boundaries "
+            "(ColwiseParallel/RowwiseParallel(use_local_output=True), the default, or "
+            "PrepareModuleOutput(..., use_local_output=True)), or split elsewhere")
+
+
 def build_stages(gm: torch.fx.GraphModule, ir: GraphIR, plan: Any,
                  placeholders: Sequence[PlaceholderInfo], tensors: Mapping[str, torch.Tensor],
                  *, grad_enabled_at_capture: bool = True
@@ -191,6 +217,7 @@ def build_stages(gm: torch.fx.GraphModule, ir: GraphIR, plan: Any,
                 f"a size computed from a tensor on stage {v.producer_stage} "
                 f"({nodes[v.node].name!r}) is read on stage {v.consumer_stages[0]}; torch_mpmd "
                 "sends tensors only: compute it from the inputs' sizes, or split elsewhere")
+        _check_not_dtensor(nodes[v.node], v)
         if _is_autocast_enter(nodes[v.node]):
             raise ValueError(
                 f"a stage boundary falls inside a `with torch.autocast(...)` region (entered at "

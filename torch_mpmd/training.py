@@ -17,6 +17,8 @@ pipeline ranks. A parameter used by stages on several ranks (tied embeddings)
 has the same summed gradient on each of them after a step: only the first of
 those ranks counts it. Data-parallel replicas hold the same averaged
 gradients after a step: the norm is one replica's, never reduced over "dp".
+Tensor-parallel gradients (DTensors) count each shard once (NOTE [Norm over
+tensor parallel]).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from torch_mpmd.sharding import local_grad
 
@@ -155,7 +158,10 @@ def clip_grad_norm_(rt: "RankRuntime", parameters: list[torch.Tensor], max_norm:
     if rt.shards is not None:
         return _clip_sharded(rt, parameters, max_norm, norm_type, foreach, error_if_nonfinite)
     grads = [p.grad for p in counted_parameters(rt, parameters) if p.grad is not None]
-    if grads:
+    tensor_parallel = any(isinstance(g, DTensor) for g in grads)
+    if tensor_parallel:
+        local = _mixed_norm(grads, norm_type, foreach).to(device=rt.device, dtype=torch.float32)
+    elif grads:
         local = torch.nn.utils.get_total_norm(grads, norm_type, False, foreach)
         local = local.to(device=rt.device, dtype=torch.float32)
     else:  # the identity of the reduction: no gradients contribute nothing
@@ -167,8 +173,37 @@ def clip_grad_norm_(rt: "RankRuntime", parameters: list[torch.Tensor], max_norm:
             f"The total norm of order {norm_type} for gradients from all pipeline stages is "
             "non-finite, so it cannot be clipped. To disable this error and scale the "
             "gradients by the non-finite norm anyway, set `error_if_nonfinite=False`")
+    if tensor_parallel:  # torch's scaling, on local parts (foreach cannot mix the kinds)
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        every = [g for p in parameters if (g := local_grad(p)) is not None]
+        if every:
+            torch._foreach_mul_(every, coef.to(every[0].device))
+        return total
     torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total, foreach)
     return total
+
+
+def _mixed_norm(grads: list[torch.Tensor], norm_type: float, foreach: bool | None
+                ) -> torch.Tensor:
+    """The norm of this pipeline rank's gradients when some are DTensors
+    (tensor parallel): the same on every tp peer.
+
+    NOTE [Norm over tensor parallel]: torch's foreach norm cannot take plain
+    tensors and DTensors in one list, so each kind gets its own norm: the
+    plain ones (identical on every tp peer) as they are, the DTensors as
+    DTensors, whose norm DTensor reduces over the mesh dims they are sharded
+    on (a Shard's local norms combine over "tp", a Replicate counts once);
+    then the norm of the two norms, which for every p-norm torch computes as
+    the norm of the per-tensor norms too. Collective over "tp" (every peer
+    holds the same parameters, so they reduce together)."""
+    plain = [g for g in grads if not isinstance(g, DTensor)]
+    dtensors = [g for g in grads if isinstance(g, DTensor)]
+    norms = [torch.nn.utils.get_total_norm(dtensors, norm_type, False, foreach)]
+    if isinstance(norms[0], DTensor):
+        norms[0] = norms[0].full_tensor()
+    if plain:
+        norms.append(torch.nn.utils.get_total_norm(plain, norm_type, False, foreach))
+    return torch.linalg.vector_norm(torch.stack([n.float() for n in norms]), norm_type)
 
 
 def _clip_sharded(rt: "RankRuntime", parameters: list[torch.Tensor], max_norm: float,

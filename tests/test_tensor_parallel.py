@@ -1,0 +1,85 @@
+"""Tensor parallelism inside pipeline stages: a GPT with torchtitan's DTensor
+plan on every block (tests/models.py TPGPT, q/k/v and fc column-parallel,
+projections row-parallel), pipelined on a ("pp", "tp") = (2, 2) mesh of 4
+gloo ranks, against one process stepping the same model without tensor
+parallelism on the same batch (tests/tp_worker.py).
+
+One launch runs every 4-rank case: 1f1b, zero_bubble (I/W split) and
+interleaved_1f1b with FX programs, 1f1b with Inductor; clip_grad_norm_ over
+mixed DTensor and plain gradients, eval_step and the forward-only call on a
+mesh named in the other order ("tp", "pp"); the errors (an unknown mesh dim,
+data_parallel="shard" with "tp", a DTensor crossing a stage boundary).
+Differences come back scaled by the fp32 tolerance (atol 1e-5, rtol 1e-4):
+a value <= 1 is within it.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from dist_harness import GridRun
+
+SCHEDULES = ("1f1b", "zero_bubble", "interleaved_1f1b")
+CASES = [dict(id=f"train-{s}", kind="train", schedule=s) for s in SCHEDULES] + [
+    dict(id="train-1f1b-inductor", kind="train", schedule="1f1b", kwargs={"compile": True}),
+    dict(id="clip_eval-tp_pp", kind="clip_eval", schedule="1f1b", dims=("tp", "pp")),
+    dict(id="errors", kind="errors"),
+]
+_GRID = GridRun(4, "tp_worker:grid", CASES, task="tp", timeout=400)
+
+
+def check_training(got: list[dict]) -> None:
+    """Losses, every gradient (full tensors) of both steps and the parameters
+    after two AdamW steps equal the reference's, on every rank; the stage
+    programs ran (no autograd fallback); DTensor parameters have DTensor
+    gradients of their placements, plain ones plain gradients."""
+    for rank, r in enumerate(got):
+        assert r["fallback"] is None, f"rank {rank} fell back to autograd: {r['fallback']}"
+        assert all(d <= 1 for d in r["loss"]), (rank, r["loss"])
+        for step, (name, d) in enumerate(r["grads"]):
+            assert d <= 1, f"rank {rank} step {step}: gradient of {name} off by {d} tolerances"
+        name, d = r["params"]
+        assert d <= 1, f"rank {rank}: parameter {name} off by {d} tolerances after 2 steps"
+        assert r["grad_layouts"] == ["DTensor:DTensor:same", "Parameter:Tensor:same"], (
+            rank, r["grad_layouts"])
+    # Every parameter is on some rank; tp peers (global ranks 2k, 2k+1 of the
+    # (pp, tp) mesh) hold the same stages.
+    assert set().union(*(r["names"] for r in got)) == set(got[0]["all_names"])
+    assert got[0]["names"] == got[1]["names"] and got[2]["names"] == got[3]["names"]
+    # One pipeline replica per tp coordinate, ranks by pp rank.
+    assert all(r["replicas"] == [[0, 2], [1, 3]] for r in got), got[0]["replicas"]
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_pp2_tp2_training_equals_one_process(schedule):
+    check_training(_GRID.results(f"train-{schedule}"))
+
+
+def test_pp2_tp2_inductor_training_equals_one_process():
+    check_training(_GRID.results("train-1f1b-inductor"))
+
+
+def test_clip_eval_forward_with_tensor_parallel():
+    """clip_grad_norm_ counts each TP shard once and each plain (replicated
+    over tp) gradient once: torch's norm on the reference, 2-norm and
+    inf-norm; eval_step and pipe(x) equal the reference; a mesh named
+    ("tp", "pp") enumerates its replicas by its dims' names."""
+    for rank, r in enumerate(_GRID.results("clip_eval-tp_pp")):
+        assert r["accumulated_grads"][1] <= 1, (rank, r["accumulated_grads"])
+        assert r["norm"] <= 1, (rank, r["norm_value"], r["ref_norm_value"])
+        assert r["norm_value"] > 0.1  # the clip did scale
+        assert r["clipped_grads"][1] <= 1, (rank, r["clipped_grads"])
+        assert r["inf_norm"] <= 1, (rank, r["inf_norm"])
+        assert r["eval"] <= 1 and r["eval_kept_grads"] == 0, (rank, r)
+        assert r["forward"] <= 1, (rank, r["forward"])
+        assert r["step_after"] <= 1 and r["grads_after"][1] <= 1, (rank, r)
+
+
+def test_tensor_parallel_errors_name_the_values():
+    for r in _GRID.results("errors"):
+        assert r["bad_name"].startswith("ValueError") and "'model'" in r["bad_name"], r
+        assert "'dp', 'pp' and 'tp'" in r["bad_name"], r["bad_name"]
+        assert "data_parallel='shard'" in r["shard_tp"] and "size 2" in r["shard_tp"], r
+        boundary = r["boundary"]
+        assert boundary.startswith("ValueError") and "is a DTensor" in boundary, boundary
+        assert "from stage 0 to stage 1" in boundary and "use_local_output=True" in boundary

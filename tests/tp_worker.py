@@ -1,0 +1,273 @@
+"""Ranks of tests/test_tensor_parallel.py: tensor parallelism inside pipeline
+stages (DTensor plans applied before ``pipeline()``) on a ("pp", "tp") mesh of
+4 gloo ranks, or ("dp", "pp", "tp") of 8, against one process.
+
+The reference is the same model without tensor parallelism, with the same
+initial values (the TP model loads the reference's state dict before its
+plan shards it), stepping on the global batch with a mean-reduced loss:
+tensor-parallel peers step on the same batch, dp replicas on their rows of
+it. Every case catches its own error and reports it (``{"error":
+traceback}``); gradients and parameters are compared here, in the ranks
+(``DTensor.full_tensor()``, collective over "tp"), and the results are the
+differences scaled by the fp32 tolerance (<= 1: within it).
+"""
+
+from __future__ import annotations
+
+import time
+import traceback
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                               parallelize_module)
+
+import models
+import torch_mpmd as mpmd
+from dist_harness import partial_result
+
+RTOL, ATOL = 1e-4, 1e-5
+BATCH = 8   # the global batch
+M = 2       # microbatches per replica
+LR = 1e-2
+EPS = 1e-5  # AdamW's (see sharded_worker.py: near-zero key-bias gradients)
+VOCAB, SEQ = 32, 16
+
+# torchtitan's plan for a block: heads split over "tp" (q, k, v column-wise),
+# attn.proj and the MLP's second layer row-wise; block outputs are plain
+# (replicated) local tensors (use_local_output=True, the default).
+PLAN = {"attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(), "attn.v": ColwiseParallel(),
+        "attn.proj": RowwiseParallel(), "fc": ColwiseParallel(), "proj": RowwiseParallel()}
+SPLITS = {2: ["blocks.2"], 4: ["blocks.1", "blocks.2", "blocks.3"]}
+
+
+def gpt_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def build(mesh: Any) -> tuple[nn.Module, nn.Module]:
+    """(model with the TP plan on every block over ``mesh["tp"]``, reference)."""
+    torch.manual_seed(0)
+    ref = models.TPGPT(vocab=VOCAB, d=32, n_layer=4, n_head=4, block_size=SEQ)
+    model = models.TPGPT(vocab=VOCAB, d=32, n_layer=4, n_head=4, block_size=SEQ)
+    model.load_state_dict(ref.state_dict())
+    for block in model.blocks:
+        parallelize_module(block, mesh["tp"], PLAN)
+    return model, ref
+
+
+def batch(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randint(0, VOCAB, (BATCH, SEQ), generator=g),
+            torch.randint(0, VOCAB, (BATCH, SEQ), generator=g))
+
+
+# ------------------------------------------------------------------ helpers
+
+def _error_text() -> str:
+    text = traceback.format_exc()
+    return text if len(text) < 6000 else text[:1500] + "\n...\n" + text[-4500:]
+
+
+def full(t: torch.Tensor | None) -> torch.Tensor | None:
+    """The whole tensor (collective over a DTensor's mesh)."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def max_diff(a: torch.Tensor | None, b: torch.Tensor | None) -> float:
+    """max |a - b| scaled so that <= 1 is within (RTOL, ATOL); inf when one
+    is missing or the shapes differ."""
+    if a is None or b is None or a.shape != b.shape:
+        return float("inf")
+    a, b = a.detach().double(), b.detach().double()
+    return float(((a - b).abs() / (ATOL + RTOL * b.abs())).max())
+
+
+def worst(diffs: dict[str, float]) -> list[Any]:
+    """[name, scaled difference] of the largest difference."""
+    if not diffs:
+        return ["<none>", float("inf")]
+    name = max(diffs, key=lambda n: diffs[n])
+    return [name, diffs[name]]
+
+
+def compare_grads(pipe: Any, ref: nn.Module) -> dict[str, float]:
+    want = dict(ref.named_parameters(remove_duplicate=False))
+    return {n: max_diff(full(p.grad), want[n].grad) for n, p in pipe.named_parameters()}
+
+
+def compare_params(pipe: Any, ref: nn.Module) -> dict[str, float]:
+    want = dict(ref.named_parameters(remove_duplicate=False))
+    return {n: max_diff(full(p.detach()), want[n].detach()) for n, p in pipe.named_parameters()}
+
+
+def make_mesh(case: dict[str, Any]) -> Any:
+    names = tuple(case.get("dims", ("pp", "tp")))
+    sizes = {"dp": case.get("dp", 1), "pp": 2, "tp": 2}
+    return init_device_mesh("cpu", tuple(sizes[n] for n in names), mesh_dim_names=names)
+
+
+def _pipeline(model: nn.Module, mesh: Any, schedule: str, **kwargs: Any) -> Any:
+    spr = 2 if schedule == "interleaved_1f1b" else 1
+    extra = {"stages_per_rank": spr} if spr != 1 else {}
+    return mpmd.pipeline(model, loss_fn=gpt_loss, schedule=schedule, num_microbatches=M,
+                         split_points=SPLITS[2 * spr], mesh=mesh, timeout=60, **extra,
+                         **kwargs)
+
+
+def _mine(mesh: Any) -> slice:
+    """This dp replica's rows of the global batch (all of it without "dp")."""
+    names = mesh.mesh_dim_names
+    dp = mesh.size(names.index("dp")) if "dp" in names else 1
+    k = mesh.get_local_rank("dp") if "dp" in names else 0
+    share = BATCH // dp
+    return slice(share * k, share * (k + 1))
+
+
+# ------------------------------------------------------------------ cases
+
+def train(case: dict[str, Any]) -> dict[str, Any]:
+    """Two AdamW steps against the reference: losses, every gradient after
+    each step, every parameter after both; the parameters' and gradients'
+    types and whether the stage programs ran (no autograd fallback)."""
+    mesh = make_mesh(case)
+    mine = _mine(mesh)
+    model, ref = build(mesh)
+    pipe = _pipeline(model, mesh, case["schedule"], **case.get("kwargs", {}))
+    opt = torch.optim.AdamW(pipe.parameters(), lr=LR, eps=EPS)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=LR, eps=EPS)
+    res: dict[str, Any] = {"loss": [], "grads": []}
+    for seed in (1, 2):
+        x, y = batch(seed)
+        loss = pipe.step(x[mine], target=y[mine])
+        ref_loss = gpt_loss(ref(x), y)
+        ref_loss.backward()
+        res["loss"].append(max_diff(loss.reshape(()), ref_loss.detach()))
+        res["grads"].append(worst(compare_grads(pipe, ref)))
+        # A DTensor parameter has a DTensor gradient of its placements.
+        res["grad_layouts"] = sorted(
+            {f"{type(p).__name__}:{type(p.grad).__name__}"
+             f"{':same' if not isinstance(p, DTensor) or p.grad.placements == p.placements else ':other'}"
+             for p in pipe.parameters()})
+        opt.step()
+        opt.zero_grad()
+        ropt.step()
+        ropt.zero_grad()
+    res["params"] = worst(compare_params(pipe, ref))
+    res["names"] = sorted(n for n, _ in pipe.named_parameters())
+    res["all_names"] = sorted(n for n, _ in ref.named_parameters())
+    res["fallback"] = pipe._mpmd_runtime.runner.fallback_reason
+    res["replicas"] = pipe._mpmd_replicas
+    return res
+
+
+def clip_eval(case: dict[str, Any]) -> dict[str, Any]:
+    """Two steps without zero_grad (gradients accumulate), clip_grad_norm_
+    against torch's on the reference (plain and DTensor gradients mixed),
+    eval_step and the forward-only call, then one more step."""
+    mesh = make_mesh(case)
+    mine = _mine(mesh)
+    model, ref = build(mesh)
+    pipe = _pipeline(model, mesh, case["schedule"])
+    res: dict[str, Any] = {}
+    for seed in (1, 2):
+        x, y = batch(seed)
+        pipe.step(x[mine], target=y[mine])
+        gpt_loss(ref(x), y).backward()
+    res["accumulated_grads"] = worst(compare_grads(pipe, ref))
+    norm = pipe.clip_grad_norm_(0.1)
+    ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.1)
+    res["norm"] = max_diff(norm.reshape(()), ref_norm)
+    res["norm_value"], res["ref_norm_value"] = float(norm), float(ref_norm)
+    res["clipped_grads"] = worst(compare_grads(pipe, ref))
+    inf_norm = pipe.clip_grad_norm_(1e9, norm_type=float("inf"))   # scales nothing
+    res["inf_norm"] = max_diff(inf_norm.reshape(()), torch.nn.utils.get_total_norm(
+        [p.grad for p in ref.parameters()], float("inf")))
+    before = {n: full(p.grad).clone() for n, p in pipe.named_parameters()}
+
+    x, y = batch(3)
+    with torch.no_grad():
+        ref_eval = gpt_loss(ref(x), y)
+        ref_out = ref(x[mine])
+    res["eval"] = max_diff(pipe.eval_step(x[mine], target=y[mine]).reshape(()), ref_eval)
+    res["eval_kept_grads"] = max(max_diff(full(p.grad), before[n])
+                                 for n, p in pipe.named_parameters())
+    res["forward"] = max_diff(pipe(x[mine]), ref_out)
+    pipe.zero_grad()
+    ref.zero_grad()
+    x, y = batch(4)
+    loss = pipe.step(x[mine], target=y[mine])
+    ref_loss = gpt_loss(ref(x), y)
+    ref_loss.backward()
+    res["step_after"] = max_diff(loss.reshape(()), ref_loss.detach())
+    res["grads_after"] = worst(compare_grads(pipe, ref))
+    return res
+
+
+class _ShardedBoundary(nn.Module):
+    """fc column-parallel with ``use_local_output=False``: its output, a
+    Shard(-1) DTensor, crosses the stage boundary."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 16)
+        self.proj = nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        mpmd.stage_boundary()
+        return self.proj(torch.relu(h))
+
+
+def _raises(fn: Callable[[], Any]) -> str:
+    try:
+        fn()
+    except ValueError as e:
+        return f"ValueError: {e}"
+    return "no error"
+
+
+def errors(case: dict[str, Any]) -> dict[str, Any]:
+    """A mesh dim name torch_mpmd does not know; data_parallel="shard" with
+    a "tp" dim; a DTensor crossing a stage boundary (refused at the split,
+    on every rank, and the ranks stay usable)."""
+    res: dict[str, Any] = {}
+    model, _ = build(make_mesh({}))
+    bad = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "model"))
+    res["bad_name"] = _raises(lambda: mpmd.pipeline(model, loss_fn=gpt_loss,
+                                                    num_microbatches=M, mesh=bad))
+    mesh = make_mesh({})
+    res["shard_tp"] = _raises(lambda: mpmd.pipeline(model, loss_fn=gpt_loss, num_microbatches=M,
+                                                    mesh=mesh, data_parallel="shard"))
+    torch.manual_seed(0)
+    net = _ShardedBoundary()
+    parallelize_module(net, mesh["tp"], {"fc": ColwiseParallel(use_local_output=False),
+                                         "proj": RowwiseParallel()})
+    pipe = mpmd.pipeline(net, loss_fn=F.mse_loss, num_microbatches=M, mesh=mesh, timeout=60)
+    res["boundary"] = _raises(lambda: pipe.step(torch.randn(4, 8), target=torch.randn(4, 8)))
+    return res
+
+
+CASES: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
+    "train": train, "clip_eval": clip_eval, "errors": errors}
+
+
+def grid(cases: list[dict[str, Any]]) -> dict[str, Any]:
+    """Run every case on this rank; {case id: result (with "error")}."""
+    out: dict[str, Any] = {}
+    for case in cases:
+        start = time.perf_counter()
+        torch._dynamo.reset()
+        try:
+            res = CASES[case["kind"]](case)
+            res["error"] = None
+        except Exception:
+            res = {"error": _error_text()}
+        res["seconds"] = round(time.perf_counter() - start, 2)
+        out[case["id"]] = res
+        partial_result(out)
+    return out
