@@ -8,7 +8,9 @@ One launch runs every 4-rank case: 1f1b, zero_bubble (I/W split) and
 interleaved_1f1b with FX programs, 1f1b with Inductor; clip_grad_norm_ over
 mixed DTensor and plain gradients, eval_step and the forward-only call on a
 mesh named in the other order ("tp", "pp"); the errors (an unknown mesh dim,
-data_parallel="shard" with "tp", a DTensor crossing a stage boundary).
+data_parallel="shard" with "tp", a DTensor crossing a stage boundary) and
+the cost model's local shapes. A second launch runs ("dp", "pp", "tp") =
+(2, 2, 2) on 8 ranks.
 Differences come back scaled by the fp32 tolerance (atol 1e-5, rtol 1e-4):
 a value <= 1 is within it.
 """
@@ -24,11 +26,18 @@ CASES = [dict(id=f"train-{s}", kind="train", schedule=s) for s in SCHEDULES] + [
     dict(id="train-1f1b-inductor", kind="train", schedule="1f1b", kwargs={"compile": True}),
     dict(id="clip_eval-tp_pp", kind="clip_eval", schedule="1f1b", dims=("tp", "pp")),
     dict(id="errors", kind="errors"),
+    dict(id="local_costs", kind="local_costs"),
 ]
 _GRID = GridRun(4, "tp_worker:grid", CASES, task="tp", timeout=400)
+# ("dp", "pp", "tp") = (2, 2, 2): global rank = 4 dp + 2 pp + tp.
+DP_CASES = [dict(id="train-dp_pp_tp-1f1b", kind="train", schedule="1f1b",
+                 dims=("dp", "pp", "tp"), dp=2),
+            dict(id="clip_eval-dp_pp_tp", kind="clip_eval", schedule="1f1b",
+                 dims=("dp", "pp", "tp"), dp=2)]
+_GRID8 = GridRun(8, "tp_worker:grid", DP_CASES, task="tp", timeout=400)
 
 
-def check_training(got: list[dict]) -> None:
+def check_training(got: list[dict], replicas: list[list[int]]) -> None:
     """Losses, every gradient (full tensors) of both steps and the parameters
     after two AdamW steps equal the reference's, on every rank; the stage
     programs ran (no autograd fallback); DTensor parameters have DTensor
@@ -42,29 +51,18 @@ def check_training(got: list[dict]) -> None:
         assert d <= 1, f"rank {rank}: parameter {name} off by {d} tolerances after 2 steps"
         assert r["grad_layouts"] == ["DTensor:DTensor:same", "Parameter:Tensor:same"], (
             rank, r["grad_layouts"])
-    # Every parameter is on some rank; tp peers (global ranks 2k, 2k+1 of the
-    # (pp, tp) mesh) hold the same stages.
+    # Every parameter is on some rank; every replica's pp rank k holds the
+    # same stages.
     assert set().union(*(r["names"] for r in got)) == set(got[0]["all_names"])
-    assert got[0]["names"] == got[1]["names"] and got[2]["names"] == got[3]["names"]
-    # One pipeline replica per tp coordinate, ranks by pp rank.
-    assert all(r["replicas"] == [[0, 2], [1, 3]] for r in got), got[0]["replicas"]
+    for pp_rank in range(2):
+        held = {tuple(got[replica[pp_rank]]["names"]) for replica in replicas}
+        assert len(held) == 1, (pp_rank, held)
+    # One pipeline replica per (dp, tp) coordinate, its ranks by pp rank.
+    assert all(r["replicas"] == replicas for r in got), got[0]["replicas"]
 
 
-@pytest.mark.parametrize("schedule", SCHEDULES)
-def test_pp2_tp2_training_equals_one_process(schedule):
-    check_training(_GRID.results(f"train-{schedule}"))
-
-
-def test_pp2_tp2_inductor_training_equals_one_process():
-    check_training(_GRID.results("train-1f1b-inductor"))
-
-
-def test_clip_eval_forward_with_tensor_parallel():
-    """clip_grad_norm_ counts each TP shard once and each plain (replicated
-    over tp) gradient once: torch's norm on the reference, 2-norm and
-    inf-norm; eval_step and pipe(x) equal the reference; a mesh named
-    ("tp", "pp") enumerates its replicas by its dims' names."""
-    for rank, r in enumerate(_GRID.results("clip_eval-tp_pp")):
+def check_clip_eval(got: list[dict]) -> None:
+    for rank, r in enumerate(got):
         assert r["accumulated_grads"][1] <= 1, (rank, r["accumulated_grads"])
         assert r["norm"] <= 1, (rank, r["norm_value"], r["ref_norm_value"])
         assert r["norm_value"] > 0.1  # the clip did scale
@@ -75,6 +73,33 @@ def test_clip_eval_forward_with_tensor_parallel():
         assert r["step_after"] <= 1 and r["grads_after"][1] <= 1, (rank, r)
 
 
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_pp2_tp2_training_equals_one_process(schedule):
+    check_training(_GRID.results(f"train-{schedule}"), [[0, 2], [1, 3]])
+
+
+def test_pp2_tp2_inductor_training_equals_one_process():
+    check_training(_GRID.results("train-1f1b-inductor"), [[0, 2], [1, 3]])
+
+
+def test_dp2_pp2_tp2_training_equals_one_process():
+    """8 ranks: dp replicas step on their halves of the batch and average
+    their (DTensor and plain) gradients over "dp" only."""
+    check_training(_GRID8.results("train-dp_pp_tp-1f1b"), [[0, 2], [1, 3], [4, 6], [5, 7]])
+
+
+def test_dp2_pp2_tp2_clip_eval_forward():
+    check_clip_eval(_GRID8.results("clip_eval-dp_pp_tp"))
+
+
+def test_clip_eval_forward_with_tensor_parallel():
+    """clip_grad_norm_ counts each TP shard once and each plain (replicated
+    over tp) gradient once: torch's norm on the reference, 2-norm and
+    inf-norm; eval_step and pipe(x) equal the reference; a mesh named
+    ("tp", "pp") enumerates its replicas by its dims' names."""
+    check_clip_eval(_GRID.results("clip_eval-tp_pp"))
+
+
 def test_tensor_parallel_errors_name_the_values():
     for r in _GRID.results("errors"):
         assert r["bad_name"].startswith("ValueError") and "'model'" in r["bad_name"], r
@@ -83,3 +108,16 @@ def test_tensor_parallel_errors_name_the_values():
         boundary = r["boundary"]
         assert boundary.startswith("ValueError") and "is a DTensor" in boundary, boundary
         assert "from stage 0 to stage 1" in boundary and "use_local_output=True" in boundary
+
+
+def test_costs_and_bytes_use_local_shards():
+    """Batch 8 x 16 tokens, d=32, fp32: a column-parallel q (32 -> 32) and fc
+    (32 -> 128) output half their columns on each tp rank; row-parallel
+    projections and the plain head output whole rows."""
+    for r in _GRID.results("local_costs"):
+        got = r["bytes"]
+        tokens = 8 * 16 * 4
+        assert got["blocks.0.attn.q"] == tokens * 32 // 2, got
+        assert got["blocks.3.fc"] == tokens * 128 // 2, got
+        assert got["blocks.0.attn.proj"] == got["blocks.0.proj"] == tokens * 32, got
+        assert got["head"] == tokens * 32, got

@@ -252,8 +252,26 @@ def errors(case: dict[str, Any]) -> dict[str, Any]:
     return res
 
 
+def local_costs(case: dict[str, Any]) -> dict[str, Any]:
+    """The cost model sees this rank's local shapes (NOTE [Local shapes] in
+    fx_to_ir.py): bytes of every linear's output in the captured TP model,
+    by the module that computes it."""
+    from torch_mpmd.capture import capture
+    from torch_mpmd.fx_to_ir import _meta_value, value_bytes
+
+    model, _ = build(make_mesh({}))
+    captured = capture(model, (batch(1)[0],), {})
+    out: dict[str, int] = {}
+    for node in captured.gm.graph.nodes:
+        stack = node.meta.get("nn_module_stack") or {}
+        if node.op == "call_function" and "linear" in str(node.target) and stack:
+            fqn = list(stack.values())[-1][0]
+            out.setdefault(fqn.split("].", 1)[-1], value_bytes(_meta_value(node)))
+    return {"bytes": out}
+
+
 CASES: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
-    "train": train, "clip_eval": clip_eval, "errors": errors}
+    "train": train, "clip_eval": clip_eval, "errors": errors, "local_costs": local_costs}
 
 
 def grid(cases: list[dict[str, Any]]) -> dict[str, Any]:

@@ -17,6 +17,7 @@ the same marker-free graph, whether the boundaries came from markers or from
 from __future__ import annotations
 
 import difflib
+import functools
 import math
 import operator
 import re
@@ -254,9 +255,29 @@ def order_mutations(graph: torch.fx.Graph) -> int:
 
 
 def _meta_value(node: Any) -> Any:
-    if isinstance(node, torch.fx.Node):
-        return node.meta.get("example_value", node.meta.get("val"))
-    return node
+    """The example value of ``node`` for costs and bytes, DTensors replaced by
+    their local shards.
+
+    NOTE [Local shapes]: inside a tensor-parallel region Dynamo's example
+    values are DTensors of the global shape, while each rank computes and
+    holds its local shard: costs and bytes are this rank's, so a split
+    balances what the ranks actually run (a column-parallel layer costs 1/tp
+    of the dense one)."""
+    value = node.meta.get("example_value", node.meta.get("val")) if isinstance(
+        node, torch.fx.Node) else node
+    dtensor = _dtensor_type()
+    if dtensor is not None and any(isinstance(v, dtensor) for v in pytree.tree_leaves(value)):
+        value = pytree.tree_map_only(dtensor, lambda t: t._local_tensor, value)
+    return value
+
+
+@functools.cache
+def _dtensor_type() -> Any:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch built without distributed
+        return None
+    return DTensor
 
 
 _hint = size_hint  # (capture.py)
