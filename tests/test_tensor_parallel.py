@@ -25,6 +25,8 @@ SCHEDULES = ("1f1b", "zero_bubble", "interleaved_1f1b")
 CASES = [dict(id=f"train-{s}", kind="train", schedule=s) for s in SCHEDULES] + [
     dict(id="train-1f1b-inductor", kind="train", schedule="1f1b", kwargs={"compile": True}),
     dict(id="clip_eval-tp_pp", kind="clip_eval", schedule="1f1b", dims=("tp", "pp")),
+    # No "pp" dim: dp2 x tp2, one one-stage pipeline per rank.
+    dict(id="train-dp_tp-no_pp", kind="train", schedule="1f1b", dims=("dp", "tp"), dp=2),
     dict(id="errors", kind="errors"),
     dict(id="local_costs", kind="local_costs"),
 ]
@@ -54,7 +56,7 @@ def check_training(got: list[dict], replicas: list[list[int]]) -> None:
     # Every parameter is on some rank; every replica's pp rank k holds the
     # same stages.
     assert set().union(*(r["names"] for r in got)) == set(got[0]["all_names"])
-    for pp_rank in range(2):
+    for pp_rank in range(len(replicas[0])):
         held = {tuple(got[replica[pp_rank]]["names"]) for replica in replicas}
         assert len(held) == 1, (pp_rank, held)
     # One pipeline replica per (dp, tp) coordinate, its ranks by pp rank.
@@ -80,6 +82,10 @@ def test_pp2_tp2_training_equals_one_process(schedule):
 
 def test_pp2_tp2_inductor_training_equals_one_process():
     check_training(_GRID.results("train-1f1b-inductor"), [[0, 2], [1, 3]])
+
+
+def test_mesh_without_pp_dim_runs_one_stage_per_replica():
+    check_training(_GRID.results("train-dp_tp-no_pp"), [[0], [1], [2], [3]])
 
 
 def test_dp2_pp2_tp2_training_equals_one_process():

@@ -107,15 +107,16 @@ def compare_params(pipe: Any, ref: nn.Module) -> dict[str, float]:
 
 def make_mesh(case: dict[str, Any]) -> Any:
     names = tuple(case.get("dims", ("pp", "tp")))
-    sizes = {"dp": case.get("dp", 1), "pp": 2, "tp": 2}
+    sizes = {"dp": case.get("dp", 1), "pp": case.get("pp", 2), "tp": 2}
     return init_device_mesh("cpu", tuple(sizes[n] for n in names), mesh_dim_names=names)
 
 
 def _pipeline(model: nn.Module, mesh: Any, schedule: str, **kwargs: Any) -> Any:
     spr = 2 if schedule == "interleaved_1f1b" else 1
     extra = {"stages_per_rank": spr} if spr != 1 else {}
+    pp = mesh.size(mesh.mesh_dim_names.index("pp")) if "pp" in mesh.mesh_dim_names else 1
     return mpmd.pipeline(model, loss_fn=gpt_loss, schedule=schedule, num_microbatches=M,
-                         split_points=SPLITS[2 * spr], mesh=mesh, timeout=60, **extra,
+                         split_points=SPLITS.get(pp * spr), mesh=mesh, timeout=60, **extra,
                          **kwargs)
 
 
