@@ -203,7 +203,10 @@ def _mixed_norm(grads: list[torch.Tensor], norm_type: float, foreach: bool | Non
         norms[0] = norms[0].full_tensor()
     if plain:
         norms.append(torch.nn.utils.get_total_norm(plain, norm_type, False, foreach))
-    return torch.linalg.vector_norm(torch.stack([n.float() for n in norms]), norm_type)
+    parts = torch.stack([n.float() for n in norms])
+    if norm_type == 0:  # torch's "0-norm" counts tensors with a nonzero gradient: add the counts
+        return parts.sum()
+    return torch.linalg.vector_norm(parts, norm_type)
 
 
 def _clip_sharded(rt: "RankRuntime", parameters: list[torch.Tensor], max_norm: float,
