@@ -7,10 +7,12 @@ parallelism on the same batch (tests/tp_worker.py).
 One launch runs every 4-rank case: 1f1b, zero_bubble (I/W split) and
 interleaved_1f1b with FX programs, 1f1b with Inductor; clip_grad_norm_ over
 mixed DTensor and plain gradients, eval_step and the forward-only call on a
-mesh named in the other order ("tp", "pp"); the errors (an unknown mesh dim,
-data_parallel="shard" with "tp", a DTensor crossing a stage boundary) and
-the cost model's local shapes. A second launch runs ("dp", "pp", "tp") =
-(2, 2, 2) on 8 ranks.
+mesh named in the other order ("tp", "pp"); sharded data parallel over
+tensor-parallel parameters (dp2 x tp2: 2-D DTensor shards, NOTE [Sharding
+with tensor parallel] in torch_mpmd/sharding.py); the errors (an unknown
+mesh dim, a DTensor crossing a stage boundary) and the cost model's local
+shapes. A second launch runs ("dp", "pp", "tp") = (2, 2, 2) on 8 ranks,
+replicated and sharded over "dp".
 Differences come back scaled by the fp32 tolerance (atol 1e-5, rtol 1e-4):
 a value <= 1 is within it.
 """
@@ -27,6 +29,10 @@ CASES = [dict(id=f"train-{s}", kind="train", schedule=s) for s in SCHEDULES] + [
     dict(id="clip_eval-tp_pp", kind="clip_eval", schedule="1f1b", dims=("tp", "pp")),
     # No "pp" dim: dp2 x tp2, one one-stage pipeline per rank.
     dict(id="train-dp_tp-no_pp", kind="train", schedule="1f1b", dims=("dp", "tp"), dp=2),
+    dict(id="train-dp_tp-shard", kind="train", schedule="zero_bubble", dims=("dp", "tp"), dp=2,
+         kwargs={"data_parallel": "shard"}),
+    dict(id="clip_eval-dp_tp-shard", kind="clip_eval", schedule="1f1b", dims=("dp", "tp"),
+         dp=2, kwargs={"data_parallel": "shard"}),
     dict(id="errors", kind="errors"),
     dict(id="local_costs", kind="local_costs"),
 ]
@@ -35,11 +41,14 @@ _GRID = GridRun(4, "tp_worker:grid", CASES, task="tp", timeout=400)
 DP_CASES = [dict(id="train-dp_pp_tp-1f1b", kind="train", schedule="1f1b",
                  dims=("dp", "pp", "tp"), dp=2),
             dict(id="clip_eval-dp_pp_tp", kind="clip_eval", schedule="1f1b",
-                 dims=("dp", "pp", "tp"), dp=2)]
+                 dims=("dp", "pp", "tp"), dp=2),
+            dict(id="train-dp_pp_tp-shard", kind="train", schedule="1f1b",
+                 dims=("dp", "pp", "tp"), dp=2, kwargs={"data_parallel": "shard"})]
 _GRID8 = GridRun(8, "tp_worker:grid", DP_CASES, task="tp", timeout=400)
 
 
-def check_training(got: list[dict], replicas: list[list[int]]) -> None:
+def check_training(got: list[dict], replicas: list[list[int]], *, sharded: bool = False
+                   ) -> None:
     """Losses, every gradient (full tensors) of both steps and the parameters
     after two AdamW steps equal the reference's, on every rank; the stage
     programs ran (no autograd fallback); DTensor parameters have DTensor
@@ -51,8 +60,9 @@ def check_training(got: list[dict], replicas: list[list[int]]) -> None:
             assert d <= 1, f"rank {rank} step {step}: gradient of {name} off by {d} tolerances"
         name, d = r["params"]
         assert d <= 1, f"rank {rank}: parameter {name} off by {d} tolerances after 2 steps"
-        assert r["grad_layouts"] == ["DTensor:DTensor:same", "Parameter:Tensor:same"], (
-            rank, r["grad_layouts"])
+        want = (["DTensor:DTensor:same"] if sharded else
+                ["DTensor:DTensor:same", "Parameter:Tensor:same"])
+        assert r["grad_layouts"] == want, (rank, r["grad_layouts"])
     # Every parameter is on some rank; every replica's pp rank k holds the
     # same stages.
     assert set().union(*(r["names"] for r in got)) == set(got[0]["all_names"])
@@ -110,7 +120,6 @@ def test_tensor_parallel_errors_name_the_values():
     for r in _GRID.results("errors"):
         assert r["bad_name"].startswith("ValueError") and "'model'" in r["bad_name"], r
         assert "'dp', 'pp' and 'tp'" in r["bad_name"], r["bad_name"]
-        assert "data_parallel='shard'" in r["shard_tp"] and "size 2" in r["shard_tp"], r
         boundary = r["boundary"]
         assert boundary.startswith("ValueError") and "is a DTensor" in boundary, boundary
         assert "from stage 0 to stage 1" in boundary and "use_local_output=True" in boundary
@@ -127,3 +136,19 @@ def test_costs_and_bytes_use_local_shards():
         assert got["blocks.3.fc"] == tokens * 128 // 2, got
         assert got["blocks.0.attn.proj"] == got["blocks.0.proj"] == tokens * 32, got
         assert got["head"] == tokens * 32, got
+
+
+def test_sharded_data_parallel_over_tensor_parallel_equals_one_process():
+    """data_parallel="shard" with "tp": every parameter a DTensor shard over
+    ("dp", "tp") (tensor-parallel ones split over "dp" along the dim their tp
+    placement leaves whole), zero_bubble's I/W split, equal to one process."""
+    check_training(_GRID.results("train-dp_tp-shard"), [[0], [1], [2], [3]], sharded=True)
+
+
+def test_sharded_over_tensor_parallel_clip_eval_forward():
+    check_clip_eval(_GRID.results("clip_eval-dp_tp-shard"))
+
+
+def test_dp2_pp2_tp2_sharded_training_equals_one_process():
+    check_training(_GRID8.results("train-dp_pp_tp-shard"), [[0, 2], [1, 3], [4, 6], [5, 7]],
+                   sharded=True)

@@ -150,6 +150,7 @@ def train(case: dict[str, Any]) -> dict[str, Any]:
         res["loss"].append(max_diff(loss.reshape(()), ref_loss.detach()))
         res["grads"].append(worst(compare_grads(pipe, ref)))
         # A DTensor parameter has a DTensor gradient of its placements.
+        # With data_parallel="shard" every parameter is a DTensor (its shard).
         res["grad_layouts"] = sorted(
             {f"{type(p).__name__}:{type(p.grad).__name__}"
              f"{':same' if not isinstance(p, DTensor) or p.grad.placements == p.placements else ':other'}"
@@ -173,7 +174,7 @@ def clip_eval(case: dict[str, Any]) -> dict[str, Any]:
     mesh = make_mesh(case)
     mine = _mine(mesh)
     model, ref = build(mesh)
-    pipe = _pipeline(model, mesh, case["schedule"])
+    pipe = _pipeline(model, mesh, case["schedule"], **case.get("kwargs", {}))
     res: dict[str, Any] = {}
     for seed in (1, 2):
         x, y = batch(seed)
@@ -233,17 +234,14 @@ def _raises(fn: Callable[[], Any]) -> str:
 
 
 def errors(case: dict[str, Any]) -> dict[str, Any]:
-    """A mesh dim name torch_mpmd does not know; data_parallel="shard" with
-    a "tp" dim; a DTensor crossing a stage boundary (refused at the split,
-    on every rank, and the ranks stay usable)."""
+    """A mesh dim name torch_mpmd does not know; a DTensor crossing a stage
+    boundary (refused at the split, on every rank, and the ranks stay usable)."""
     res: dict[str, Any] = {}
     model, _ = build(make_mesh({}))
     bad = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "model"))
     res["bad_name"] = _raises(lambda: mpmd.pipeline(model, loss_fn=gpt_loss,
                                                     num_microbatches=M, mesh=bad))
     mesh = make_mesh({})
-    res["shard_tp"] = _raises(lambda: mpmd.pipeline(model, loss_fn=gpt_loss, num_microbatches=M,
-                                                    mesh=mesh, data_parallel="shard"))
     torch.manual_seed(0)
     net = _ShardedBoundary()
     parallelize_module(net, mesh["tp"], {"fc": ColwiseParallel(use_local_output=False),

@@ -131,7 +131,7 @@ class Pipeline(torch.nn.Module):
                  compile: Any = False,
                  bytes_cost: float | None = None,
                  startup_timeout: datetime.timedelta | None = None,
-                 dynamic: bool = False, dp_mesh: Any = None,
+                 dynamic: bool = False, dp_mesh: Any = None, mesh: Any = None,
                  data_parallel: str = "replicate",
                  reshard_after_forward: bool = False) -> None:
         super().__init__()
@@ -180,7 +180,7 @@ class Pipeline(torch.nn.Module):
         self._mpmd_reshard_after_forward = reshard_after_forward
         # Sharded data parallel: the user's parameters are DTensor shards from
         # now on, so an optimizer built before the first step holds them.
-        self._mpmd_shards = (ParamShards(module, dp_mesh)
+        self._mpmd_shards = (ParamShards(module, dp_mesh, root=mesh)
                              if data_parallel == "shard" and dp_mesh is not None else None)
         if self._mpmd_shards is not None:
             self._mirror_shards()
@@ -883,7 +883,7 @@ def pipeline(module: torch.nn.Module, *, loss_fn: Callable[..., torch.Tensor] | 
                     bytes_cost=bytes_cost,
                     startup_timeout=(_timeout(startup_timeout, "startup_timeout")
                                      if startup_timeout is not None else None),
-                    dynamic=_check_dynamic(dynamic), dp_mesh=settings["dp_mesh"],
+                    dynamic=_check_dynamic(dynamic), dp_mesh=settings["dp_mesh"], mesh=mesh,
                     data_parallel=data_parallel, reshard_after_forward=reshard_after_forward)
 
 
@@ -922,21 +922,16 @@ def check_settings(*, schedule: Any, num_microbatches: Any, stages_per_rank: Any
     _positive_int("lookahead", lookahead)
     _check_bytes_cost(bytes_cost)
     td = _timeout(timeout)
-    dp_group, replicas, tp_size = None, None, 1
+    dp_group, replicas = None, None
     if mesh is not None:
         if group is not None:
             raise ValueError("pass either mesh= (dimensions from 'dp', 'pp', 'tp') or group=, "
                              "not both")
         groups = mesh_groups(mesh)
         group, dp_group, replicas = groups.pp, groups.dp, groups.replicas
-        tp_size = groups.sizes["tp"]
     if not isinstance(data_parallel, str) or data_parallel not in DATA_PARALLEL_MODES:
         raise ValueError(f"data_parallel={data_parallel!r} must be one of "
                          f"{', '.join(map(repr, DATA_PARALLEL_MODES))}")
-    if data_parallel == "shard" and tp_size > 1:
-        raise ValueError(f"data_parallel='shard' with tensor parallelism (the mesh's 'tp' dim "
-                         f"has size {tp_size}) is not supported yet: use "
-                         "data_parallel='replicate' with a 'tp' dim, or 'shard' without one")
     if data_parallel == "shard" and (mesh is None or "dp" not in (mesh.mesh_dim_names or ())):
         raise ValueError("data_parallel='shard' shards over the mesh's 'dp' dimension: pass "
                          "mesh=init_device_mesh(..., mesh_dim_names=('dp', 'pp'))")

@@ -32,6 +32,16 @@ a schedule (forward-only inference, eval) carry no UNSHARD actions and rely on
 it; every replica of a pipeline rank runs the same program, so their gathers
 pair up. After every executor run, whatever is still gathered is resharded.
 
+NOTE [Sharding with tensor parallel]: with a "tp" mesh dim the compute
+parameters of tensor-parallel layers are DTensors over "tp"; what a rank
+computes with is their local shard, and that is what is split over "dp",
+along the first dim the tensor-parallel placement leaves whole (a column-
+parallel weight, Shard(0) over "tp", is split along dim 1 over "dp"). The
+user's parameter is then a DTensor over the ("dp", "tp") mesh with
+placements (Shard(d), <its tp placement>): plain DTensor layouts, which DCP
+reshards to any other. A tensor whose every dim the tp placement splits (a
+column-parallel bias) is replicated over "dp", its gradient all-reduced.
+
 A parameter read by two stages of this rank (tied weights, V schedules) is
 gathered by each stage's UNSHARD and stays full until both have resharded; its
 gradient is reduced once, at the later stage's REDUCE_GRAD.
@@ -47,7 +57,7 @@ import time
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from torch_mpmd import lockstep
 from torch_mpmd.meta_init import is_standin
@@ -69,6 +79,29 @@ def _rows(d0: int, size: int, rank: int) -> tuple[int, int]:
     c = -(-d0 // size)
     start = min(rank * c, d0)
     return start, min(start + c, d0)
+
+
+def _base(p: torch.Tensor) -> torch.Tensor:
+    """The tensor this rank computes with for parameter ``p``: a tensor-parallel
+    DTensor's local shard (what the stage programs read), else ``p``."""
+    return p._local_tensor if isinstance(p, DTensor) else p
+
+
+def _set_base(p: torch.Tensor, value: torch.Tensor) -> None:
+    if isinstance(p, DTensor):
+        p._local_tensor.data = value
+    else:
+        p.data = value
+
+
+def _shard_dim(p: torch.Tensor) -> int | None:
+    """The dim of ``p`` split over "dp": 0, or for a tensor-parallel DTensor the
+    first dim its own placements do not split (NOTE [Sharding with tensor
+    parallel]); None: ``p`` is replicated over "dp" (0-dim, or every dim taken)."""
+    base = _base(p)
+    taken = ({pl.dim for pl in p.placements if isinstance(pl, Shard)}
+             if isinstance(p, DTensor) else set())
+    return next((d for d in range(base.dim()) if d not in taken), None)
 
 
 def local_grad(p: torch.Tensor) -> torch.Tensor | None:
@@ -94,8 +127,10 @@ class ParamShards:
     made when the pipeline is built. ``of[id(compute parameter)]`` is its
     shard; the compute parameters become stand-ins (see the module docstring)."""
 
-    def __init__(self, module: torch.nn.Module, mesh: Any) -> None:
+    def __init__(self, module: torch.nn.Module, mesh: Any, root: Any = None) -> None:
         self.mesh = mesh
+        self.root = root  # the whole mesh: ("dp", "tp") sub-meshes for tensor parallel
+        self._meshes: dict[str, Any] = {}
         self.group = mesh.get_group()
         self.size = dist.get_world_size(self.group)
         self.rank = dist.get_rank(self.group)
@@ -110,18 +145,36 @@ class ParamShards:
             # (meta_init.is_standin counts it as one), and it owns its element
             # anyway: these compute parameters keep their value, which take()
             # copies back at capture (a meta-device model's init_fn writes it).
-            if p.numel() > 1:
-                p.data = _standin(p)
+            base = _base(p)
+            if base.numel() > 1:
+                _set_base(p, _standin(base))
+
+    def _mesh_for(self, p: torch.Tensor) -> Any:
+        """The mesh of ``p``'s shard: "dp", or ("dp", its tp dim) for a DTensor."""
+        if not isinstance(p, DTensor):
+            return self.mesh
+        names = p.device_mesh.mesh_dim_names or ()
+        if self.root is None or len(names) != 1:
+            raise ValueError(f"a DTensor parameter on mesh dims {names} cannot be sharded over "
+                             "'dp': tensor-parallel parameters must live on the pipeline "
+                             "mesh's 'tp' dim (parallelize_module(..., mesh['tp'], ...))")
+        if names[0] not in self._meshes:
+            self._meshes[names[0]] = self.root["dp", names[0]]
+        return self._meshes[names[0]]
 
     def _make(self, p: torch.nn.Parameter) -> torch.nn.Parameter:
-        if p.dim() == 0:
-            local, placement = p.detach().clone(), Replicate()
+        base = _base(p)
+        d = _shard_dim(p)
+        if d is None:
+            local, placement = base.detach().clone(), Replicate()
         else:
-            start, stop = _rows(p.shape[0], self.size, self.rank)
-            local, placement = p.detach()[start:stop], Shard(0)
+            start, stop = _rows(base.shape[d], self.size, self.rank)
+            local, placement = base.detach().narrow(d, start, stop - start), Shard(d)
             # A meta-device model's stand-in stays one (materialized later).
-            local = _standin(local) if is_standin(p) else local.clone()
-        dt = DTensor.from_local(local, self.mesh, [placement], run_check=False,
+            local = (_standin(local) if is_standin(base) else
+                     local.clone(memory_format=torch.contiguous_format))
+        placements = [placement, *(p.placements if isinstance(p, DTensor) else ())]
+        dt = DTensor.from_local(local, self._mesh_for(p), placements, run_check=False,
                                 shape=p.shape, stride=torch.empty(p.shape, device="meta").stride())
         return torch.nn.Parameter(dt, requires_grad=p.requires_grad)
 
@@ -131,19 +184,13 @@ class ParamShards:
 
     def shard_value(self, shard: torch.Tensor, value: Any) -> Any:
         """``value`` for loading into the DTensor ``shard``: a full plain tensor
-        becomes a DTensor of this rank's rows (anything else is returned as is,
-        for load_state_dict to judge)."""
+        becomes a DTensor of this rank's part, cut locally (anything else is
+        returned as is, for load_state_dict to judge)."""
         if not isinstance(shard, DTensor) or isinstance(value, DTensor) or \
                 not isinstance(value, torch.Tensor) or value.shape != shard.shape:
             return value
-        if value.dim() == 0 or isinstance(shard.placements[0], Replicate):
-            local = value.detach()
-        else:
-            start, stop = _rows(value.shape[0], self.size, self.rank)
-            local = value.detach()[start:stop]
-        local = local.to(device=shard._local_tensor.device, dtype=shard.dtype)
-        return DTensor.from_local(local, self.mesh, shard.placements, run_check=False,
-                                  shape=shard.shape, stride=shard.stride())
+        value = value.detach().to(device=shard._local_tensor.device, dtype=shard.dtype)
+        return distribute_tensor(value, shard.device_mesh, shard.placements, src_data_rank=None)
 
     def take(self, params: Iterable[torch.Tensor]) -> None:
         """Compute parameters that hold full values (materialized, or loaded):
@@ -153,19 +200,22 @@ class ParamShards:
         with torch.no_grad():
             for p in params:
                 shard = self.of.get(id(p))
-                if shard is None or is_standin(p):
+                base = _base(p)
+                if shard is None or is_standin(base):
                     continue
                 local = shard._local_tensor
-                if p.dim() == 0:  # a replica: the whole value
-                    local.copy_(p.detach())
-                    continue
-                start, stop = _rows(p.shape[0], self.size, self.rank)
-                src = p.detach()[start:stop]
+                d = _shard_dim(p)
+                if d is None:  # a replica: the whole value
+                    src = base.detach()
+                else:
+                    start, stop = _rows(base.shape[d], self.size, self.rank)
+                    src = base.detach().narrow(d, start, stop - start)
                 if is_standin(local) or local.shape != src.shape:
-                    local.data = src.clone()
+                    local.data = src.clone(memory_format=torch.contiguous_format)
                 else:
                     local.copy_(src)
-                p.data = _standin(p)
+                if base.numel() > 1:
+                    _set_base(p, _standin(base))
 
     def release(self, keep: Iterable[torch.Tensor]) -> None:
         """Free the shards of every parameter not in ``keep`` (compute
@@ -179,13 +229,21 @@ class ParamShards:
 
 @dataclass
 class _Slot:
-    """One parameter's place in a stage's flat buffers."""
-    param: torch.nn.Parameter  # compute parameter (full shape)
+    """One parameter's place in a stage's flat buffers. Its "rows" are the
+    slices along ``dim``, the dim split over "dp", of what the rank computes
+    with (the full parameter, or a tensor-parallel local shard)."""
+    param: torch.nn.Parameter  # compute parameter
     shard: torch.nn.Parameter  # its DTensor shard
-    rows: int                  # dim 0 of the full parameter
+    dim: int                   # the dim split over "dp"
+    rows: int                  # its size
     row_numel: int             # elements per row
     chunk: int                 # rows per rank, padded (ceil(rows / dp))
     offset: int                # in this rank's flat shard
+
+    def moved(self, rows: int) -> list[int]:
+        """The shape of ``rows`` rows with ``dim`` moved first."""
+        shape = list(_base(self.param).shape)
+        return [rows] + shape[:self.dim] + shape[self.dim + 1:]
 
     @property
     def numel(self) -> int:
@@ -197,11 +255,13 @@ def _layout(params: Sequence[torch.nn.Parameter], shards: ParamShards
     """(slots of the dim-0 sharded parameters, the replicated 0-dim ones, flat numel)."""
     slots, replicated, offset = [], [], 0
     for p in params:
-        if p.dim() == 0:
+        d = _shard_dim(p)
+        if d is None:
             replicated.append(p)
             continue
-        rows = p.shape[0]
-        slot = _Slot(p, shards.of[id(p)], rows, p.numel() // rows if rows else 0,
+        base = _base(p)
+        rows = base.shape[d]
+        slot = _Slot(p, shards.of[id(p)], d, rows, base.numel() // rows if rows else 0,
                      -(-rows // shards.size), offset)
         slots.append(slot)
         offset += slot.numel
@@ -256,10 +316,11 @@ class ShardedStages:
         if stage in self._gathered or stage in self._pending or stage not in self.gather:
             return
         slots, _, numel = self.gather[stage]
-        flat = torch.empty(numel, dtype=slots[0].param.dtype if slots else torch.float32,
-                           device=slots[0].param.device if slots else "cpu")
+        first = _base(slots[0].param) if slots else None
+        flat = torch.empty(numel, dtype=first.dtype if slots else torch.float32,
+                           device=first.device if slots else "cpu")
         for slot in slots:
-            local = slot.shard._local_tensor.reshape(-1)
+            local = slot.shard._local_tensor.movedim(slot.dim, 0).reshape(-1)
             flat[slot.offset:slot.offset + local.numel()].copy_(local)
         out = flat.new_empty(self.size * numel)
         opts = torch._C._distributed_c10d.AllgatherOptions()
@@ -294,11 +355,12 @@ class ShardedStages:
             if self._users.get(id(p), 0) == 0:
                 rows = table[:, slot.offset:slot.offset + slot.numel]
                 full = rows.reshape(self.size * slot.chunk, slot.row_numel)[:slot.rows]
-                p.data = full.reshape(p.shape)
+                full = full.reshape(slot.moved(slot.rows)).movedim(0, slot.dim)
+                _set_base(p, full.contiguous())
             self._users[id(p)] = self._users.get(id(p), 0) + 1
         for p in replicated:
             if self._users.get(id(p), 0) == 0:
-                p.data = self.shards.of[id(p)]._local_tensor.clone()
+                _set_base(p, self.shards.of[id(p)]._local_tensor.clone())
             self._users[id(p)] = self._users.get(id(p), 0) + 1
         self._gathered.add(stage)
 
@@ -315,7 +377,7 @@ class ShardedStages:
             n = self._users.get(id(p), 0) - 1
             self._users[id(p)] = n
             if n <= 0:
-                p.data = _standin(p)
+                _set_base(p, _standin(_base(p)))
 
     def reshard_all(self) -> None:
         for stage in list(self._gathered) + list(self._pending):
@@ -327,13 +389,14 @@ class ShardedStages:
         compute parameters' full gradients are released."""
         slots, replicated, numel = self.reduce_layout.get(stage, ([], [], 0))
         if slots:
-            p0 = slots[0].param
-            grad_dtype = p0.grad.dtype if p0.grad is not None else p0.dtype
+            p0 = _base(slots[0].param)
+            g0 = local_grad(slots[0].param)
+            grad_dtype = g0.dtype if g0 is not None else p0.dtype
             table = torch.zeros(self.size, numel, dtype=grad_dtype, device=p0.device)
             for slot in slots:
-                g = slot.param.grad
+                g = local_grad(slot.param)
                 if g is not None:  # rank r's rows go to row r of the table
-                    g = g.reshape(slot.rows, slot.row_numel)
+                    g = g.movedim(slot.dim, 0).reshape(slot.rows, slot.row_numel)
                     for r in range(self.size):
                         start, stop = _rows(slot.rows, self.size, r)
                         n = (stop - start) * slot.row_numel
@@ -350,8 +413,9 @@ class ShardedStages:
         if replicated:
             grads = []
             for p in replicated:
-                grads.append(p.grad.reshape(1) if p.grad is not None else
-                             torch.zeros(1, dtype=p.dtype, device=p.device))
+                g = local_grad(p)
+                grads.append(g.reshape(-1) if g is not None else
+                             torch.zeros(_base(p).numel(), dtype=p.dtype, device=_base(p).device))
                 p.grad = None
             flat = torch.cat(grads).div_(self.size)
             work = lockstep.all_reduce(flat, self.group, self.timeout_s)
@@ -388,18 +452,21 @@ class ShardedStages:
             wait(work, f"the data-parallel gradient reduce-scatter ({n} tensors) over "
                       f"global ranks {self.ranks}")
             for slot in slots:
-                local = slot.shard._local_tensor
-                rows = local.shape[0]
-                g = out[slot.offset:slot.offset + rows * slot.row_numel].view(local.shape)
-                self._add(slot.shard, g)
-            for i, p in enumerate(replicated):
-                self._add(self.shards.of[id(p)], out[i].clone())
+                rows = slot.shard._local_tensor.shape[slot.dim]
+                g = out[slot.offset:slot.offset + rows * slot.row_numel]
+                self._add(slot.shard, g.view(slot.moved(rows)).movedim(0, slot.dim))
+            offset = 0
+            for p in replicated:
+                local = self.shards.of[id(p)]._local_tensor
+                self._add(self.shards.of[id(p)],
+                          out[offset:offset + local.numel()].view(local.shape))
+                offset += local.numel()
 
     @staticmethod
     def _add(shard: torch.nn.Parameter, g: torch.Tensor) -> None:
         current = local_grad(shard)
         if current is None:
-            set_local_grad(shard, g.clone())
+            set_local_grad(shard, g.clone(memory_format=torch.contiguous_format))
         else:
             current.add_(g)
 

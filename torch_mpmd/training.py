@@ -17,8 +17,8 @@ pipeline ranks. A parameter used by stages on several ranks (tied embeddings)
 has the same summed gradient on each of them after a step: only the first of
 those ranks counts it. Data-parallel replicas hold the same averaged
 gradients after a step: the norm is one replica's, never reduced over "dp".
-Tensor-parallel gradients (DTensors) count each shard once (NOTE [Norm over
-tensor parallel]).
+Tensor-parallel and sharded data-parallel gradients (DTensors) count each
+shard once (NOTE [Norm over tensor parallel]).
 """
 
 from __future__ import annotations
@@ -155,8 +155,6 @@ def clip_grad_norm_(rt: "RankRuntime", parameters: list[torch.Tensor], max_norm:
     zero factor as torch's would be."""
     max_norm = float(max_norm)
     norm_type = float(norm_type)
-    if rt.shards is not None:
-        return _clip_sharded(rt, parameters, max_norm, norm_type, foreach, error_if_nonfinite)
     grads = [p.grad for p in counted_parameters(rt, parameters) if p.grad is not None]
     tensor_parallel = any(isinstance(g, DTensor) for g in grads)
     if tensor_parallel:
@@ -192,47 +190,23 @@ def _mixed_norm(grads: list[torch.Tensor], norm_type: float, foreach: bool | Non
     tensors and DTensors in one list, so each kind gets its own norm: the
     plain ones (identical on every tp peer) as they are, the DTensors as
     DTensors, whose norm DTensor reduces over the mesh dims they are sharded
-    on (a Shard's local norms combine over "tp", a Replicate counts once);
-    then the norm of the two norms, which for every p-norm torch computes as
-    the norm of the per-tensor norms too. Collective over "tp" (every peer
-    holds the same parameters, so they reduce together)."""
+    on (a Shard's local norms combine over "tp", or "dp" with
+    data_parallel="shard", a Replicate counts once), one mesh at a time;
+    then the norm of these norms, which for every p-norm torch computes as
+    the norm of the per-tensor norms too. Collective over the DTensors'
+    meshes (every peer holds the same parameters, so they reduce together)."""
     plain = [g for g in grads if not isinstance(g, DTensor)]
-    dtensors = [g for g in grads if isinstance(g, DTensor)]
-    norms = [torch.nn.utils.get_total_norm(dtensors, norm_type, False, foreach)]
-    if isinstance(norms[0], DTensor):
-        norms[0] = norms[0].full_tensor()
+    by_mesh: dict[int, list[torch.Tensor]] = {}
+    for g in grads:
+        if isinstance(g, DTensor):
+            by_mesh.setdefault(id(g.device_mesh), []).append(g)
+    norms = []
+    for same_mesh in by_mesh.values():  # foreach ops take one mesh at a time
+        norm = torch.nn.utils.get_total_norm(same_mesh, norm_type, False, foreach)
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
     if plain:
         norms.append(torch.nn.utils.get_total_norm(plain, norm_type, False, foreach))
     parts = torch.stack([n.float() for n in norms])
     if norm_type == 0:  # torch's "0-norm" counts tensors with a nonzero gradient: add the counts
         return parts.sum()
     return torch.linalg.vector_norm(parts, norm_type)
-
-
-def _clip_sharded(rt: "RankRuntime", parameters: list[torch.Tensor], max_norm: float,
-                  norm_type: float, foreach: bool | None, error_if_nonfinite: bool
-                  ) -> torch.Tensor:
-    """clip_grad_norm_ with sharded data parallel: each rank's gradients are
-    DTensor shards (0-dim ones replicas, counted on dp rank 0 only); the norm
-    of the local parts is combined over the pipeline ranks, then over "dp"."""
-    counted = counted_parameters(rt, parameters)
-    first = rt.shards.rank == 0
-    grads = [g for p in counted if (g := local_grad(p)) is not None and (p.dim() > 0 or first)]
-    if grads:
-        local = torch.nn.utils.get_total_norm(grads, norm_type, False, foreach)
-        local = local.to(device=rt.device, dtype=torch.float32)
-    else:
-        local = torch.full((), math.inf if norm_type == -math.inf else 0.0,
-                           dtype=torch.float32, device=rt.device)
-    total = _combine(_combine(local, norm_type, rt), norm_type, rt, group=rt.shards.group,
-                     what="the data-parallel ranks")
-    if error_if_nonfinite and not bool(torch.isfinite(total)):
-        raise RuntimeError(
-            f"The total norm of order {norm_type} for gradients from all pipeline stages is "
-            "non-finite, so it cannot be clipped. To disable this error and scale the "
-            "gradients by the non-finite norm anyway, set `error_if_nonfinite=False`")
-    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    every = [g for p in parameters if (g := local_grad(p)) is not None]
-    if every:
-        torch._foreach_mul_(every, coef.to(every[0].device))
-    return total
