@@ -25,18 +25,25 @@ class GPTConfig:
 
 
 class SelfAttention(nn.Module):
+    """Causal self-attention with separate q, k, v projections, written in
+    heads of ``d_model // n_head`` without assuming how many heads a rank
+    holds: under tensor parallelism (tensor_parallel_plan) each rank's
+    column-parallel q, k, v produce whole heads of its own."""
+
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
-        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
+        self.q = nn.Linear(cfg.d_model, cfg.d_model)
+        self.k = nn.Linear(cfg.d_model, cfg.d_model)
+        self.v = nn.Linear(cfg.d_model, cfg.d_model)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model)
-        self.n_head = cfg.n_head
+        self.head_dim = cfg.d_model // cfg.n_head
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = self.qkv(x).split(d, dim=2)
-        q, k, v = (z.view(b, t, self.n_head, d // self.n_head).transpose(1, 2) for z in (q, k, v))
+        b, t, _ = x.shape
+        q, k, v = (z.view(b, t, -1, self.head_dim).transpose(1, 2)
+                   for z in (self.q(x), self.k(x), self.v(x)))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.proj(y.transpose(1, 2).reshape(b, t, d))
+        return self.proj(y.transpose(1, 2).reshape(b, t, -1))
 
 
 class Block(nn.Module):
@@ -71,3 +78,16 @@ class GPT(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.head(self.ln_f(x))
+
+
+def tensor_parallel_plan() -> dict:
+    """torchtitan-style DTensor plan for one Block (apply with
+    ``parallelize_module(block, mesh["tp"], tensor_parallel_plan())``): q, k, v
+    and the MLP's first layer column-parallel, the projections row-parallel,
+    so a block takes and returns whole (replicated) activations and only
+    plain tensors cross pipeline stages."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    return {"attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(),
+            "attn.v": ColwiseParallel(), "attn.proj": RowwiseParallel(),
+            "mlp.0": ColwiseParallel(), "mlp.2": RowwiseParallel()}

@@ -8,6 +8,7 @@ or, once set up:
 
     torchrun --standalone --nproc-per-node 2 examples/train_gpt.py
     torchrun --standalone --nproc-per-node 2 examples/train_gpt.py --schedule zbv
+    torchrun --standalone --nproc-per-node 8 examples/train_gpt.py --dp 2 --tp 2 --shard
     python examples/train_gpt.py                      # one process: every stage local
 
 Options: --schedule {gpipe,1f1b,interleaved_1f1b,looped_bfs,zero_bubble,zbv,dualpipev}
@@ -18,9 +19,11 @@ Options: --schedule {gpipe,1f1b,interleaved_1f1b,looped_bfs,zero_bubble,zbv,dual
 (save at the end, with the step and the LR scheduler), --resume (start from its latest
 checkpoint; any pipeline size), --clip 1.0 (global gradient-norm clipping over all stages;
 0: none), --eval-every 20 (the loss on a held-out batch, forward only; 0: never),
+--tp 2 (tensor parallel inside every stage: each block's attention and MLP
+split over 2 ranks with DTensor; world size = dp x pp x tp),
 --shard (with --dp: sharded data parallel, ZeRO-3: parameters, gradients and
 optimizer state split over the replicas, gathered per stage by the schedule's
-UNSHARD actions), --compile (stage programs compiled by Inductor), --door (train through
+UNSHARD actions; with --tp too: 2-D shards), --compile (stage programs compiled by Inductor), --door (train through
 torch.compile(train_loss, backend="mpmd") and loss.backward() instead of pipe.step).
 
 The model is examples/gpt_model.py's GPT (token embedding tied to the
@@ -56,7 +59,7 @@ sys.path.append(os.path.dirname(_HERE))  # the checkout's torch_mpmd, if it is n
 
 import torch_mpmd as mpmd  # noqa: E402
 from corpus import TEXT  # noqa: E402
-from gpt_model import GPT, GPTConfig  # noqa: E402
+from gpt_model import GPT, GPTConfig, tensor_parallel_plan  # noqa: E402
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "zero_bubble", "zbv", "dualpipev")
 # Schedules that place more than one stage on each rank (V: exactly 2).
@@ -81,7 +84,10 @@ def parse_args() -> argparse.Namespace:
                    help="default: 2 for interleaved_1f1b, looped_bfs, zbv, dualpipev; else 1")
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     p.add_argument("--dp", type=int, default=1,
-                   help="data-parallel replicas of the pipeline (world size = dp x pp)")
+                   help="data-parallel replicas of the pipeline (world size = dp x pp x tp)")
+    p.add_argument("--tp", type=int, default=1,
+                   help="tensor-parallel ranks per stage (world size = dp x pp x tp): each "
+                        "block's attention and MLP split over them with DTensor")
     p.add_argument("--shard", action="store_true",
                    help="with --dp: shard parameters, gradients and optimizer state over the "
                         "replicas (pipeline(data_parallel='shard'))")
@@ -253,14 +259,15 @@ def main() -> int:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     rank = dist.get_rank() if distributed else 0
     world = dist.get_world_size() if distributed else 1
-    if world % args.dp:
-        raise SystemExit(f"--dp {args.dp} does not divide the world size {world}")
-    pp = world // args.dp
+    if world % (args.dp * args.tp):
+        raise SystemExit(f"--dp {args.dp} x --tp {args.tp} does not divide the world size {world}")
+    pp = world // (args.dp * args.tp)
     mesh = None
-    if args.dp > 1:  # replicas of the pipeline, each on its own batches
+    if args.dp > 1 or args.tp > 1:  # replicas of the pipeline, tensor parallel inside stages
         from torch.distributed.device_mesh import init_device_mesh
 
-        mesh = init_device_mesh(device.type, (args.dp, pp), mesh_dim_names=("dp", "pp"))
+        mesh = init_device_mesh(device.type, (args.dp, pp, args.tp),
+                                mesh_dim_names=("dp", "pp", "tp"))
     dp_rank = mesh.get_local_rank("dp") if mesh is not None else 0
     is_main = rank == 0
 
@@ -270,9 +277,16 @@ def main() -> int:
     cfg = GPTConfig(vocab_size=data.vocab_size, block_size=args.block_size, n_layer=args.layers,
                     n_head=4, d_model=args.d_model)
     model = build_model(cfg, args.seed).to(device)
+    n_params = sum(p.numel() for p in model.parameters())
+    if args.tp > 1:  # before pipeline(), torchtitan's way: the stages keep the DTensors
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        if args.door:
+            raise SystemExit("--tp is not available with --door")
+        for block in model.blocks:
+            parallelize_module(block, mesh["tp"], tensor_parallel_plan())
     num_stages = pp * args.stages_per_rank
     points = split_points(args.layers, num_stages)
-    n_params = sum(p.numel() for p in model.parameters())
 
     settings = dict(schedule=args.schedule, num_microbatches=args.microbatches,
                     stages_per_rank=args.stages_per_rank, split_points=points, device=device,
@@ -313,7 +327,7 @@ def main() -> int:
     if is_main:
         print(f"GPT: {args.layers} layers, d_model {args.d_model}, vocab {data.vocab_size}, "
               f"{n_params / 1e3:.1f}K params; corpus {len(data.ids)} chars")
-        print(f"pipeline: {args.schedule}, pp={pp}, dp={args.dp}, {num_stages} stages "
+        print(f"pipeline: {args.schedule}, pp={pp}, dp={args.dp}, tp={args.tp}, {num_stages} stages "
               f"({args.stages_per_rank} per rank), split_points={points}, "
               f"data parallel {'sharded' if args.shard else 'replicated'}, "
               f"{args.microbatches} microbatches of {args.batch_size // args.microbatches}, "
