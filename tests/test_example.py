@@ -22,3 +22,27 @@ def test_train_gpt_on_two_ranks_trains_and_writes_trace(tmp_path):
     ranks = {e["pid"] for e in trace["traceEvents"] if e["ph"] == "X"}
     assert ranks == {0, 1}
     assert (tmp_path / "train_gpt_timeline.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_train_gpt_3d_on_eight_ranks_trains_checkpoints_and_resumes_on_two(tmp_path):
+    """Issue 14's command: pp2 x dp2 (sharded) x tp2 on 8 ranks trains, its
+    trace holds the UNSHARD/RESHARD/REDUCE_GRAD actions of every rank, and its
+    checkpoint resumes on a plain 2-rank pipeline (resharded by DCP)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    script = str(ROOT / "examples" / "train_gpt.py")
+    ckpt = str(tmp_path / "ckpt")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+           "8", script, "--dp", "2", "--tp", "2", "--shard", "--steps", "8", "--eval-every", "0",
+           "--sample-chars", "0", "--out-dir", str(tmp_path), "--checkpoint-dir", ckpt]
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "dp=2, tp=2" in run.stdout and "parameter all-gathers" in run.stdout
+    trace = json.loads((tmp_path / "train_gpt_trace.json").read_text())
+    kinds = {e["cat"] for e in trace["traceEvents"] if e["ph"] == "X"}
+    assert {"UNSHARD", "RESHARD", "REDUCE_GRAD", "F", "B"} <= kinds, kinds
+    resume = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+              "2", script, "--resume", "--checkpoint-dir", ckpt, "--steps", "4",
+              "--eval-every", "0", "--sample-chars", "0", "--out-dir", str(tmp_path)]
+    run = subprocess.run(resume, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "resumed from" in run.stdout and "at step 8" in run.stdout
