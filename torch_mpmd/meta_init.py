@@ -11,6 +11,19 @@ optimizer see them) and are initialized module by module: the user's
 across ranks are then made equal (broadcast from the lowest rank holding them),
 and data-parallel replicas copy their first replica. Other ranks' tensors stay
 stand-ins: per-rank parameter memory is about 1/pp of the model's.
+
+NOTE [Meta-device tensor parallel]: a tensor-parallel plan applied on the meta
+device (``parallelize_module`` works there) gives DTensor parameters whose
+local shards are meta tensors. Their stand-ins are DTensors of the same mesh,
+placements, global shape and stride whose local tensor is a stand-in of the
+local shape; materializing gives the local tensor storage (1/tp of the
+parameter), and the broadcasts of ``synchronize`` move local shards. The
+module's ``init_fn`` / ``reset_parameters()`` then runs on DTensors: an init
+that must agree with a one-process model computes the full value from the
+global shape and keeps its part (``distribute_tensor(value, t.device_mesh,
+t.placements, src_data_rank=None)``, no communication); a random init
+(``reset_parameters()``) draws through DTensor's random ops, whose values
+need not equal a one-process model's with the same seed.
 """
 
 from __future__ import annotations
@@ -20,6 +33,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 __all__ = ["has_meta_tensors", "replace_with_standins", "materialize", "is_standin",
            "synchronize"]
@@ -29,22 +43,37 @@ def has_meta_tensors(module: torch.nn.Module) -> bool:
     return any(t.is_meta for t in list(module.parameters()) + list(module.buffers()))
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """What this rank holds of ``t``: a DTensor's local shard, else ``t``."""
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
 def is_standin(t: torch.Tensor) -> bool:
-    """A stand-in: a zero-stride expand owning one element. Those of one
-    element or none cannot be told from a value by their layout: they carry a
-    mark (set by replace_with_standins, cleared by materialize)."""
+    """A stand-in: a zero-stride expand owning one element (for a DTensor:
+    its local tensor is one). Those of one element or none cannot be told
+    from a value by their layout: they carry a mark (set by
+    replace_with_standins, cleared by materialize)."""
+    t = _local(t)
     if getattr(t, "_mpmd_standin", False):
         return True
     return t.numel() > 1 and t.dim() > 0 and all(s == 0 for s in t.stride())
 
 
 def _marked(t: torch.Tensor) -> torch.Tensor:
-    if t.numel() <= 1:
-        t._mpmd_standin = True  # see is_standin
+    if _local(t).numel() <= 1:
+        _local(t)._mpmd_standin = True  # see is_standin
     return t
 
 
 def _standin(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A stand-in for ``t``; for a DTensor, a DTensor (same mesh, placements,
+    global shape and stride) whose local tensor is the stand-in of ``t``'s
+    local shard (NOTE [Meta-device tensor parallel])."""
+    if isinstance(t, DTensor):
+        local = _marked(torch.zeros((), dtype=t.dtype, device=device)
+                        .expand(t._local_tensor.shape))
+        return DTensor.from_local(local, t.device_mesh, t.placements, run_check=False,
+                                  shape=t.shape, stride=t.stride())
     return torch.zeros((), dtype=t.dtype, device=device).expand(t.shape)
 
 
@@ -75,10 +104,11 @@ def materialize(module: torch.nn.Module, local: Iterable[torch.Tensor],
     allocated = 0
     for t in local:
         if is_standin(t) and id(t) not in fresh:
-            t.data = torch.empty(t.shape, dtype=t.dtype, device=device)
-            t.__dict__.pop("_mpmd_standin", None)
+            held = _local(t)   # a DTensor: its local shard gets the storage
+            held.data = torch.empty(held.shape, dtype=held.dtype, device=device)
+            held.__dict__.pop("_mpmd_standin", None)
             fresh.add(id(t))
-            allocated += t.numel() * t.element_size()
+            allocated += held.numel() * held.element_size()
     for name, mod in module.named_modules():
         own = [t for t in list(mod._parameters.values()) + list(mod._buffers.values())
                if t is not None]
@@ -121,7 +151,7 @@ def synchronize(tied_groups: Iterable[tuple[Any, list[torch.Tensor]]], dp_group:
     with torch.no_grad():
         for pg, params in tied_groups:
             for p in params:
-                broadcast(p.data, pg, "tied parameters")
+                broadcast(_local(p).data, pg, "tied parameters")
         if dp_group is not None:
-            for t in local:
-                broadcast(t.data, dp_group, "parameters and buffers to the replicas")
+            for t in local:   # a DTensor's local shard, to the replicas' same shard
+                broadcast(_local(t).data, dp_group, "parameters and buffers to the replicas")
