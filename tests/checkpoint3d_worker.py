@@ -13,7 +13,6 @@ equalities or differences scaled by the fp32 tolerance (<= 1: within it).
 
 from __future__ import annotations
 
-import copy
 import os
 import time
 from typing import Any, Callable
@@ -195,6 +194,20 @@ def _plain_load(target: str, saved_all: dict[str, torch.Tensor],
     return res
 
 
+def _manifest_chunks(target: str) -> dict[str, Any]:
+    """From every rank's manifest: per model key, the chunks (offsets) with a
+    CRC32 recorded, and whether any chunk was recorded twice."""
+    import json
+
+    chunks: dict[str, list[Any]] = {}
+    for r in range(dist.get_world_size()):
+        with open(os.path.join(target, f"rank_{r}.json"), encoding="utf-8") as f:
+            for e in json.load(f)["items"]:
+                if e["key"].startswith("model."):
+                    chunks.setdefault(e["key"], []).append(e["chunk"])
+    return {k: sorted(v, key=str) for k, v in chunks.items()}
+
+
 PP_TP = dict(dims=("pp", "tp"))
 PP_DP_SHARD = dict(dims=("dp", "pp"), dp=2, mode="shard")
 DP_TP_SHARD = dict(dims=("dp", "tp"), dp=2, mode="shard")
@@ -209,6 +222,8 @@ def checkpoints(case: dict[str, Any]) -> dict[str, Any]:
     if saved is None:
         return out
     saved_all, cont_all, cont_loss = saved
+    if dist.get_rank() == 0:
+        out["manifest_chunks"] = _manifest_chunks(out["saved_in"])
     for key, layout in case["into"].items():
         if layout == "plain":
             if dist.get_rank() == 0:
@@ -302,7 +317,32 @@ def meta_init(case: dict[str, Any]) -> dict[str, Any]:
     res["params"] = worst({n: max_diff(full(p.detach()), want[n].detach())
                            for n, p in pipe.named_parameters()})
     res["names"] = sorted(n for n, _ in pipe.named_parameters())
+    res["expected_bytes"] = expected_bytes(ref, res["names"], tp=2,
+                                           dp=2 if kwargs.get("data_parallel") == "shard" else 1)
     return res
+
+
+_COLWISE = {m for m, style in PLAN.items() if type(style).__name__ == "ColwiseParallel"}
+
+
+def expected_bytes(ref: nn.Module, names: list[str], *, tp: int, dp: int) -> int:
+    """The bytes a rank holding ``names`` should hold: tensor-parallel
+    parameters (column-parallel weights and biases, row-parallel weights)
+    1/tp; with sharding (dp > 1) a further 1/dp, except column-parallel
+    biases (every dim split over tp: replicated over dp)."""
+    params = dict(ref.named_parameters(remove_duplicate=False))
+    total = 0
+    for n in names:
+        module, _, leaf = n.rpartition(".")
+        short = module.split(".", 2)[-1] if module.startswith("blocks.") else ""
+        col, row = short in _COLWISE, short in PLAN and short not in _COLWISE
+        numel = params[n].numel()
+        if col or (row and leaf == "weight"):
+            numel //= tp
+        if dp > 1 and not (col and leaf == "bias"):
+            numel //= dp
+        total += numel * params[n].element_size()
+    return total
 
 
 CASES: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
