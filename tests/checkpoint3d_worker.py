@@ -345,8 +345,45 @@ def expected_bytes(ref: nn.Module, names: list[str], *, tp: int, dp: int) -> int
     return total
 
 
+def meta_default_init(case: dict[str, Any]) -> dict[str, Any]:
+    """A meta-device TPGPT on pp2 x tp2 initialized by its modules'
+    reset_parameters() (random, drawn on each rank): the tensors tp peers
+    share must come out equal (plain ones, Replicate DTensors), and the tp peers' losses
+    (one model, two tp ranks) must be equal. ``shards_equal``: sharded
+    parameters whose tp halves came out equal (torch's generator state
+    decides; reported, not checked)."""
+    mesh = make_mesh({})
+    tp = mesh["tp"].get_group()
+    with torch.device("meta"):
+        model = models.TPGPT(vocab=VOCAB, d=32, n_layer=4, n_head=4, block_size=SEQ)
+    for block in model.blocks:
+        parallelize_module(block, mesh["tp"], PLAN)
+    pipe = _pipeline(model, mesh, "1f1b")
+    x, y = batch(1)
+    loss = pipe.step(x, target=y).detach().reshape(1)
+
+    def peers(t: torch.Tensor) -> list[torch.Tensor]:
+        got = [torch.empty_like(t) for _ in range(dist.get_world_size(tp))]
+        dist.all_gather(got, t.contiguous(), group=tp)
+        return got
+
+    res: dict[str, Any] = {"shared_differ": [], "shards_equal": []}
+    for n, p in pipe.named_parameters():
+        replicated = not isinstance(p, DTensor) or all(pl.is_replicate() for pl in p.placements)
+        got = peers(p.to_local() if isinstance(p, DTensor) else p.detach())
+        if replicated and not torch.equal(got[0], got[1]):
+            res["shared_differ"].append(n)
+        if not replicated and torch.equal(got[0], got[1]):
+            res["shards_equal"].append(n)
+    res["sharded"] = sum(isinstance(p, DTensor) and not p.placements[0].is_replicate()
+                         for p in pipe.parameters())
+    losses = peers(loss)
+    res["loss_spread"] = float((losses[0] - losses[1]).abs())
+    return res
+
+
 CASES: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
-    "checkpoints": checkpoints, "meta_init": meta_init}
+    "checkpoints": checkpoints, "meta_init": meta_init, "meta_default_init": meta_default_init}
 
 
 def grid(cases: list[dict[str, Any]]) -> dict[str, Any]:

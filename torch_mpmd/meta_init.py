@@ -9,8 +9,10 @@ get real storage (the same Parameter objects, so the stage modules and the
 optimizer see them) and are initialized module by module: the user's
 ``init_fn(module)``, else the module's own ``reset_parameters()``. Weights tied
 across ranks are then made equal (broadcast from the lowest rank holding them),
-and data-parallel replicas copy their first replica. Other ranks' tensors stay
-stand-ins: per-rank parameter memory is about 1/pp of the model's.
+data-parallel replicas copy their first replica, and tensor-parallel peers
+the first peer's tensors they share (NOTE [Meta-device tensor parallel]).
+Other ranks' tensors stay stand-ins: per-rank parameter memory is about 1/pp
+of the model's.
 
 NOTE [Meta-device tensor parallel]: a tensor-parallel plan applied on the meta
 device (``parallelize_module`` works there) gives DTensor parameters whose
@@ -22,8 +24,10 @@ module's ``init_fn`` / ``reset_parameters()`` then runs on DTensors: an init
 that must agree with a one-process model computes the full value from the
 global shape and keeps its part (``distribute_tensor(value, t.device_mesh,
 t.placements, src_data_rank=None)``, no communication); a random init
-(``reset_parameters()``) draws through DTensor's random ops, whose values
-need not equal a one-process model's with the same seed.
+(``reset_parameters()``) draws on each rank, so ``synchronize`` then gives
+the tensors tp peers share (plain ones, a DTensor's local shard along its
+Replicate mesh dims) the first peer's values; its shards are each rank's own
+draws, which need not equal a one-process model's with the same seed.
 """
 
 from __future__ import annotations
@@ -133,13 +137,37 @@ def materialize(module: torch.nn.Module, local: Iterable[torch.Tensor],
     return allocated
 
 
+def _replica_groups(local: list[torch.Tensor], tp_group: Any) -> list[Any]:
+    """The groups over which this rank's plain tensors are replicated by
+    tensor parallelism: ``tp_group``, else every mesh dim's group of the
+    DTensors among ``local`` (tp peers hold the same stages, so they find the
+    same groups in the same order)."""
+    if tp_group is not None:
+        return [tp_group]
+    groups: dict[str, Any] = {}
+    for t in local:
+        if isinstance(t, DTensor):
+            for dim in range(t.device_mesh.ndim):
+                pg = t.device_mesh.get_group(dim)
+                groups.setdefault(pg.group_name, pg)
+    return list(groups.values())
+
+
 def synchronize(tied_groups: Iterable[tuple[Any, list[torch.Tensor]]], dp_group: Any,
-                local: Iterable[torch.Tensor], runtime: Any = None) -> None:
-    """Tied weights equal across pipeline ranks, replicas equal to their first.
+                local: Iterable[torch.Tensor], runtime: Any = None, tp_group: Any = None
+                ) -> None:
+    """Tied weights equal across pipeline ranks, replicas equal to their first;
+    with tensor parallelism, what tp peers must hold alike (plain tensors, a
+    DTensor's local shard along its Replicate mesh dims) equal to the first
+    peer's: a random init (``reset_parameters()``) draws on each rank.
+    ``tp_group``: the pipeline mesh's "tp" group (default: the groups of the
+    DTensors' meshes found among ``local``).
     With the ``runtime`` (a RankRuntime) each broadcast is bounded by its
     timeout and waited for by ``runtime.wait`` (NOTE [Bounded collectives] in
     lockstep.py); without, they block for the process group's timeout."""
     from torch_mpmd import lockstep
+
+    local = list(local)
 
     def broadcast(t: torch.Tensor, pg: Any, what: str) -> None:
         if runtime is None:
@@ -155,3 +183,13 @@ def synchronize(tied_groups: Iterable[tuple[Any, list[torch.Tensor]]], dp_group:
         if dp_group is not None:
             for t in local:   # a DTensor's local shard, to the replicas' same shard
                 broadcast(_local(t).data, dp_group, "parameters and buffers to the replicas")
+        plain_groups = _replica_groups(local, tp_group)
+        for t in local:
+            if isinstance(t, DTensor):
+                mesh = t.device_mesh
+                groups = [mesh.get_group(d) for d, pl in enumerate(t.placements)
+                          if pl.is_replicate() and mesh.size(d) > 1]
+            else:
+                groups = [pg for pg in plain_groups if dist.get_world_size(pg) > 1]
+            for pg in groups:
+                broadcast(_local(t).data, pg, "tensors the tensor-parallel peers share")
