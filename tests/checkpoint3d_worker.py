@@ -354,6 +354,7 @@ def meta_default_init(case: dict[str, Any]) -> dict[str, Any]:
     decides; reported, not checked)."""
     mesh = make_mesh({})
     tp = mesh["tp"].get_group()
+    torch.manual_seed(1000 + dist.get_rank())   # ranks' generators in different states
     with torch.device("meta"):
         model = models.TPGPT(vocab=VOCAB, d=32, n_layer=4, n_head=4, block_size=SEQ)
     for block in model.blocks:
