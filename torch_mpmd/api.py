@@ -180,6 +180,10 @@ class Pipeline(torch.nn.Module):
         self._mpmd_reshard_after_forward = reshard_after_forward
         # Sharded data parallel: the user's parameters are DTensor shards from
         # now on, so an optimizer built before the first step holds them.
+        names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
+        # Tensor-parallel peers: a meta-device model's shared tensors are synced over it.
+        self._mpmd_tp_group = (mesh.get_group("tp") if "tp" in names and
+                               mesh.size(names.index("tp")) > 1 else None)
         self._mpmd_shards = (ParamShards(module, dp_mesh, root=mesh)
                              if data_parallel == "shard" and dp_mesh is not None else None)
         if self._mpmd_shards is not None:
@@ -325,7 +329,8 @@ class Pipeline(torch.nn.Module):
                     self._mpmd_module, local, self._mpmd_init_fn, self.device)
                 tied = [(pg, [shards.compute[id(p)] for p in ps] if shards is not None else ps)
                         for pg, ps in runtime.tied_groups]
-                meta_init.synchronize(tied, runtime.dp_group, local, runtime)
+                meta_init.synchronize(tied, runtime.dp_group, local, runtime,
+                                      tp_group=self._mpmd_tp_group)
             if shards is not None:
                 shards.take(local)  # materialized values into the shards; compute freed
                 shards.release(local)  # other ranks' stages' shards
