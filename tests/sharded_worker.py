@@ -595,3 +595,40 @@ def die_in_all_gather(timeout: float) -> dict[str, Any]:
     out["seconds"] = time.monotonic() - start
     partial_result(out)
     return out
+
+
+class MixedDtypeNet(nn.Module):
+    """One stage whose parameters mix fp32 and bf16 (each gathered and
+    reduced in its own flat buffer)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w32 = nn.Parameter(torch.randn(8, 1) * 0.1 + 1.0 / 3)
+        self.w16 = nn.Parameter(torch.randn(8, 8).to(torch.bfloat16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x.to(torch.bfloat16) @ self.w16).float() @ self.w32
+
+
+def mixed_dtypes(_: Any) -> dict[str, Any]:
+    """dp2 shard of MixedDtypeNet against one process: loss, gradients (their
+    dtypes and values, bf16 within its precision)."""
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = MixedDtypeNet()
+    ref = MixedDtypeNet()
+    ref.load_state_dict(model.state_dict())
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    pipe = mpmd.pipeline(model, loss_fn=F.mse_loss, num_microbatches=1, mesh=mesh,
+                         data_parallel="shard", timeout=60)
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(4, 8, generator=g), torch.randn(4, 1, generator=g)
+    loss = pipe.step(x[2 * rank:2 * rank + 2], target=y[2 * rank:2 * rank + 2])
+    ref_loss = F.mse_loss(ref(x), y)
+    ref_loss.backward()
+    want = dict(ref.named_parameters())
+    return {"loss": [float(loss), float(ref_loss)],
+            "grads": {n: [str(p.grad.dtype),
+                          float((full(p.grad).float() - want[n].grad.float()).abs().max()),
+                          float(want[n].grad.float().abs().max())]
+                      for n, p in pipe.named_parameters()}}

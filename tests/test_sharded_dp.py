@@ -263,3 +263,13 @@ def test_meta_device_one_element_parameters_are_initialized():
     loss = pipe.step(x, target=y)
     assert float(model.scale) == pytest.approx(float(reference.scale))
     assert float(loss) == pytest.approx(float(F.mse_loss(reference(x), y)), rel=1e-5)
+
+
+def test_a_stage_mixing_fp32_and_bf16_parameters_shards_each_in_its_own_dtype():
+    run = run_ranks(2, "sharded_worker:mixed_dtypes", None, timeout=120)
+    for r in run.results:
+        got, want = r["loss"]
+        assert got == pytest.approx(want, rel=1e-5), r
+        assert r["grads"]["w32"][0] == "torch.float32" and r["grads"]["w32"][1] < 1e-5, r
+        dtype, diff, scale = r["grads"]["w16"]
+        assert dtype == "torch.bfloat16" and diff <= 2 ** -7 * max(scale, 1.0), r

@@ -268,6 +268,19 @@ def _layout(params: Sequence[torch.nn.Parameter], shards: ParamShards
     return slots, replicated, offset
 
 
+_Bucket = tuple[list[_Slot], list[torch.nn.Parameter], int]
+
+
+def _buckets(params: Sequence[torch.nn.Parameter], shards: ParamShards) -> list[_Bucket]:
+    """The parameters' flat layouts, one per dtype (a flat buffer has one
+    dtype: a stage mixing fp32 and bf16 parameters gathers and reduces each
+    kind on its own), in the order the dtypes first appear."""
+    by_dtype: dict[torch.dtype, list[torch.nn.Parameter]] = {}
+    for p in params:
+        by_dtype.setdefault(_base(p).dtype, []).append(p)
+    return [_layout(ps, shards) for ps in by_dtype.values()]
+
+
 class ShardedStages:
     """UNSHARD, RESHARD and REDUCE_GRAD of one rank's stages (the module docstring).
 
@@ -286,7 +299,7 @@ class ShardedStages:
         self.timeout_s = timeout_s
         self.wait = wait
         self.ranks = dist.get_process_group_ranks(self.group)
-        self.gather = {s: _layout(ps, shards) for s, ps in stage_params.items()}
+        self.gather = {s: _buckets(ps, shards) for s, ps in stage_params.items()}
         owner: dict[int, int] = {}
         by_id: dict[int, torch.nn.Parameter] = {}
         for s in list(stage_params) + list(reduce_order):  # the last REDUCE_GRAD wins
@@ -294,11 +307,11 @@ class ShardedStages:
                 if p.requires_grad:
                     owner[id(p)] = s
                     by_id[id(p)] = p
-        self.reduce_layout = {s: _layout([by_id[i] for i, o in owner.items() if o == s], shards)
+        self.reduce_layout = {s: _buckets([by_id[i] for i, o in owner.items() if o == s], shards)
                               for s in stage_params}
         self._users: dict[int, int] = {}  # id(compute parameter) -> gathered stages using it
         self._gathered: set[int] = set()
-        self._pending: dict[int, tuple[Any, torch.Tensor]] = {}
+        self._pending: dict[int, list[tuple[Any, torch.Tensor]]] = {}  # per bucket
         self._reductions: list[tuple[Any, torch.Tensor, list[_Slot], list[torch.nn.Parameter]]] = []
         # This step's gathers, for report(): (posted, completed, waited) in
         # seconds of time.perf_counter, completion set by the work's future.
@@ -315,22 +328,27 @@ class ShardedStages:
         """Post the all-gather of the stage's shards (returns at once)."""
         if stage in self._gathered or stage in self._pending or stage not in self.gather:
             return
-        slots, _, numel = self.gather[stage]
-        first = _base(slots[0].param) if slots else None
-        flat = torch.empty(numel, dtype=first.dtype if slots else torch.float32,
-                           device=first.device if slots else "cpu")
-        for slot in slots:
-            local = slot.shard._local_tensor.movedim(slot.dim, 0).reshape(-1)
-            flat[slot.offset:slot.offset + local.numel()].copy_(local)
-        out = flat.new_empty(self.size * numel)
-        opts = torch._C._distributed_c10d.AllgatherOptions()
-        opts.timeout = lockstep._timedelta(self.timeout_s)
         posted = time.perf_counter()
-        work = self.group._allgather_base(out, flat, opts)
-        self._pending[stage] = (work, out)
+        works = []
+        for slots, _, numel in self.gather[stage]:
+            if not slots:
+                works.append((None, None))
+                continue
+            first = _base(slots[0].param)
+            flat = torch.empty(numel, dtype=first.dtype, device=first.device)
+            for slot in slots:
+                local = slot.shard._local_tensor.movedim(slot.dim, 0).reshape(-1)
+                flat[slot.offset:slot.offset + local.numel()].copy_(local)
+            out = flat.new_empty(self.size * numel)
+            opts = torch._C._distributed_c10d.AllgatherOptions()
+            opts.timeout = lockstep._timedelta(self.timeout_s)
+            works.append((self.group._allgather_base(out, flat, opts), out))
+        self._pending[stage] = works
         timing = self._timing[stage] = [posted, 0.0]
-        try:
-            work.get_future().then(lambda _f, t=timing: t.__setitem__(1, time.perf_counter()))
+        last = next((w for w, _ in reversed(works) if w is not None), None)
+        try:  # one group's works complete in order: the last one's completion
+            if last is not None:
+                last.get_future().then(lambda _f, t=timing: t.__setitem__(1, time.perf_counter()))
         except RuntimeError:  # a backend without futures: completion = end of the wait
             pass
 
@@ -341,27 +359,30 @@ class ShardedStages:
             return
         if stage not in self._pending:
             self.unshard(stage)
-        work, out = self._pending.pop(stage)
+        works = self._pending.pop(stage)
         start = time.perf_counter()
-        self.wait(work, self._what("all-gather", stage))
+        for work, _ in works:
+            if work is not None:
+                self.wait(work, self._what("all-gather", stage))
         end = time.perf_counter()
         posted, done = self._timing.pop(stage, (start, 0.0))
         done = min(done, end) if done else end
-        self._gathers.append((posted, done, end - start, out.numel() * out.element_size()))
-        slots, replicated, numel = self.gather[stage]
-        table = out.view(self.size, numel)
-        for slot in slots:
-            p = slot.param
-            if self._users.get(id(p), 0) == 0:
-                rows = table[:, slot.offset:slot.offset + slot.numel]
-                full = rows.reshape(self.size * slot.chunk, slot.row_numel)[:slot.rows]
-                full = full.reshape(slot.moved(slot.rows)).movedim(0, slot.dim)
-                _set_base(p, full.contiguous())
-            self._users[id(p)] = self._users.get(id(p), 0) + 1
-        for p in replicated:
-            if self._users.get(id(p), 0) == 0:
-                _set_base(p, self.shards.of[id(p)]._local_tensor.clone())
-            self._users[id(p)] = self._users.get(id(p), 0) + 1
+        self._gathers.append((posted, done, end - start,
+                              sum(o.numel() * o.element_size() for _, o in works if o is not None)))
+        for (_, out), (slots, replicated, numel) in zip(works, self.gather[stage]):
+            table = out.view(self.size, numel) if out is not None else None
+            for slot in slots:
+                p = slot.param
+                if self._users.get(id(p), 0) == 0:
+                    rows = table[:, slot.offset:slot.offset + slot.numel]
+                    full = rows.reshape(self.size * slot.chunk, slot.row_numel)[:slot.rows]
+                    full = full.reshape(slot.moved(slot.rows)).movedim(0, slot.dim)
+                    _set_base(p, full.contiguous())
+                self._users[id(p)] = self._users.get(id(p), 0) + 1
+            for p in replicated:
+                if self._users.get(id(p), 0) == 0:
+                    _set_base(p, self.shards.of[id(p)]._local_tensor.clone())
+                self._users[id(p)] = self._users.get(id(p), 0) + 1
         self._gathered.add(stage)
 
     # ------------------------------------------------------------ RESHARD
@@ -372,8 +393,9 @@ class ShardedStages:
         if stage not in self._gathered:
             return
         self._gathered.discard(stage)
-        slots, replicated, _ = self.gather[stage]
-        for p in [s.param for s in slots] + replicated:
+        every = [p for slots, replicated, _ in self.gather[stage]
+                 for p in [s.param for s in slots] + replicated]
+        for p in every:
             n = self._users.get(id(p), 0) - 1
             self._users[id(p)] = n
             if n <= 0:
@@ -387,12 +409,14 @@ class ShardedStages:
     def reduce(self, stage: int) -> None:
         """Post the reduce-scatter of the stage's gradients (mean over dp); the
         compute parameters' full gradients are released."""
-        slots, replicated, numel = self.reduce_layout.get(stage, ([], [], 0))
+        for bucket in self.reduce_layout.get(stage, []):
+            self._reduce(*bucket)
+
+    def _reduce(self, slots: list[_Slot], replicated: list[torch.nn.Parameter],
+                numel: int) -> None:
         if slots:
-            p0 = _base(slots[0].param)
-            g0 = local_grad(slots[0].param)
-            grad_dtype = g0.dtype if g0 is not None else p0.dtype
-            table = torch.zeros(self.size, numel, dtype=grad_dtype, device=p0.device)
+            p0 = _base(slots[0].param)  # the bucket's dtype (gradients take it)
+            table = torch.zeros(self.size, numel, dtype=p0.dtype, device=p0.device)
             for slot in slots:
                 g = local_grad(slot.param)
                 if g is not None:  # rank r's rows go to row r of the table
