@@ -534,6 +534,13 @@ class RankRuntime:
         try:
             if ledger is not None:
                 ledger.begin(kind, timeout_s=self.timeout_s, step=step, digest=self.digest)
+            if isinstance(self.dp, ShardedStages) and kind != "step":
+                # Forward-only programs carry no UNSHARD: gather every local
+                # stage now, in stage order, so that a rank whose compute fails
+                # (its executor then skips compute) has still paired its
+                # replicas' gathers (NOTE [Lazy gather] in sharding.py).
+                for stage in self.local_stages:
+                    self.dp.ready(stage)
             try:
                 executor.run()
             except _runtime.ExecutorError as e:

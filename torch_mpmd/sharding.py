@@ -30,7 +30,10 @@ NOTE [Lazy gather]: a compute action of a stage whose parameters are not
 gathered gathers them at once (synchronously). The executors that run part of
 a schedule (forward-only inference, eval) carry no UNSHARD actions and rely on
 it; every replica of a pipeline rank runs the same program, so their gathers
-pair up. After every executor run, whatever is still gathered is resharded.
+pair up. The runtime gathers every local stage before such a run starts, so
+that a rank whose compute fails (its executor then skips the rest) has posted
+the gathers its replicas wait for. After every executor run, whatever is
+still gathered is resharded.
 
 NOTE [Sharding with tensor parallel]: with a "tp" mesh dim the compute
 parameters of tensor-parallel layers are DTensors over "tp"; what a rank

@@ -158,7 +158,7 @@ def clip_grad_norm_(rt: "RankRuntime", parameters: list[torch.Tensor], max_norm:
     grads = [p.grad for p in counted_parameters(rt, parameters) if p.grad is not None]
     tensor_parallel = any(isinstance(g, DTensor) for g in grads)
     if tensor_parallel:
-        local = _mixed_norm(grads, norm_type, foreach).to(device=rt.device, dtype=torch.float32)
+        local = _mixed_norm(rt, grads, norm_type, foreach)
     elif grads:
         local = torch.nn.utils.get_total_norm(grads, norm_type, False, foreach)
         local = local.to(device=rt.device, dtype=torch.float32)
@@ -181,32 +181,47 @@ def clip_grad_norm_(rt: "RankRuntime", parameters: list[torch.Tensor], max_norm:
     return total
 
 
-def _mixed_norm(grads: list[torch.Tensor], norm_type: float, foreach: bool | None
-                ) -> torch.Tensor:
+def _mixed_norm(rt: "RankRuntime", grads: list[torch.Tensor], norm_type: float,
+                foreach: bool | None) -> torch.Tensor:
     """The norm of this pipeline rank's gradients when some are DTensors
-    (tensor parallel): the same on every tp peer.
+    (tensor parallel, sharded data parallel), combined over the DTensors'
+    sharded mesh dims: the same on every peer.
 
-    NOTE [Norm over tensor parallel]: torch's foreach norm cannot take plain
-    tensors and DTensors in one list, so each kind gets its own norm: the
-    plain ones (identical on every tp peer) as they are, the DTensors as
-    DTensors, whose norm DTensor reduces over the mesh dims they are sharded
-    on (a Shard's local norms combine over "tp", or "dp" with
-    data_parallel="shard", a Replicate counts once), one mesh at a time;
-    then the norm of these norms, which for every p-norm torch computes as
-    the norm of the per-tensor norms too. Collective over the DTensors'
-    meshes (every peer holds the same parameters, so they reduce together)."""
-    plain = [g for g in grads if not isinstance(g, DTensor)]
-    by_mesh: dict[int, list[torch.Tensor]] = {}
+    NOTE [Norm over tensor parallel]: each rank takes the norm of the local
+    parts it is the one to count: along every mesh dim some gradient is
+    sharded on (and the norm reduced over), a gradient whole along it (a
+    Replicate placement there, a DTensor on another mesh, a plain tensor)
+    counts on that dim's first rank only; empty shards (a dim with fewer rows
+    than ranks) count nothing.
+    These norms are then combined over each mesh dim a DTensor is sharded
+    on ("dp", "tp"), by the library's bounded all-reduce (_combine), and by
+    the caller over the pipeline ranks."""
+    groups: dict[str, Any] = {}  # mesh dims some gradient is sharded on
+    coords: dict[str, int] = {}  # this rank's coordinate on each mesh dim seen
     for g in grads:
         if isinstance(g, DTensor):
-            by_mesh.setdefault(id(g.device_mesh), []).append(g)
-    norms = []
-    for same_mesh in by_mesh.values():  # foreach ops take one mesh at a time
-        norm = torch.nn.utils.get_total_norm(same_mesh, norm_type, False, foreach)
-        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
-    if plain:
-        norms.append(torch.nn.utils.get_total_norm(plain, norm_type, False, foreach))
-    parts = torch.stack([n.float() for n in norms])
-    if norm_type == 0:  # torch's "0-norm" counts tensors with a nonzero gradient: add the counts
-        return parts.sum()
-    return torch.linalg.vector_norm(parts, norm_type)
+            mesh, names = g.device_mesh, g.device_mesh.mesh_dim_names or ()
+            for i, placement in enumerate(g.placements):
+                coords[names[i]] = mesh.get_local_rank(i)
+                if placement.is_shard():
+                    groups.setdefault(names[i], mesh.get_group(i))
+    counted: list[torch.Tensor] = []
+    for g in grads:
+        sharded_on: set[str] = set()
+        if isinstance(g, DTensor):
+            names = g.device_mesh.mesh_dim_names or ()
+            sharded_on = {names[i] for i, pl in enumerate(g.placements) if pl.is_shard()}
+        # Whole along a reduced dim (Replicate there, or not on it at all):
+        # counted by that dim's first rank only.
+        if all(coords[n] == 0 for n in groups if n not in sharded_on):
+            counted.append(g._local_tensor if isinstance(g, DTensor) else g)
+    counted = [t for t in counted if t.numel() > 0]
+    if counted:
+        local = torch.nn.utils.get_total_norm(counted, norm_type, False, foreach)
+        local = local.to(device=rt.device, dtype=torch.float32)
+    else:
+        local = torch.full((), math.inf if norm_type == -math.inf else 0.0,
+                           dtype=torch.float32, device=rt.device)
+    for name in sorted(groups):  # every peer holds the same parameters: the same groups
+        local = _combine(local, norm_type, rt, group=groups[name], what=f'the "{name}" ranks')
+    return local
