@@ -305,9 +305,11 @@ class ShardedStages:
         self.gather = {s: _buckets(ps, shards) for s, ps in stage_params.items()}
         owner: dict[int, int] = {}
         by_id: dict[int, torch.nn.Parameter] = {}
+        # Every parameter that can train: one the user unfreezes (requires_grad
+        # on its shard, see sync_requires_grad) after this is reduced too.
         for s in list(stage_params) + list(reduce_order):  # the last REDUCE_GRAD wins
             for p in stage_params.get(s, ()):
-                if p.requires_grad:
+                if p.requires_grad or self.shards.of[id(p)].requires_grad:
                     owner[id(p)] = s
                     by_id[id(p)] = p
         self.reduce_layout = {s: _buckets([by_id[i] for i, o in owner.items() if o == s], shards)
@@ -452,6 +454,16 @@ class ShardedStages:
         self._reductions = []
         self._reduced_bytes = 0
 
+    def sync_requires_grad(self) -> None:
+        """The user freezes and unfreezes the shards (pipe.parameters()): the
+        stages' parameters follow, before a step builds or runs its programs."""
+        for buckets in self.gather.values():
+            for slots, replicated, _ in buckets:
+                for p in [slot.param for slot in slots] + replicated:
+                    want = self.shards.of[id(p)].requires_grad
+                    if p.requires_grad != want:
+                        p.requires_grad_(want)
+
     def begin_run(self) -> None:
         """An executor run starts: report() covers it alone."""
         self._gathers = []
@@ -491,6 +503,8 @@ class ShardedStages:
 
     @staticmethod
     def _add(shard: torch.nn.Parameter, g: torch.Tensor) -> None:
+        if not shard.requires_grad:  # frozen (its programs may still compute it)
+            return
         current = local_grad(shard)
         if current is None:
             set_local_grad(shard, g.clone(memory_format=torch.contiguous_format))
