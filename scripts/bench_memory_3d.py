@@ -27,21 +27,13 @@ from torch.distributed.tensor.parallel import parallelize_module
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 import torch_mpmd as mpmd  # noqa: E402
+from bench_sharded import _local_bytes as _held  # noqa: E402  (bytes of local shards)
 from gpt_model import GPT, GPTConfig, tensor_parallel_plan  # noqa: E402
 
 LAYOUTS = [("pp2 x dp4, replicate", (4, 2, 1), "replicate"),
            ("pp2 x dp4, shard", (4, 2, 1), "shard"),
            ("pp2 x dp2 x tp2, replicate", (2, 2, 2), "replicate"),
            ("pp2 x dp2 x tp2, shard", (2, 2, 2), "shard")]
-
-
-def _held(tensors: list[torch.Tensor]) -> int:
-    total = 0
-    for t in tensors:
-        t = getattr(t, "_local_tensor", t)
-        if not mpmd.meta_init.is_standin(t):
-            total += t.numel() * t.element_size()
-    return total
 
 
 def main() -> None:

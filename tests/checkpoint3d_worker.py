@@ -14,7 +14,6 @@ equalities or differences scaled by the fp32 tolerance (<= 1: within it).
 from __future__ import annotations
 
 import os
-import time
 from typing import Any, Callable
 
 import torch
@@ -25,8 +24,8 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 import models
 import torch_mpmd as mpmd
-from dist_harness import partial_result
-from tp_worker import (EPS, LR, PLAN, VOCAB, SEQ, _error_text, _mine, _pipeline, batch,
+from dist_harness import error_text as _error_text, partial_result, run_grid
+from tp_worker import (EPS, LR, PLAN, VOCAB, SEQ, _mine, _pipeline, batch,
                        full, gpt_loss, make_mesh, max_diff, worst)
 
 
@@ -389,16 +388,4 @@ CASES: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
 
 def grid(cases: list[dict[str, Any]]) -> dict[str, Any]:
     """Run every case on this rank; {"ckpt3d": {case id: result (with "error")}}."""
-    out: dict[str, Any] = {}
-    for case in cases:
-        start = time.perf_counter()
-        torch._dynamo.reset()
-        try:
-            res = CASES[case["kind"]](case)
-            res.setdefault("error", None)
-        except Exception:
-            res = {"error": _error_text()}
-        res["seconds"] = round(time.perf_counter() - start, 2)
-        out[case["id"]] = res
-        partial_result({"ckpt3d": out})
-    return {"ckpt3d": out}
+    return run_grid(cases, CASES, key="ckpt3d")

@@ -258,6 +258,38 @@ def partial_result(value: Any) -> None:
         _write_json(Path(workdir) / f"partial{os.environ['RANK']}.json", value)
 
 
+def error_text() -> str:
+    """The current exception's traceback, its middle cut when long (results travel as JSON)."""
+    import traceback
+
+    text = traceback.format_exc()
+    return text if len(text) < 6000 else text[:1500] + "\n...\n" + text[-4500:]
+
+
+def run_grid(cases: list[dict[str, Any]], handlers: dict[str, Any], *,
+             key: str | None = None) -> dict[str, Any]:
+    """In a worker rank: run each case by ``handlers[case["kind"]](case)``, with
+    Dynamo's caches reset between cases; {case id: result} where a result
+    holds ``error`` (None, or the traceback: one failing case does not hide
+    the others) and ``seconds``. Recorded as a partial result after each
+    case (under ``key`` when given, and then returned as ``{key: ...}``)."""
+    import torch
+
+    out: dict[str, Any] = {}
+    for case in cases:
+        start = time.perf_counter()
+        torch._dynamo.reset()
+        try:
+            res = handlers[case["kind"]](case)
+            res.setdefault("error", None)
+        except Exception:
+            res = {"error": error_text()}
+        res["seconds"] = round(time.perf_counter() - start, 2)
+        out[case["id"]] = res
+        partial_result({key: out} if key else out)
+    return {key: out} if key else out
+
+
 def _rank_main() -> None:
     rank = int(os.environ["RANK"])
     workdir = Path(os.environ["HARNESS_DIR"])

@@ -16,7 +16,6 @@ from __future__ import annotations
 import copy
 import os
 import time
-import traceback
 from typing import Any, Callable
 
 import torch
@@ -28,7 +27,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import models
 import torch_mpmd as mpmd
-from dist_harness import partial_result
+from dist_harness import error_text as _error_text, partial_result, run_grid
 
 RTOL, ATOL = 1e-4, 1e-5
 BATCH = 8   # the global batch
@@ -105,11 +104,6 @@ def deterministic_init(mod: nn.Module) -> None:
 
 
 # ------------------------------------------------------------------ helpers
-
-def _error_text() -> str:
-    text = traceback.format_exc()
-    return text if len(text) < 6000 else text[:1500] + "\n...\n" + text[-4500:]
-
 
 def make_mesh(dp: int, pp: int) -> Any:
     return init_device_mesh("cpu", (dp, pp), mesh_dim_names=("dp", "pp"))
@@ -376,19 +370,7 @@ CASES: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
 
 def grid(cases: list[dict[str, Any]]) -> dict[str, Any]:
     """Run every case on this rank; {case id: result (with "error")}."""
-    out: dict[str, Any] = {}
-    for case in cases:
-        start = time.perf_counter()
-        torch._dynamo.reset()
-        try:
-            res = CASES[case["kind"]](case)
-            res["error"] = None
-        except Exception:
-            res = {"error": _error_text()}
-        res["seconds"] = round(time.perf_counter() - start, 2)
-        out[case["id"]] = res
-        partial_result(out)
-    return out
+    return run_grid(cases, CASES)
 
 
 # ------------------------------------------------------------------ checkpoints

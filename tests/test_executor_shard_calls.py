@@ -2,11 +2,10 @@
 actions, and runs runners without those methods as before (csrc/python/runtime)."""
 
 import pytest
+import torch
 
-torch = pytest.importorskip("torch")
-
-from torch_mpmd import _runtime  # noqa: E402  (after torch)
-from torch_mpmd.schedules import Schedule  # noqa: E402
+from torch_mpmd import _runtime
+from torch_mpmd.schedules import Schedule
 
 # Two stages on one rank, reshard after forward: stage 0 is freed while stage 1 runs.
 SHARDED = Schedule.from_actions([["0F0", "1F0", "1B0", "0B0"]]).lower(

@@ -14,8 +14,6 @@ differences scaled by the fp32 tolerance (<= 1: within it).
 
 from __future__ import annotations
 
-import time
-import traceback
 from typing import Any, Callable
 
 import torch
@@ -28,9 +26,9 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
 
 import models
 import torch_mpmd as mpmd
-from dist_harness import partial_result
+from dist_harness import run_grid
+from sharded_worker import full, max_diff, worst
 
-RTOL, ATOL = 1e-4, 1e-5
 BATCH = 8   # the global batch
 M = 2       # microbatches per replica
 LR = 1e-2
@@ -67,33 +65,6 @@ def batch(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 # ------------------------------------------------------------------ helpers
-
-def _error_text() -> str:
-    text = traceback.format_exc()
-    return text if len(text) < 6000 else text[:1500] + "\n...\n" + text[-4500:]
-
-
-def full(t: torch.Tensor | None) -> torch.Tensor | None:
-    """The whole tensor (collective over a DTensor's mesh)."""
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-
-def max_diff(a: torch.Tensor | None, b: torch.Tensor | None) -> float:
-    """max |a - b| scaled so that <= 1 is within (RTOL, ATOL); inf when one
-    is missing or the shapes differ."""
-    if a is None or b is None or a.shape != b.shape:
-        return float("inf")
-    a, b = a.detach().double(), b.detach().double()
-    return float(((a - b).abs() / (ATOL + RTOL * b.abs())).max())
-
-
-def worst(diffs: dict[str, float]) -> list[Any]:
-    """[name, scaled difference] of the largest difference."""
-    if not diffs:
-        return ["<none>", float("inf")]
-    name = max(diffs, key=lambda n: diffs[n])
-    return [name, diffs[name]]
-
 
 def compare_grads(pipe: Any, ref: nn.Module) -> dict[str, float]:
     want = dict(ref.named_parameters(remove_duplicate=False))
@@ -275,16 +246,4 @@ CASES: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
 
 def grid(cases: list[dict[str, Any]]) -> dict[str, Any]:
     """Run every case on this rank; {case id: result (with "error")}."""
-    out: dict[str, Any] = {}
-    for case in cases:
-        start = time.perf_counter()
-        torch._dynamo.reset()
-        try:
-            res = CASES[case["kind"]](case)
-            res["error"] = None
-        except Exception:
-            res = {"error": _error_text()}
-        res["seconds"] = round(time.perf_counter() - start, 2)
-        out[case["id"]] = res
-        partial_result(out)
-    return out
+    return run_grid(cases, CASES)
