@@ -258,6 +258,10 @@ def train(case: dict[str, Any]) -> dict[str, Any]:
             {type(v).__name__ for p in pipe.parameters() for k, v in opt.state[p].items()
              if k != "step"})
     res["functional"] = pipe._mpmd_runtime.runner.fallback_reason is None
+    # The sum of the tied embedding's gradient over pp and dp (tied.py).
+    res["tied"] = pipe.last_step_stats.get("collectives", {}).get("tied_all_reduce")
+    res["tied_bytes"] = sum(p.numel() * p.element_size() for n, p in ref.named_parameters()
+                            if n == "wte.weight")
     actions = list(pipe.schedule.actions[pipe.rank])
     res["actions"] = actions
     _SEEN[(name, schedule, mode)] = seen

@@ -94,9 +94,24 @@ def test_sharded_training_equals_one_process(model, schedule):
             for name, per_dp in want.items():
                 expected = [] if per_dp[dp_rank(rank)] is None else [per_dp[dp_rank(rank)]]
                 assert rows[name] == expected, (rank, name, rows[name])
-    if model == "gpt":   # the tied embedding lives on both pipeline ranks
-        for rank, r in enumerate(got):
-            assert "wte.weight" in r["names"], (rank, r["names"])
+    check_tied_sum(model, got)
+
+
+def check_tied_sum(model: str, got: list[dict]) -> None:
+    """The gpt's embedding, tied to its head, lives on both pipeline ranks; its
+    gradient is summed over pp and averaged over dp by one all-reduce over
+    all four ranks, posted by the REDUCE_GRAD of the stage that reads it (the
+    first stage on pp rank 0, the last on pp rank 1), never after the step."""
+    for rank, r in enumerate(got):
+        if model != "gpt":
+            assert r["tied"] is None, (rank, r["tied"])
+            continue
+        assert "wte.weight" in r["names"], (rank, r["names"])
+        stage = min(r["local_stages"]) if pp_rank(rank) == 0 else max(r["local_stages"])
+        assert r["tied"] == {"count": 1, "bytes": r["tied_bytes"],
+                             "posted_by": [f"{stage}REDUCE_GRAD"],
+                             "groups": [[0, 1, 2, 3]]}, (rank, r["tied"])
+        assert f"{stage}REDUCE_GRAD" in r["actions"]
 
 
 @pytest.mark.parametrize("model", ["gpt", "mlp"])
@@ -108,6 +123,7 @@ def test_replicate_and_shard_give_the_same_losses_and_gradients(model):
         assert "vs_other_mode" in r, "the shard run of this case did not finish first"
         assert r["vs_other_mode"]["loss"] <= 1 and r["vs_other_mode"]["grads"] <= 1, \
             (rank, r["vs_other_mode"])
+    check_tied_sum(model, got)
 
 
 _ACTION = re.compile(r"^(\d+)([A-Z_]+?)(\d*)$")

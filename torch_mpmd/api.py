@@ -458,9 +458,7 @@ class Pipeline(torch.nn.Module):
         rng = _RngState(self.device)
         rt.runner.begin_step(inputs, targets, self._mpmd_loss_fn, rt.seed,
                              self._mpmd_step, training=True)
-        before = rt.tied_grads_before()
-        if rt.dp is not None:
-            rt.dp.begin_step()
+        rt.begin_reductions()
         try:
             # Functional programs need no autograd graph: one grad-mode switch
             # for the whole step instead of one per action.
@@ -471,9 +469,7 @@ class Pipeline(torch.nn.Module):
             raise
         finally:
             rng.restore()
-        if rt.dp is not None:
-            rt.dp.end_step(rt.wait)
-        rt.sum_tied_grads(before)
+        rt.end_reductions()
         loss = training.mean_loss(rt, rt.runner.losses, m, self.device)
         rt.runner.end_step()
         self.__dict__["_mpmd_step"] += 1  # (nn.Module.__setattr__ costs ~10 us)
@@ -516,8 +512,11 @@ class Pipeline(torch.nn.Module):
         self._history().append(record)
         self.__dict__["_mpmd_last"] = record
         self.__dict__["_mpmd_last_stats"] = None
-        self.__dict__["_mpmd_last_collectives"] = (
-            rt.dp.report() if self._mpmd_shards is not None and rt.dp is not None else None)
+        collectives = (rt.dp.report() if self._mpmd_shards is not None and rt.dp is not None
+                       else {})
+        if rt.tied is not None and kind == "step":
+            collectives["tied_all_reduce"] = rt.tied.report()
+        self.__dict__["_mpmd_last_collectives"] = collectives or None
 
     def _forget_last_step(self) -> None:
         self.__dict__["_mpmd_last"] = None
@@ -535,8 +534,12 @@ class Pipeline(torch.nn.Module):
         (:func:`torch_mpmd.trace.step_metrics`); with sharded data parallel,
         ``collectives``: its all-gathers (count, bytes, seconds, the seconds
         compute waited for them and the share hidden behind other work) and
-        reduce-scattered bytes (``ShardedStages.report``). Empty before the
-        first call and after a call that failed."""
+        reduce-scattered bytes (``ShardedStages.report``); with weights tied
+        across pipeline ranks, after a step, ``collectives["tied_all_reduce"]``:
+        the sums of their gradients this rank posted (count, bytes, the
+        REDUCE_GRAD actions that posted them, each group's global ranks:
+        ``TiedSums.report`` in tied.py). Empty before the first call and after
+        a call that failed."""
         if self._mpmd_last is None:
             return {}
         if self._mpmd_last_stats is None:

@@ -10,6 +10,9 @@ rest of the schedule; the step waits for them at its end and averages. A
 parameter shared by several stages of this rank is reduced once, at the last
 of their REDUCE_GRAD actions. Only the step's own increment is reduced, so
 gradients accumulated over earlier steps (no zero_grad) are not counted twice.
+Parameters shared with stages on other pipeline ranks (tied weights) are
+reduced by the same action's tied sum instead (tied.py), over pp and dp at
+once.
 
 NOTE [Groups over replicas]: ``dist.new_group`` is collective over the whole
 world, so a subgroup one replica needs (tied weights on some of its pipeline
@@ -29,7 +32,8 @@ import torch.distributed as dist
 from torch_mpmd import lockstep
 from torch_mpmd.sharding import local_grad, set_local_grad
 
-__all__ = ["DataParallel", "MESH_DIMS", "MeshGroups", "mesh_groups", "new_replica_group"]
+__all__ = ["DataParallel", "MESH_DIMS", "MeshGroups", "mesh_groups", "new_replica_group",
+           "new_tied_group"]
 
 
 MESH_DIMS = ("dp", "pp", "tp")
@@ -103,6 +107,23 @@ def new_replica_group(pp_ranks: Sequence[int], replicas: Sequence[Sequence[int]]
         if i == my_replica:
             mine = g
     return mine
+
+
+def new_tied_group(pp_ranks: Sequence[int], replicas: Sequence[Sequence[int]],
+                   my_replica: int, dp_size: int) -> tuple[Any, list[int]]:
+    """The group that sums tied gradients (tied.py): pipeline ranks
+    ``pp_ranks`` of every dp replica at this rank's tp coordinate, and its
+    global ranks. One is created per tp coordinate (NOTE [Groups over
+    replicas]); replicas are in row-major (dp, tp) order (MeshGroups)."""
+    tp = len(replicas) // dp_size
+    mine: Any = None
+    members: list[int] = []
+    for t in range(tp):
+        ranks = sorted(replicas[d * tp + t][r] for d in range(dp_size) for r in pp_ranks)
+        g = dist.new_group(ranks)
+        if my_replica % tp == t:
+            mine, members = g, ranks
+    return mine, members
 
 
 def _local(p: torch.Tensor) -> torch.Tensor:

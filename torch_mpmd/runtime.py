@@ -5,9 +5,9 @@
 C++ executor over the c10d transport, the process groups of tied weights.
 It also holds the collective steps around an executor run: the start-up
 handshake (plan hashes), the exchanges that keep the ranks in step (NOTE
-[Lockstep] in lockstep.py), the sum of tied-weight gradients and the
-broadcast of the loss and outputs from the last stage's rank. Every wait is
-bounded: by ``timeout``, or at a capture by ``startup_timeout``.
+[Lockstep] in lockstep.py), the waits for the gradient reductions that
+REDUCE_GRAD posts (dp; tied weights: tied.py) and the broadcast of the loss
+and outputs from the last stage's rank. Every wait is bounded: by ``timeout``, or at a capture by ``startup_timeout``.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import torch.fx
 from torch.distributed.tensor import DTensor
 
 from torch_mpmd import _runtime, lockstep
-from torch_mpmd.data_parallel import DataParallel, new_replica_group
+from torch_mpmd.data_parallel import DataParallel, new_replica_group, new_tied_group
 from torch_mpmd.sharding import ParamShards, ShardedStages, local_grad, set_local_grad
 from torch_mpmd.program_runner import ProgramRunner
 from torch_mpmd.lockstep import PipelineError
@@ -40,6 +40,7 @@ from torch_mpmd.runner import EdgeLayout
 from torch_mpmd.trace import action_kind
 from torch_mpmd.schedules import Schedule, get_schedule, names as schedule_names
 from torch_mpmd.stage import SplitModel, StageSignature
+from torch_mpmd.tied import TiedGroup, TiedSums
 
 __all__ = ["PipelineError", "RankRuntime", "StagedModel", "resolve_schedule",
            "forward_only_text", "backward_only_text", "V_SCHEDULES"]
@@ -260,9 +261,10 @@ class RankRuntime:
         self._programs: dict[str, list[list[str]]] = {}
         self.tied_groups = self._tied_groups()
         _LIVE.add(self)
+        self.tied = self._tied_sums()
         self.dp = self._data_parallel() if dp_group is not None else None
-        if self.dp is not None:
-            self.runner.on_reduce_grad = self.dp.reduce
+        if self.dp is not None or self.tied is not None:
+            self.runner.on_reduce_grad = self._reduce_grad
         if isinstance(self.dp, ShardedStages):
             self.runner.sharded = self.dp
         if self.ledger is not None:
@@ -379,15 +381,21 @@ class RankRuntime:
                   "the exchange of settings (all_gather)", limit)
         return [dict(json.loads(bytes(texts[i, :int(sizes[i])].tolist()))) for i in range(n)]
 
-    def _tied_groups(self) -> list[tuple[Any, list[torch.nn.Parameter]]]:
-        """Per set of ranks sharing parameters: (process group, this rank's shared params).
-        Created in the same order on every rank (new_group is collective)."""
+    def _tied_ranks(self) -> dict[tuple[int, ...], list[str]]:
+        """Per set of pipeline ranks sharing trainable parameters, their FQNs."""
         by_ranks: dict[tuple[int, ...], list[str]] = {}
         for p in self.model.plan.parameters:
             ranks = tuple(sorted({self.stage_to_rank[s] for s in p.stages}))
             t = self.model.tensors.get(p.fqn)
             if len(ranks) > 1 and isinstance(t, torch.nn.Parameter) and t.requires_grad:
                 by_ranks.setdefault(ranks, []).append(p.fqn)
+        return by_ranks
+
+    def _tied_groups(self) -> list[tuple[Any, list[torch.nn.Parameter]]]:
+        """Per set of ranks sharing parameters: (process group, this rank's shared
+        params), for broadcasts within this replica (meta-device init).
+        Created in the same order on every rank (new_group is collective)."""
+        by_ranks = self._tied_ranks()
         groups = []
         for ranks in sorted(by_ranks):
             if len(ranks) == self.pp_size:
@@ -399,18 +407,83 @@ class RankRuntime:
                 groups.append((pg, params))
         return groups
 
+    def _tied_sums(self) -> TiedSums | None:
+        """The sums of tied gradients (tied.py), each posted by the REDUCE_GRAD
+        of this rank's last stage (in its program) reading the group's
+        parameters; None when no parameter is shared across pipeline ranks.
+        Groups are created in the same order on every rank, after every rank
+        has checked the same programs (a schedule lowered without REDUCE_GRAD
+        fails alike everywhere, before any group is made)."""
+        by_ranks = self._tied_ranks()
+        if not by_ranks:
+            return None
+        dp_size = dist.get_world_size(self.dp_group) if self.dp_group is not None else 1
+        readers = {p.fqn: set(p.stages) for p in self.model.plan.parameters}
+        posts: dict[tuple[int, ...], int] = {}
+        for ranks in sorted(by_ranks):
+            fqns = by_ranks[ranks]
+            for r in ranks:
+                order = [int(t[:-len("REDUCE_GRAD")]) for t in self.schedule.actions[r]
+                         if t.endswith("REDUCE_GRAD")]
+                mine = {s for f in fqns for s in readers[f] if self.stage_to_rank[s] == r}
+                missing = sorted(mine - set(order))
+                if missing:
+                    raise ValueError(
+                        f"schedule '{self.schedule.name}' has no REDUCE_GRAD for stage(s) "
+                        f"{missing} on pipeline rank {r}, which read parameters shared with "
+                        f"pipeline ranks {list(ranks)} ({', '.join(sorted(fqns)[:3])}); their "
+                        "gradient sum is posted by that action: lower the schedule with "
+                        "grad_reduce=True (the default) or pass it compute-only")
+                if r == self.rank:
+                    posts[ranks] = max(mine, key=order.index)
+        groups = []
+        for ranks in sorted(by_ranks):
+            pg, members = new_tied_group(ranks, self.replicas, self.replica, dp_size)
+            if ranks in posts:
+                params = [self.model.tensors[f] for f in sorted(by_ranks[ranks])]
+                groups.append(TiedGroup(pg, members, params, posts[ranks], ranks))
+        return TiedSums(groups, dp_size, self.timeout_s, self.shards)
+
+    def _reduce_grad(self, stage: int) -> None:
+        """REDUCE_GRAD(stage): the stage's dp reduction, then the tied sums it posts."""
+        if self.dp is not None:
+            self.dp.reduce(stage)
+        if self.tied is not None:
+            self.tied.reduce(stage)
+
+    def begin_reductions(self) -> None:
+        """Before a run whose program holds REDUCE_GRAD actions (a step, the
+        backward part): the reductions start from this step's gradients."""
+        if self.dp is not None:
+            self.dp.begin_step()
+        if self.tied is not None:
+            self.tied.begin_step()
+
+    def end_reductions(self) -> None:
+        """After that run: wait for the step's reductions (within the timeout)
+        and write them into the gradients."""
+        if self.dp is not None:
+            self.dp.end_step(self.wait)
+        if self.tied is not None:
+            self.tied.end_step(self.wait)
+
     def _groups(self) -> list[Any]:
         """Every process group this runtime communicates on."""
         groups = [self.group, self.dp_group, *getattr(self, "_transport_groups", ())]
-        return groups + [g for g, _ in getattr(self, "tied_groups", [])]
+        tied = getattr(self, "tied", None)
+        return (groups + [g for g, _ in getattr(self, "tied_groups", [])] +
+                [g.group for g in (tied.groups if tied is not None else ())])
 
     def _data_parallel(self) -> DataParallel | ShardedStages:
         order = [int(t[:-len("REDUCE_GRAD")]) for t in self.schedule.actions[self.rank]
                  if t.endswith("REDUCE_GRAD")]
+        tied = {id(p) for p in self.tied.params} if self.tied is not None else set()
         if self.shards is not None:
             every = {s: list(self.model.stages[s].parameters()) for s in self.local_stages}
-            return ShardedStages(self.shards, every, order, self.timeout_s, self.wait)
-        stage_params = {s: [p for p in self.model.stages[s].parameters() if p.requires_grad]
+            return ShardedStages(self.shards, every, order, self.timeout_s, self.wait,
+                                 reduced_elsewhere=tied)
+        stage_params = {s: [p for p in self.model.stages[s].parameters()
+                            if p.requires_grad and id(p) not in tied]
                         for s in self.local_stages}
         return DataParallel(self.dp_group, stage_params, order, self.timeout_s)
 
@@ -427,7 +500,7 @@ class RankRuntime:
         self.transport = None
         self._by_shape = {}
         if groups:
-            self.group = self.dp_group = self.dp = None
+            self.group = self.dp_group = self.dp = self.tied = None
             self.tied_groups = []
             self.runner.on_reduce_grad = None
 
@@ -556,6 +629,8 @@ class RankRuntime:
             self.runner.end_step()
             if isinstance(self.dp, ShardedStages):
                 self.dp.abandon()
+            if self.tied is not None:
+                self.tied.abandon()
             raise
         finally:
             if isinstance(self.dp, ShardedStages):
@@ -632,30 +707,6 @@ class RankRuntime:
             self.ledger.break_(reason)
         else:
             lockstep.abandon(self._groups())
-
-    def tied_grads_before(self) -> list[list[torch.Tensor | None]]:
-        return [[g.clone() if (g := local_grad(p)) is not None else None for p in params]
-                for _, params in self.tied_groups]
-
-    def sum_tied_grads(self, before: list[list[torch.Tensor | None]]) -> None:
-        """Sum this step's gradient of each tied parameter over the ranks holding it
-        (gradients accumulated in earlier steps are already summed: only the
-        step's increment is reduced)."""
-        for (pg, params), prev in zip(self.tied_groups, before):
-            deltas = []
-            for p, old in zip(params, prev):
-                g = local_grad(p)
-                if g is None:
-                    g = torch.zeros_like(p._local_tensor if isinstance(p, DTensor) else p)
-                deltas.append(g - old if old is not None else g)
-            flat = torch.cat([d.reshape(-1) for d in deltas])
-            self.wait(self.all_reduce(flat, pg),
-                      f"the sum of tied parameter gradients ({len(params)} tensors, all_reduce)")
-            offset = 0
-            for p, old, d in zip(params, prev, deltas):
-                inc = flat[offset:offset + d.numel()].view_as(d)
-                offset += d.numel()
-                set_local_grad(p, inc.clone() if old is None else old + inc)
 
     @property
     def last_rank(self) -> int:

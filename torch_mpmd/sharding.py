@@ -66,7 +66,7 @@ from torch_mpmd import lockstep
 from torch_mpmd.meta_init import is_standin
 
 __all__ = ["ParamShards", "ShardedStages", "DATA_PARALLEL_MODES", "local_grad",
-           "set_local_grad"]
+           "set_local_grad", "shard_rows"]
 
 DATA_PARALLEL_MODES = ("replicate", "shard")
 
@@ -105,6 +105,17 @@ def _shard_dim(p: torch.Tensor) -> int | None:
     taken = ({pl.dim for pl in p.placements if isinstance(pl, Shard)}
              if isinstance(p, DTensor) else set())
     return next((d for d in range(base.dim()) if d not in taken), None)
+
+
+def shard_rows(shards: "ParamShards", p: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``full``, a value shaped like compute parameter
+    ``p``'s local tensor (a gradient): the rows its shard holds (the whole of
+    it for a parameter replicated over "dp")."""
+    d = _shard_dim(p)
+    if d is None:
+        return full
+    start, stop = _rows(full.shape[d], shards.size, shards.rank)
+    return full.narrow(d, start, stop - start)
 
 
 def local_grad(p: torch.Tensor) -> torch.Tensor | None:
@@ -290,12 +301,15 @@ class ShardedStages:
     ``stage_params``: per local stage, the compute parameters it reads;
     ``reduce_order``: the stages in the order of their REDUCE_GRAD actions
     (a parameter several stages read is reduced at the last of them);
-    ``wait(work, what)`` waits for a collective within the pipeline timeout.
+    ``wait(work, what)`` waits for a collective within the pipeline timeout;
+    ``reduced_elsewhere``: ids of compute parameters whose gradients another
+    reduction takes (tied weights across pipeline ranks: tied.py).
     """
 
     def __init__(self, shards: ParamShards, stage_params: Mapping[int, Sequence[torch.nn.Parameter]],
                  reduce_order: Sequence[int], timeout_s: float,
-                 wait: Callable[[Any, str], None]) -> None:
+                 wait: Callable[[Any, str], None],
+                 reduced_elsewhere: Iterable[int] = ()) -> None:
         self.shards = shards
         self.group = shards.group
         self.size = shards.size
@@ -305,10 +319,13 @@ class ShardedStages:
         self.gather = {s: _buckets(ps, shards) for s, ps in stage_params.items()}
         owner: dict[int, int] = {}
         by_id: dict[int, torch.nn.Parameter] = {}
+        elsewhere = set(reduced_elsewhere)
         # Every parameter that can train: one the user unfreezes (requires_grad
         # on its shard, see sync_requires_grad) after this is reduced too.
         for s in list(stage_params) + list(reduce_order):  # the last REDUCE_GRAD wins
             for p in stage_params.get(s, ()):
+                if id(p) in elsewhere:
+                    continue
                 if p.requires_grad or self.shards.of[id(p)].requires_grad:
                     owner[id(p)] = s
                     by_id[id(p)] = p
@@ -493,16 +510,17 @@ class ShardedStages:
             for slot in slots:
                 rows = slot.shard._local_tensor.shape[slot.dim]
                 g = out[slot.offset:slot.offset + rows * slot.row_numel]
-                self._add(slot.shard, g.view(slot.moved(rows)).movedim(0, slot.dim))
+                self.add_grad(slot.shard, g.view(slot.moved(rows)).movedim(0, slot.dim))
             offset = 0
             for p in replicated:
                 local = self.shards.of[id(p)]._local_tensor
-                self._add(self.shards.of[id(p)],
-                          out[offset:offset + local.numel()].view(local.shape))
+                self.add_grad(self.shards.of[id(p)],
+                              out[offset:offset + local.numel()].view(local.shape))
                 offset += local.numel()
 
     @staticmethod
-    def _add(shard: torch.nn.Parameter, g: torch.Tensor) -> None:
+    def add_grad(shard: torch.nn.Parameter, g: torch.Tensor) -> None:
+        """Add ``g`` (this rank's part) to the shard's gradient, unless frozen."""
         if not shard.requires_grad:  # frozen (its programs may still compute it)
             return
         current = local_grad(shard)

@@ -110,6 +110,33 @@ struct CostTable {
   }
 };
 
+// Per rank, the program index of the REDUCE_GRAD that posts each cross-rank
+// reduce there (its last REDUCE_GRAD of a stage in the group; -1: none).
+std::vector<std::vector<int64_t>> crossRankPosts(const Schedule& s, const CostModel& model) {
+  std::vector<std::vector<int64_t>> posts(model.cross_rank_reduces.size(),
+                                          std::vector<int64_t>(s.num_ranks, -1));
+  for (size_t g = 0; g < model.cross_rank_reduces.size(); ++g) {
+    std::vector<uint8_t> member(std::max(s.num_stages, 0), 0);
+    for (int32_t st : model.cross_rank_reduces[g].stages) {
+      if (st < 0 || st >= s.num_stages) {
+        throw ScheduleError(fmt::format("cross-rank reduce {} names stage {}, not a stage in 0..{}", g, st,
+                                        s.num_stages - 1));
+      }
+      member[st] = 1;
+    }
+    for (int r = 0; r < s.num_ranks; ++r) {
+      const auto& program = s.programs[r];
+      for (size_t i = 0; i < program.size(); ++i) {
+        const Action& a = program[i];
+        if (a.kind == ActionKind::ReduceGrad && a.stage >= 0 && a.stage < s.num_stages && member[a.stage]) {
+          posts[g][r] = static_cast<int64_t>(i);
+        }
+      }
+    }
+  }
+  return posts;
+}
+
 }  // namespace
 
 SimulationResult simulate(const Schedule& s, const CostModel& model, bool record_timeline) {
@@ -138,6 +165,13 @@ SimulationResult simulate(const Schedule& s, const CostModel& model, bool record
   std::vector<int> live(p, 0), peak(p, 0);  // in-flight forwards, as peakActivations counts them
   std::vector<int> runnable;
   for (int r = p - 1; r >= 0; --r) runnable.push_back(r);
+  // Cross-rank reduces: where each rank posts them, and when it did (-1: not yet).
+  const auto cross_posts = crossRankPosts(s, model);
+  std::vector<std::vector<double>> cross_posted(cross_posts.size(), std::vector<double>(p, -1.0));
+  std::vector<uint8_t> posts_cross(p, 0);
+  for (const auto& g : cross_posts) {
+    for (int r = 0; r < p; ++r) posts_cross[r] |= g[r] >= 0;
+  }
 
   constexpr size_t kLookahead = 8;
   // Each rank runs until it blocks on a RECV whose SEND has not happened;
@@ -195,6 +229,11 @@ SimulationResult simulate(const Schedule& s, const CostModel& model, bool record
           rank_stream = start + cost;
           if (known && a.kind == ActionKind::Unshard) gathered[a.stage] = rank_stream;
           if (record_timeline) result.timeline[r][i] = {start, rank_stream};
+          if (posts_cross[r] && a.kind == ActionKind::ReduceGrad) {
+            for (size_t g = 0; g < cross_posts.size(); ++g) {
+              if (cross_posts[g][r] == static_cast<int64_t>(i)) cross_posted[g][r] = rank_stream;
+            }
+          }
           continue;
         }
         if (known) t = std::max(t, gathered[a.stage]);  // compute and RESHARD need the gather
@@ -215,8 +254,17 @@ SimulationResult simulate(const Schedule& s, const CostModel& model, bool record
     if (pc[r] < s.programs[r].size()) reportStuck(s, index, pc);
   }
 
-  // A rank's step ends when its program and its collectives have.
+  // A rank's step ends when its program and its collectives have; a
+  // cross-rank reduce ends `cost` after its last member posted it.
   for (int r = 0; r < p; ++r) now[r] = std::max(now[r], stream[r]);
+  for (size_t g = 0; g < cross_posts.size(); ++g) {
+    const double start = *std::max_element(cross_posted[g].begin(), cross_posted[g].end());
+    if (start < 0.0) continue;  // no rank posts it (no REDUCE_GRAD of its stages)
+    const double end = start + model.cross_rank_reduces[g].cost;
+    for (int r = 0; r < p; ++r) {
+      if (cross_posts[g][r] >= 0) now[r] = std::max(now[r], end);
+    }
+  }
   result.makespan = p ? *std::max_element(now.begin(), now.end()) : 0.0;
   result.bubble_fraction.resize(p);
   for (int r = 0; r < p; ++r) {

@@ -14,6 +14,13 @@
 //   REDUCE_GRAD  the same, for `reduce_grad`: nothing waits for it in the
 //                step, but the step ends when it ends (the makespan counts it);
 //   RESHARD      blocks the rank for `reshard` (after the gather it frees).
+// Collectives over several pipeline ranks (CostModel::cross_rank_reduces:
+// the sum of a tied weight's gradients) are posted by a REDUCE_GRAD on each
+// rank they join, the last one in that rank's program of a stage in the
+// group, once the stage's own reduction has left the stream; the collective
+// starts when every member rank has posted it and takes `cost`; each member's
+// step ends no earlier (nothing waits for it inside the step). Its time on
+// the members' streams is not charged to later collectives there.
 // There is no other contention: the makespan is the exact critical path of
 // the program order.
 #pragma once
@@ -35,6 +42,12 @@ struct KindCosts {
   double reshard = 0.0;          // RESHARD, blocking the rank
 };
 
+// A gradient reduction over the ranks of several stages (tied weights).
+struct CrossRankReduce {
+  std::vector<int32_t> stages;  // the stages holding the shared parameters
+  double cost = 0.0;            // time of the collective once all have posted
+};
+
 struct CostModel {
   KindCosts costs;
   std::vector<KindCosts> stage_costs;  // per stage; empty = `costs` everywhere
@@ -42,6 +55,7 @@ struct CostModel {
   double comm_bandwidth = 0.0;         // bytes per time unit; 0 = infinite
   double message_bytes = 0.0;          // bytes per transfer
   std::vector<double> stage_output_bytes;  // per producing stage; overrides message_bytes
+  std::vector<CrossRankReduce> cross_rank_reduces;  // posted at REDUCE_GRAD (see above)
 
   double computeCost(const Action& action) const;
   double transferTime(const Action& send) const;
@@ -67,9 +81,11 @@ struct SimulationResult {
 // Input must be lowered (a compute-only schedule with cross-rank dependencies
 // can never receive its inputs). Throws DeadlockError listing every blocked
 // rank, its action and what it waits for; ScheduleError for a RECV with no
-// SEND. Runs in time linear in the number of actions. The deadlock check
-// looks at transfers only: the collectives pair a rank with its data-parallel
-// replicas, which run the same program, so they cannot close a cycle here.
+// SEND, or for a cross-rank reduce naming a stage out of range. Runs in time
+// linear in the number of actions. The deadlock check looks at transfers
+// only: the collectives pair a rank with its data-parallel replicas, which
+// run the same program, or (cross-rank reduces) are waited for only at the
+// step's end, so they cannot close a cycle here.
 SimulationResult simulate(const Schedule& lowered, const CostModel& model = {},
                           bool record_timeline = false);
 

@@ -39,6 +39,12 @@ void bindSimulator(py::module_& m) {
       .def_readwrite("unshard", &KindCosts::unshard)
       .def_readwrite("reshard", &KindCosts::reshard);
 
+  py::class_<CrossRankReduce>(m, "CrossRankReduce",
+                              "A gradient reduction over the ranks of several stages (tied weights).")
+      .def(py::init<>())
+      .def_readwrite("stages", &CrossRankReduce::stages)
+      .def_readwrite("cost", &CrossRankReduce::cost);
+
   py::class_<CostModel>(m, "CostModel", "Compute costs plus a latency/bandwidth link model.")
       .def(py::init<>())
       .def_readwrite("costs", &CostModel::costs)
@@ -46,7 +52,8 @@ void bindSimulator(py::module_& m) {
       .def_readwrite("comm_latency", &CostModel::comm_latency)
       .def_readwrite("comm_bandwidth", &CostModel::comm_bandwidth)
       .def_readwrite("message_bytes", &CostModel::message_bytes)
-      .def_readwrite("stage_output_bytes", &CostModel::stage_output_bytes);
+      .def_readwrite("stage_output_bytes", &CostModel::stage_output_bytes)
+      .def_readwrite("cross_rank_reduces", &CostModel::cross_rank_reduces);
 
   py::class_<SimulationResult>(m, "SimulationResult")
       .def_readonly("makespan", &SimulationResult::makespan)

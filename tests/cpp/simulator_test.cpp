@@ -223,6 +223,32 @@ TEST(SimulatorCollectives, ReduceGradIsAsynchronousAndEndsTheStep) {
   EXPECT_DOUBLE_EQ(r.timeline[0][5].end, 14.0);
 }
 
+TEST(SimulatorCollectives, CrossRankReduceStartsWhenEveryMemberPostedIt) {
+  // Tied stages 0 and 1 on ranks 0 and 1: rank 1 posts at its REDUCE_GRAD
+  // (after 1B0, t=4), rank 0 after 0B0 (t=6); the sum takes 3: both end at 9.
+  Schedule s = lower(scheduleFromRows({0, 1}, 1, {"0F0 0B0", "1F0 1B0"}));
+  CostModel model;
+  model.cross_rank_reduces = {CrossRankReduce{{0, 1}, 3.0}};
+  EXPECT_DOUBLE_EQ(simulate(s).makespan, 6.0);
+  EXPECT_DOUBLE_EQ(simulate(s, model).makespan, 9.0);
+  // Behind the stage's own reduction on the collective stream (2 on rank 0).
+  model.costs.reduce_grad = 2.0;
+  EXPECT_DOUBLE_EQ(simulate(s, model).makespan, 11.0);
+  // A stage on no rank's REDUCE_GRAD list is an error naming it.
+  model.cross_rank_reduces = {CrossRankReduce{{0, 7}, 1.0}};
+  EXPECT_NE(whatOf([&] { simulate(s, model); }).find("names stage 7"), std::string::npos);
+}
+
+TEST(SimulatorCollectives, CrossRankReduceIsPostedAtTheLastLocalStage) {
+  // Stages 0 and 1 both on rank 0 (and stage 2 on rank 1): rank 0 posts the
+  // sum of stages {0, 2} at 0REDUCE_GRAD, its last of the group, not at 1's.
+  Schedule s = lower(scheduleFromRows({0, 0, 1}, 1, {"0F0 1F0 1B0 0B0", "2F0 2B0"}));
+  CostModel model;
+  model.cross_rank_reduces = {CrossRankReduce{{0, 2}, 1.0}};
+  const double plain = simulate(s).makespan;
+  EXPECT_DOUBLE_EQ(simulate(s, model).makespan, plain + 1.0);
+}
+
 TEST(SimulatorCollectives, ShardedScheduleWithFreeCollectivesKeepsItsMakespan) {
   LowerOptions options;
   options.shard = true;

@@ -164,6 +164,7 @@ class Schedule:
         comm_bandwidth: float = 0.0,
         message_bytes: float = 0.0,
         timeline: bool = False,
+        cross_rank_reduces: Sequence[tuple[Sequence[int], float]] = (),
     ) -> SimulationResult:
         """Simulate all ranks; a compute-only schedule is lowered first.
 
@@ -174,11 +175,16 @@ class Schedule:
         compute waits for its UNSHARD, and the makespan includes every
         collective's end; RESHARD blocks the rank (csrc/core/simulator.h).
         To simulate sharding, lower with ``shard=True`` first.
+        ``cross_rank_reduces``: ``(stages, cost)`` per sum of tied weights'
+        gradients over the ranks of ``stages``, posted by each rank's last
+        REDUCE_GRAD of those stages; it ends ``cost`` after the last rank
+        posted it, and so do those ranks' steps.
         ``comm_bandwidth=0`` means infinite bandwidth. Raises ``ValueError``
         naming a bad key or value and ``DeadlockError`` naming blocked actions.
         """
         model = cost_model(
-            costs, stage_costs, self.num_stages, comm_latency, comm_bandwidth, message_bytes
+            costs, stage_costs, self.num_stages, comm_latency, comm_bandwidth, message_bytes,
+            cross_rank_reduces,
         )
         lowered = self if self.is_lowered else self.lower()
         raw = _C.simulate(lowered._cpp, model, bool(timeline))

@@ -63,11 +63,14 @@ def cost_model(
     comm_latency: float,
     comm_bandwidth: float,
     message_bytes: float,
+    cross_rank_reduces: Sequence[tuple[Sequence[int], float]] = (),
 ) -> _C.CostModel:
     """Build a ``_C.CostModel``; ``stage_costs`` entries overlay ``costs``.
 
     ``stage_costs`` is either a sequence with one dict per stage or a mapping
-    ``{stage: dict}`` for the stages that differ.
+    ``{stage: dict}`` for the stages that differ. ``cross_rank_reduces``:
+    ``(stages, cost)`` per gradient sum over the ranks of several stages
+    (tied weights; csrc/core/simulator.h).
     """
     model = _C.CostModel()
     model.costs = _kind_costs(costs, _C.KindCosts(), "costs")
@@ -91,6 +94,22 @@ def cost_model(
     model.comm_latency = _non_negative("comm_latency", comm_latency)
     model.comm_bandwidth = _non_negative("comm_bandwidth", comm_bandwidth)
     model.message_bytes = _non_negative("message_bytes", message_bytes)
+    reduces = []
+    for i, entry in enumerate(cross_rank_reduces):
+        try:
+            stages, cost = entry
+            stages = [int(st) for st in stages]
+        except (TypeError, ValueError):
+            raise ValueError(f"cross_rank_reduces[{i}]={entry!r} must be (stages, cost)") from None
+        bad = [st for st in stages if not 0 <= st < num_stages]
+        if bad or len(stages) < 2:
+            raise ValueError(f"cross_rank_reduces[{i}] names stages {stages}: it needs two or "
+                             f"more stages in 0..{num_stages - 1}")
+        reduce = _C.CrossRankReduce()
+        reduce.stages = stages
+        reduce.cost = _non_negative(f"cross_rank_reduces[{i}] cost", cost)
+        reduces.append(reduce)
+    model.cross_rank_reduces = reduces
     return model
 
 
