@@ -10,8 +10,8 @@ loss and the worst gradient difference (scaled by the fp32 tolerance: <= 1
 is within it) of the parameters its stages hold, or the error it raised.
 
 Cases: ``pp`` (1f1b over all ranks), ``pp-inductor`` (the same with compiled
-stage programs), ``interleaved`` (2 stages per rank), ``shard`` (dp2 x pp,
-sharded data parallel: needs 4 ranks), ``timing`` (ms per step of the
+stage programs), ``interleaved`` (2 stages per rank), ``dp`` and ``shard``
+(dp2 x pp, replicated or sharded data parallel: 4 ranks), ``timing`` (ms per step of the
 pipeline vs the plain model, one process only). Two ranks on one GPU can
 only talk over gloo (NCCL refuses two ranks on one device); gloo carries
 CUDA tensors through host memory.
@@ -69,10 +69,11 @@ def run_case(case: str, device: torch.device) -> dict:
     mesh = None
     kwargs: dict = dict(loss_fn=lm_loss, num_microbatches=4, device=device, timeout=120)
     rows = slice(None)
-    if case == "shard":
+    if case in ("shard", "dp"):
         from torch.distributed.device_mesh import init_device_mesh
         mesh = init_device_mesh(device.type, (2, world // 2), mesh_dim_names=("dp", "pp"))
-        kwargs.update(mesh=mesh, data_parallel="shard", schedule="1f1b")
+        kwargs.update(mesh=mesh, data_parallel="shard" if case == "shard" else "replicate",
+                      schedule="1f1b")
         d = mesh.get_local_rank("dp")
         rows = slice(d * 4, (d + 1) * 4)
     elif case == "interleaved":

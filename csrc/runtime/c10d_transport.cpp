@@ -2,6 +2,7 @@
 
 #include <ATen/ATen.h>
 
+#include <optional>
 #include <sstream>
 #include <stdexcept>
 
@@ -17,13 +18,22 @@ std::string shapeOf(const at::Tensor& t) {
   return out.str();
 }
 
+// NOTE [Host staging] in c10d_transport.h.
+bool needsHostStaging(c10d::ProcessGroup& pg, at::Device device) {
+  if (device.is_cpu() || device.is_meta()) return false;
+  if (!pg.hasBackendForDeviceType(device.type())) return true;
+  return pg.getBackend(device.type())->getBackendName() == "gloo";
+}
+
 // Waits on every work of one transfer; c10d reports failures and timeouts by
-// throwing, which becomes a TransportError naming the peer.
+// throwing, which becomes a TransportError naming the peer. With `to_device`
+// (a staged receive) the values move there once received.
 class C10dPending : public PendingTransfer {
  public:
   C10dPending(int peer, std::string what, std::vector<c10::intrusive_ptr<c10d::Work>> works,
-              Values values)
-      : peer_(peer), what_(std::move(what)), works_(std::move(works)), values_(std::move(values)) {}
+              Values values, std::optional<at::Device> to_device = std::nullopt)
+      : peer_(peer), what_(std::move(what)), works_(std::move(works)), values_(std::move(values)),
+        to_device_(to_device) {}
 
   Values wait(std::chrono::milliseconds timeout) override {
     const auto deadline = std::chrono::steady_clock::now() + timeout;
@@ -43,6 +53,10 @@ class C10dPending : public PendingTransfer {
                                       " ms timeout: " + msg);
     }
     works_.clear();
+    if (to_device_) {
+      for (auto& v : values_) v = tensorValue(tensorOf(v).to(*to_device_));
+      to_device_.reset();
+    }
     return std::move(values_);
   }
 
@@ -63,6 +77,7 @@ class C10dPending : public PendingTransfer {
   std::string what_;
   std::vector<c10::intrusive_ptr<c10d::Work>> works_;
   Values values_;  // received values, or sent ones kept alive until done
+  std::optional<at::Device> to_device_;
 };
 
 }  // namespace
@@ -71,6 +86,7 @@ C10dTransport::C10dTransport(c10::intrusive_ptr<c10d::ProcessGroup> up,
                              c10::intrusive_ptr<c10d::ProcessGroup> down, EdgeSpecs specs,
                              at::Device device, int tag)
     : up_(std::move(up)), down_(std::move(down)), specs_(std::move(specs)), device_(device),
+      host_staging_(needsHostStaging(*up_, device) || needsHostStaging(*down_, device)),
       tag_(tag), rank_(up_->getRank()) {
   TORCH_CHECK(down_->getRank() == rank_ && down_->getSize() == up_->getSize(),
               "the up and down process groups must hold the same ranks (rank ", rank_, " of ",
@@ -107,7 +123,9 @@ std::unique_ptr<PendingTransfer> C10dTransport::send(int peer, const TransferKey
   Values keep;
   for (size_t i = 0; i < values.size(); ++i) {
     const at::Tensor& t = tensorOf(values[i]);
-    at::Tensor c = t.is_contiguous() ? t : t.contiguous();
+    at::Tensor c = host_staging_ && !t.is_cpu() ? t.to(at::kCPU).contiguous()
+                   : t.is_contiguous()         ? t
+                                               : t.contiguous();
     std::vector<at::Tensor> one{c};
     works.push_back(groupFor(rank_, peer).send(one, peer, tag_));
     keep.push_back(c.is_same(t) ? values[i] : tensorValue(c));
@@ -129,12 +147,13 @@ std::unique_ptr<PendingTransfer> C10dTransport::recv(int peer, const TransferKey
   std::vector<c10::intrusive_ptr<c10d::Work>> works;
   Values values;
   for (const at::Tensor& spec : specs) {
-    at::Tensor t = at::empty(spec.sizes(), spec.options().device(device_));
+    at::Tensor t = at::empty(spec.sizes(), spec.options().device(host_staging_ ? at::Device(at::kCPU) : device_));
     std::vector<at::Tensor> one{t};
     works.push_back(groupFor(peer, rank_).recv(one, peer, tag_));
     values.push_back(tensorValue(std::move(t)));
   }
-  return std::make_unique<C10dPending>(peer, what, std::move(works), std::move(values));
+  return std::make_unique<C10dPending>(peer, what, std::move(works), std::move(values),
+                                       host_staging_ ? std::optional<at::Device>(device_) : std::nullopt);
 }
 
 }  // namespace mpmd::runtime

@@ -15,6 +15,15 @@
 // `up`, the others through `down`: each communicator then carries one
 // direction only. For gloo, which matches by (peer, tag) in FIFO order per
 // direction, `up` and `down` may be the same group.
+//
+// NOTE [Host staging]: gloo's transports read and write host memory: given a
+// CUDA tensor, its TCP pair hands the device pointer to writev, which fails
+// ("Bad address"; seen on an H200 with torch 2.11). When the backend that
+// carries the device's tensors is gloo (or there is none for that device),
+// sends copy to host first and receives land in host tensors that wait()
+// moves to the device: ranks sharing one GPU (NCCL refuses two ranks on one
+// device) and gloo-only jobs then pipeline CUDA models, at the price of a
+// copy each way. NCCL takes device tensors as they are.
 #pragma once
 
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
@@ -35,7 +44,8 @@ using EdgeSpecs = std::map<EdgeKey, std::vector<at::Tensor>>;
 class C10dTransport : public Transport {
  public:
   // Ranks are group-local ranks of `up` and `down` (same ranks in both).
-  // Received tensors are allocated on `device`.
+  // Received tensors are allocated on `device` (through host memory when
+  // the groups' backend for it is gloo: NOTE [Host staging]).
   C10dTransport(c10::intrusive_ptr<c10d::ProcessGroup> up,
                 c10::intrusive_ptr<c10d::ProcessGroup> down, EdgeSpecs specs, at::Device device,
                 int tag = 0);
@@ -46,6 +56,7 @@ class C10dTransport : public Transport {
   std::unique_ptr<PendingTransfer> sendStandIn(int peer, const TransferKey& key) override;
 
   int rank() const { return rank_; }
+  bool stagesThroughHost() const { return host_staging_; }
 
  private:
   const std::vector<at::Tensor>& specsOf(const TransferKey& key, int peer) const;
@@ -54,6 +65,7 @@ class C10dTransport : public Transport {
   c10::intrusive_ptr<c10d::ProcessGroup> up_, down_;
   EdgeSpecs specs_;
   at::Device device_;
+  bool host_staging_;  // NOTE [Host staging]
   int tag_;
   int rank_;
 };
