@@ -9,10 +9,13 @@ interleaved_1f1b with FX programs, 1f1b with Inductor; clip_grad_norm_ over
 mixed DTensor and plain gradients, eval_step and the forward-only call on a
 mesh named in the other order ("tp", "pp"); sharded data parallel over
 tensor-parallel parameters (dp2 x tp2: 2-D DTensor shards, NOTE [Sharding
-with tensor parallel] in torch_mpmd/sharding.py); the errors (an unknown
-mesh dim, a DTensor crossing a stage boundary) and the cost model's local
-shapes. A second launch runs ("dp", "pp", "tp") = (2, 2, 2) on 8 ranks,
-replicated and sharded over "dp".
+with tensor parallel] in torch_mpmd/sharding.py); DTensors crossing the
+stage boundary as their local shards (a sequence-sharded residual stream,
+and a Replicate value with a Partial gradient: NOTE [DTensor boundaries] in
+torch_mpmd/stage.py); the errors (an unknown mesh dim, DTensor boundaries
+that cannot cross as local shards) and the cost model's local shapes. A
+second launch runs ("dp", "pp", "tp") = (2, 2, 2) on 8 ranks, replicated
+and sharded over "dp".
 Differences come back scaled by the fp32 tolerance (atol 1e-5, rtol 1e-4):
 a value <= 1 is within it.
 """
@@ -33,6 +36,15 @@ CASES = [dict(id=f"train-{s}", kind="train", schedule=s) for s in SCHEDULES] + [
          kwargs={"data_parallel": "shard"}),
     dict(id="clip_eval-dp_tp-shard", kind="clip_eval", schedule="1f1b", dims=("dp", "tp"),
          dp=2, kwargs={"data_parallel": "shard"}),
+    # DTensors crossing the pp2 boundary as local shards (tp_worker.BOUNDARIES).
+    dict(id="train-sequence-1f1b", kind="train", schedule="1f1b", model="sequence"),
+    dict(id="train-sequence-zero_bubble", kind="train", schedule="zero_bubble",
+         model="sequence"),
+    dict(id="train-sequence-1f1b-inductor", kind="train", schedule="1f1b", model="sequence",
+         kwargs={"compile": True}),
+    dict(id="clip_eval-sequence", kind="clip_eval", schedule="1f1b", model="sequence"),
+    dict(id="train-replicated-zero_bubble", kind="train", schedule="zero_bubble",
+         model="replicated"),
     dict(id="errors", kind="errors"),
     dict(id="local_costs", kind="local_costs"),
 ]
@@ -116,13 +128,54 @@ def test_clip_eval_forward_with_tensor_parallel():
     check_clip_eval(_GRID.results("clip_eval-tp_pp"))
 
 
+# Per microbatch (batch 8, 2 microbatches): 4 sequences of 16 tokens, d=32.
+_RESIDUAL = [4, 16, 32]
+_HALF_SEQUENCE = [4, 8, 32]
+
+
+@pytest.mark.parametrize("case", ["train-sequence-1f1b", "train-sequence-zero_bubble",
+                                  "train-sequence-1f1b-inductor"])
+def test_sequence_sharded_boundary_crosses_as_local_half(case):
+    """The blocks hand on a Shard(1) DTensor: it crosses the stage boundary as
+    each tp rank's half of the sequence, forward and gradient (the
+    transport's shapes and the plan's bytes are local), and training equals
+    one process with FX and Inductor programs."""
+    got = _GRID.results(case)
+    check_training(got, [[0, 2], [1, 3]])
+    for r in got:
+        assert r["transfers"]["shapes"] == {"0->1": [_HALF_SEQUENCE],
+                                            "1->0 grad": [_HALF_SEQUENCE]}, r["transfers"]
+        assert r["transfers"]["bytes"] == [4 * 8 * 32 * 4], r["transfers"]
+
+
+def test_replicated_boundary_with_partial_gradient_equals_one_process():
+    """ln1's Replicate output crosses (split before blocks.2.attn) beside the
+    plain residual; the consumer's gradient of it is Partial and is
+    all-reduced to Replicate before it is sent back (NOTE [DTensor
+    boundaries]); zero_bubble, so the reduction runs in I."""
+    got = _GRID.results("train-replicated-zero_bubble")
+    check_training(got, [[0, 2], [1, 3]])
+    for r in got:
+        assert r["transfers"]["shapes"] == {"0->1": [_RESIDUAL, _RESIDUAL],
+                                            "1->0 grad": [_RESIDUAL, _RESIDUAL]}, r
+
+
+def test_sequence_sharded_boundary_clip_eval_forward():
+    """eval_step and the forward-only call run the stages under autograd:
+    the same local-shard boundary there."""
+    check_clip_eval(_GRID.results("clip_eval-sequence"))
+
+
 def test_tensor_parallel_errors_name_the_values():
     for r in _GRID.results("errors"):
         assert r["bad_name"].startswith("ValueError") and "'model'" in r["bad_name"], r
         assert "'dp', 'pp' and 'tp'" in r["bad_name"], r["bad_name"]
-        boundary = r["boundary"]
-        assert boundary.startswith("ValueError") and "is a DTensor" in boundary, boundary
-        assert "from stage 0 to stage 1" in boundary and "use_local_output=True" in boundary
+        for key, why in (("pp_mesh", "mesh['tp']"), ("partial", "pending reduction")):
+            refused = r[key]
+            assert refused.startswith("ValueError") and "is a DTensor" in refused, refused
+            assert "from stage 0 to stage 1" in refused and why in refused, refused
+        assert "mesh dims ('pp',)" in r["pp_mesh"], r["pp_mesh"]
+        assert "Partial" in r["partial"], r["partial"]
 
 
 def test_costs_and_bytes_use_local_shards():

@@ -20,8 +20,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput,
+                                               PrepareModuleOutput, RowwiseParallel,
                                                parallelize_module)
 
 import models
@@ -43,18 +44,62 @@ PLAN = {"attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(), "attn.v": Colw
 SPLITS = {2: ["blocks.2"], 4: ["blocks.1", "blocks.2", "blocks.3"]}
 
 
+def _sequence_sharded_boundaries(model: nn.Module, tp: Any) -> None:
+    """Blocks hand the residual stream on as a Shard(1) DTensor (each tp rank
+    holds half the tokens, sequence parallel's layout between blocks): every
+    block but the last ends by keeping its rows of the sequence, every block
+    but the first begins by gathering them. The stage boundary before
+    blocks.2 carries the DTensor, sent as its local half."""
+    last = len(model.blocks) - 1
+    for i, block in enumerate(model.blocks):
+        if i > 0:
+            parallelize_module(block, tp, PrepareModuleInput(
+                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+                use_local_output=True))
+        if i < last:
+            parallelize_module(block, tp, PrepareModuleOutput(
+                output_layouts=(Replicate(),), desired_output_layouts=(Shard(1),),
+                use_local_output=False))
+
+
+def _replicated_attention_inputs(model: nn.Module, tp: Any) -> None:
+    """ln1's output stays a Replicate DTensor that q, k and v read as it is:
+    its gradient comes out of the column-parallel projections Partial. The
+    split before blocks.2.attn puts it on the boundary, so the consumer's
+    gradient is redistributed to Replicate before it is sent (NOTE [DTensor
+    boundaries])."""
+    for block in model.blocks:
+        parallelize_module(block.ln1, tp, PrepareModuleOutput(
+            output_layouts=(Replicate(),), desired_output_layouts=(Replicate(),),
+            use_local_output=False))
+
+
+# Variants of the plan, by the case's "model": what crosses the pp2 split.
+# "blocks": plain local tensors (the plan's defaults); "sequence": a Shard(1)
+# DTensor; "replicated": a Replicate DTensor with a Partial gradient.
+BOUNDARIES: dict[str, tuple[Callable[[nn.Module, Any], None] | None, list[str]]] = {
+    "blocks": (None, SPLITS[2]),
+    "sequence": (_sequence_sharded_boundaries, SPLITS[2]),
+    "replicated": (_replicated_attention_inputs, ["blocks.2.attn"]),
+}
+
+
 def gpt_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
-def build(mesh: Any) -> tuple[nn.Module, nn.Module]:
-    """(model with the TP plan on every block over ``mesh["tp"]``, reference)."""
+def build(mesh: Any, variant: str = "blocks") -> tuple[nn.Module, nn.Module]:
+    """(model with the TP plan on every block over ``mesh["tp"]``, and the
+    boundary layout of ``variant`` (BOUNDARIES), reference)."""
     torch.manual_seed(0)
     ref = models.TPGPT(vocab=VOCAB, d=32, n_layer=4, n_head=4, block_size=SEQ)
     model = models.TPGPT(vocab=VOCAB, d=32, n_layer=4, n_head=4, block_size=SEQ)
     model.load_state_dict(ref.state_dict())
     for block in model.blocks:
         parallelize_module(block, mesh["tp"], PLAN)
+    boundaries, _ = BOUNDARIES[variant]
+    if boundaries is not None:
+        boundaries(model, mesh["tp"])
     return model, ref
 
 
@@ -82,13 +127,24 @@ def make_mesh(case: dict[str, Any]) -> Any:
     return init_device_mesh("cpu", tuple(sizes[n] for n in names), mesh_dim_names=names)
 
 
-def _pipeline(model: nn.Module, mesh: Any, schedule: str, **kwargs: Any) -> Any:
+def _pipeline(model: nn.Module, mesh: Any, schedule: str, variant: str = "blocks",
+              **kwargs: Any) -> Any:
     spr = 2 if schedule == "interleaved_1f1b" else 1
     extra = {"stages_per_rank": spr} if spr != 1 else {}
     pp = mesh.size(mesh.mesh_dim_names.index("pp")) if "pp" in mesh.mesh_dim_names else 1
+    splits = BOUNDARIES[variant][1] if pp * spr == 2 else SPLITS.get(pp * spr)
     return mpmd.pipeline(model, loss_fn=gpt_loss, schedule=schedule, num_microbatches=M,
-                         split_points=SPLITS.get(pp * spr), mesh=mesh, timeout=60, **extra,
-                         **kwargs)
+                         split_points=splits, mesh=mesh, timeout=60, **extra, **kwargs)
+
+
+def transfers(pipe: Any) -> dict[str, Any]:
+    """What crosses each stage edge per microbatch: the transport's tensor
+    shapes ("0->1", gradients "1->0 grad") and the plan's bytes per value."""
+    rt = pipe._mpmd_runtime
+    shapes = {f"{c}->{p} grad" if grad else f"{p}->{c}": [list(t.shape) for t in specs]
+              for (p, c, grad), specs in rt.layout.specs().items() if specs}
+    return {"shapes": shapes,
+            "bytes": [v.bytes for v in pipe._mpmd_split.plan.cross_stage_values]}
 
 
 def _mine(mesh: Any) -> slice:
@@ -108,8 +164,9 @@ def train(case: dict[str, Any]) -> dict[str, Any]:
     types and whether the stage programs ran (no autograd fallback)."""
     mesh = make_mesh(case)
     mine = _mine(mesh)
-    model, ref = build(mesh)
-    pipe = _pipeline(model, mesh, case["schedule"], **case.get("kwargs", {}))
+    variant = case.get("model", "blocks")
+    model, ref = build(mesh, variant)
+    pipe = _pipeline(model, mesh, case["schedule"], variant, **case.get("kwargs", {}))
     opt = torch.optim.AdamW(pipe.parameters(), lr=LR, eps=EPS)
     ropt = torch.optim.AdamW(ref.parameters(), lr=LR, eps=EPS)
     res: dict[str, Any] = {"loss": [], "grads": []}
@@ -135,6 +192,7 @@ def train(case: dict[str, Any]) -> dict[str, Any]:
     res["all_names"] = sorted(n for n, _ in ref.named_parameters())
     res["fallback"] = pipe._mpmd_runtime.runner.fallback_reason
     res["replicas"] = pipe._mpmd_replicas
+    res["transfers"] = transfers(pipe)
     return res
 
 
@@ -144,8 +202,9 @@ def clip_eval(case: dict[str, Any]) -> dict[str, Any]:
     eval_step and the forward-only call, then one more step."""
     mesh = make_mesh(case)
     mine = _mine(mesh)
-    model, ref = build(mesh)
-    pipe = _pipeline(model, mesh, case["schedule"], **case.get("kwargs", {}))
+    variant = case.get("model", "blocks")
+    model, ref = build(mesh, variant)
+    pipe = _pipeline(model, mesh, case["schedule"], variant, **case.get("kwargs", {}))
     res: dict[str, Any] = {}
     for seed in (1, 2):
         x, y = batch(seed)
@@ -181,19 +240,34 @@ def clip_eval(case: dict[str, Any]) -> dict[str, Any]:
     return res
 
 
-class _ShardedBoundary(nn.Module):
-    """fc column-parallel with ``use_local_output=False``: its output, a
-    Shard(-1) DTensor, crosses the stage boundary."""
+class _BoundaryNet(nn.Module):
+    """Two layers, a stage boundary, one more: ``proj``'s output crosses."""
 
     def __init__(self) -> None:
         super().__init__()
         self.fc = nn.Linear(8, 16)
         self.proj = nn.Linear(16, 8)
+        self.out = nn.Linear(8, 8)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.fc(x)
+        h = self.proj(torch.relu(self.fc(x)))
         mpmd.stage_boundary()
-        return self.proj(torch.relu(h))
+        return self.out(h)
+
+
+def _refused_boundary(mesh: Any, dim: str, layout: Any) -> str:
+    """The error of a step pipelined over ``mesh`` whose boundary value is
+    ``proj``'s row-parallel output over ``mesh[dim]``, a DTensor of
+    placement ``layout``."""
+    torch.manual_seed(0)
+    net = _BoundaryNet()
+    parallelize_module(net, mesh[dim], {
+        "fc": ColwiseParallel(),
+        "proj": RowwiseParallel(output_layouts=layout, use_local_output=False),
+        "out": PrepareModuleInput(input_layouts=(layout,), desired_input_layouts=(Replicate(),),
+                                  use_local_output=True)})
+    pipe = mpmd.pipeline(net, loss_fn=F.mse_loss, num_microbatches=M, mesh=mesh, timeout=60)
+    return _raises(lambda: pipe.step(torch.randn(4, 8), target=torch.randn(4, 8)))
 
 
 def _raises(fn: Callable[[], Any]) -> str:
@@ -205,20 +279,17 @@ def _raises(fn: Callable[[], Any]) -> str:
 
 
 def errors(case: dict[str, Any]) -> dict[str, Any]:
-    """A mesh dim name torch_mpmd does not know; a DTensor crossing a stage
-    boundary (refused at the split, on every rank, and the ranks stay usable)."""
+    """A mesh dim name torch_mpmd does not know; DTensors at a stage boundary
+    that cannot cross as local shards: one over the "pp" dim, a Partial one
+    (refused at the split, on every rank, and the ranks stay usable)."""
     res: dict[str, Any] = {}
     model, _ = build(make_mesh({}))
     bad = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "model"))
     res["bad_name"] = _raises(lambda: mpmd.pipeline(model, loss_fn=gpt_loss,
                                                     num_microbatches=M, mesh=bad))
     mesh = make_mesh({})
-    torch.manual_seed(0)
-    net = _ShardedBoundary()
-    parallelize_module(net, mesh["tp"], {"fc": ColwiseParallel(use_local_output=False),
-                                         "proj": RowwiseParallel()})
-    pipe = mpmd.pipeline(net, loss_fn=F.mse_loss, num_microbatches=M, mesh=mesh, timeout=60)
-    res["boundary"] = _raises(lambda: pipe.step(torch.randn(4, 8), target=torch.randn(4, 8)))
+    res["pp_mesh"] = _refused_boundary(mesh, "pp", Replicate())
+    res["partial"] = _refused_boundary(mesh, "tp", Partial())
     return res
 
 

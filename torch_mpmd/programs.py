@@ -243,8 +243,10 @@ def _local_shards(joint: torch.fx.GraphModule, d: Any) -> None:
     local-shard inputs and outputs take their base's descriptor: the rest of
     build_stage_programs then sees ordinary parameters (fed their local
     shards, see _local) and gradients (accumulated into the DTensor's
-    ``.grad`` by the runner). A subclass anywhere else (a DTensor user input,
-    sent value or loss) stays as it is and is refused below."""
+    ``.grad`` by the runner). A DTensor crossing stages is a plain local
+    shard at the program's edge already (the stage graph converts it, NOTE
+    [DTensor boundaries] in stage.py); a subclass anywhere else (a DTensor
+    user input or loss) stays as it is and is refused below."""
     graph = joint.graph
     out = graph.output_node()
     descs = out.meta.get("desc")

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.fx
 
-from torch_mpmd.stage import StageSignature, StageValue
+from torch_mpmd.stage import StageSignature, StageValue, transferred_value
 from torch_mpmd.training import microbatch_loss
 from torch_mpmd.weight_grad import WeightGradPlan
 
@@ -73,7 +73,8 @@ class EdgeLayout:
 
     ``forward[(p, c)]``: the values of edge p -> c in plan order;
     ``backward[(p, c)]``: the subset whose gradient goes back c -> p (values
-    that require grad at capture).
+    that require grad at capture); ``meta``: what travels for each value, a
+    DTensor's local shard (NOTE [DTensor boundaries] in stage.py).
     """
 
     forward: dict[tuple[int, int], list[StageValue]] = field(default_factory=dict)
@@ -93,7 +94,7 @@ class EdgeLayout:
                         f"{list(v.consumer_stages)}, a {type(example).__name__}, but only "
                         "tensors can cross pipeline stages; move the stage boundary so that "
                         "only tensors cross it")
-                layout.meta[v.node] = example
+                layout.meta[v.node] = transferred_value(example)
                 for c in v.consumer_stages:
                     layout.forward.setdefault((sig.stage, c), []).append(v)
                     if _requires_grad(example):

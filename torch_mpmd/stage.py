@@ -7,6 +7,8 @@ stage, the model's flat outputs. :class:`StageSignature` describes that.
 Parameters and buffers are ``get_attr`` under their original FQNs and are the
 model's own tensors (shared storage; BatchNorm running stats update the
 model's buffers). Constant nodes are recomputed on every stage that reads them.
+A DTensor value crosses as its local shard: the producer returns it, the
+consumer receives it and rebuilds the DTensor (NOTE [DTensor boundaries]).
 
 :func:`split_model` is the public entry point; :class:`SplitModel.run` chains
 the stages in one process under autograd.
@@ -170,30 +172,146 @@ def _is_autocast_enter(node: torch.fx.Node) -> bool:
         node.target, "__name__", "")
 
 
-def _check_not_dtensor(node: torch.fx.Node, v: Any) -> None:
-    """ValueError if the value crossing stages at ``node`` is a DTensor.
+# ------------------------------------------------------------------ DTensor boundaries
 
-    NOTE [DTensor boundaries]: with tensor parallelism each tp rank runs its
-    own pipeline replica, which sends its own tensors point to point; a
-    DTensor has no transfer of its own (c10d send has no sharding strategy)
-    and the receiving stage would mix it with plain tensors. torchtitan-style
-    plans hand plain local tensors between blocks (``use_local_output=True``,
-    the default of ColwiseParallel / RowwiseParallel), which cross stages like
-    any other tensor; a DTensor there is refused at the split."""
+
+def _dtensor_type() -> Any:
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:  # a torch built without distributed
-        return
+        return None
+    return DTensor
+
+
+@dataclass(frozen=True, eq=False)
+class LocalShardTransfer:
+    """How a DTensor value crossing stages travels: as its local shard.
+
+    NOTE [DTensor boundaries]: with tensor parallelism each tp rank runs its
+    own pipeline replica, and pp rank k of every replica sends to pp rank k+1
+    of the same replica, which has the same coordinate along "tp". So a
+    DTensor over the pipeline mesh's "tp" dim crosses a stage boundary as
+    what this rank holds of it, its local shard (no gather to the full
+    tensor between stages): the producing stage's graph ends in ``send``
+    (``to_local``), so the runners, the transport and the stage programs see
+    a plain tensor of the local shape (fx_to_ir's NOTE [Local shapes] prices
+    the same bytes), and the consuming stage's graph begins with ``receive``
+    (``from_local``), which rebuilds the DTensor with the value's mesh,
+    placements and global shape before anything reads it. The stage
+    programs are traced over these plain edges: AOTAutograd traces the two
+    conversions as it traces the plan's own from_local/to_local, so the
+    programs' inputs, outputs and tangents for crossing values stay plain
+    tensors, and a gradient's redistribution lands in B (or I) as a
+    functional collective. Feeding the programs DTensors instead would have
+    AOTAutograd split each into a local-shard and a mesh input (its tangent
+    and gradient likewise), for every runner to pair up again. One rule in
+    the stage graph serves the FX, compiled and autograd paths alike.
+
+    The gradient crosses the other way in the same placements: both
+    conversions name the value's placements as the gradient's. The
+    consumer's gradient may come out of its stage in another placement (a
+    Replicate value read by a column-parallel matmul gets a Partial
+    gradient); ``from_local``'s backward redistributes it to the value's
+    placements (the Partial one is all-reduced) before its local part is
+    sent, and ``to_local``'s backward on the producer reads the local part
+    in those placements. Both sides therefore agree on what the local
+    tensors mean, and the value's layout decides it.
+
+    Refused at the split (:func:`_local_shard_transfer`): a DTensor over any
+    other mesh (its shards need not line up with the pipeline's peers), a
+    Partial value (a pending reduction: its gradient rule depends on the
+    reduce op; redistribute it before the boundary), and symbolic sizes (a
+    dynamic capture sizes each step's transfers from the values' global
+    shapes, shapes.py)."""
+
+    mesh: Any                     # DeviceMesh: the pipeline mesh's "tp" dim
+    placements: tuple[Any, ...]   # of the value, and of its gradient
+    shape: tuple[int, ...]        # global shape
+    stride: tuple[int, ...]       # global stride of the value rebuilt from a contiguous shard
+
+    def send(self, value: Any) -> torch.Tensor:
+        """The local shard to send, contiguous (as the transport's buffers are)."""
+        return value.to_local(grad_placements=self.placements).contiguous()
+
+    def receive(self, local: torch.Tensor) -> Any:
+        """The DTensor the consuming stage reads, rebuilt from the received shard."""
+        return _dtensor_type().from_local(
+            local, self.mesh, self.placements, run_check=False, shape=torch.Size(self.shape),
+            stride=self.stride, grad_placements=self.placements)
+
+
+def transferred_value(example: Any) -> Any:
+    """What travels for a cross-stage value with this example: a DTensor's
+    local shard (NOTE [DTensor boundaries]), else the value itself."""
+    dtensor = _dtensor_type()
+    return example._local_tensor if dtensor is not None and isinstance(example, dtensor) \
+        else example
+
+
+def _local_shard_transfer(node: torch.fx.Node, v: Any) -> LocalShardTransfer | None:
+    """How the value crossing stages at ``node`` travels when it is a DTensor
+    (None: a plain tensor); ValueError for the DTensors NOTE [DTensor
+    boundaries] refuses, naming the value, its mesh and placements."""
+    dtensor = _dtensor_type()
     value = node.meta.get("example_value")
-    if isinstance(value, DTensor):
-        placements = getattr(value, "placements", "?")
+    if dtensor is None or not isinstance(value, dtensor):
+        return None
+    names = tuple(value.device_mesh.mesh_dim_names or ())
+    placements = tuple(value.placements)
+    what = (f"the value {node.name!r} crossing from stage {v.producer_stage} to stage "
+            f"{v.consumer_stages[0]} is a DTensor over mesh dims {names} with placements "
+            f"{placements} (shape {tuple(value.shape)})")
+    if names != ("tp",):
         raise ValueError(
-            f"the value {node.name!r} crossing from stage {v.producer_stage} to stage "
-            f"{v.consumer_stages[0]} is a DTensor (placements {placements}, shape "
-            f"{tuple(value.shape)}); torch_mpmd sends plain tensors between stages: make the "
-            "tensor-parallel plan return local tensors at stage boundaries "
-            "(ColwiseParallel/RowwiseParallel(use_local_output=True), the default, or "
-            "PrepareModuleOutput(..., use_local_output=True)), or split elsewhere")
+            f"{what}; torch_mpmd sends a DTensor between stages as its local shard only over "
+            "the pipeline mesh's 'tp' dim, whose shards line up between pipeline peers: apply "
+            "the tensor-parallel plan over mesh['tp'] (parallelize_module(..., mesh['tp'], "
+            "...)), return plain tensors at the boundary (use_local_output=True), or split "
+            "elsewhere")
+    if not all(p.is_replicate() or p.is_shard() for p in placements):
+        raise ValueError(
+            f"{what}; torch_mpmd sends Replicate and Shard values between stages, not a "
+            "pending reduction: redistribute it before the boundary (e.g. RowwiseParallel's "
+            "output_layouts=Replicate() or Shard(1)), or split elsewhere")
+    if any(isinstance(d, torch.SymInt) for d in value.shape):
+        raise ValueError(
+            f"{what}; its sizes are symbolic (a dynamic capture), and torch_mpmd sizes the "
+            "local shards of DTensors crossing stages from a static shape: capture with "
+            "dynamic=False, return plain tensors at the boundary (use_local_output=True), or "
+            "split elsewhere")
+    shape = tuple(int(d) for d in value.shape)
+    contiguous = torch.empty(shape, device="meta").stride()
+    return LocalShardTransfer(value.device_mesh, placements, shape, tuple(contiguous))
+
+
+def _example_meta(node: torch.fx.Node) -> dict[str, Any]:
+    return {k: node.meta[k] for k in ("example_value", "val") if k in node.meta}
+
+
+def _received_value(graph: torch.fx.Graph, placeholder: torch.fx.Node,
+                    original: torch.fx.Node, transfer: LocalShardTransfer | None
+                    ) -> torch.fx.Node:
+    """The node a consuming stage reads for a received value: its placeholder,
+    or for a DTensor the DTensor rebuilt from the placeholder's local shard."""
+    meta = _example_meta(original)
+    if transfer is None:
+        placeholder.meta.update(meta)
+        return placeholder
+    placeholder.meta.update({k: transferred_value(v) for k, v in meta.items()})
+    rebuilt = graph.call_function(transfer.receive, (placeholder,))
+    rebuilt.meta.update(meta)
+    return rebuilt
+
+
+def _sent_value(graph: torch.fx.Graph, value: torch.fx.Node, original: torch.fx.Node,
+                transfer: LocalShardTransfer | None) -> torch.fx.Node:
+    """The node a producing stage returns for a sent value: the value, or for
+    a DTensor its local shard."""
+    if transfer is None:
+        return value
+    local = graph.call_function(transfer.send, (value,))
+    local.meta.update({k: transferred_value(v) for k, v in _example_meta(original).items()})
+    return local
 
 
 def build_stages(gm: torch.fx.GraphModule, ir: GraphIR, plan: Any,
@@ -211,13 +329,16 @@ def build_stages(gm: torch.fx.GraphModule, ir: GraphIR, plan: Any,
     model_outputs = list(model_outputs) if isinstance(model_outputs, (tuple, list)) else [
         model_outputs]
 
+    transfers: dict[int, LocalShardTransfer] = {}  # node id -> how a DTensor value travels
     for v in cross:
         if isinstance(nodes[v.node].meta.get("example_value"), (int, torch.SymInt)):
             raise ValueError(
                 f"a size computed from a tensor on stage {v.producer_stage} "
                 f"({nodes[v.node].name!r}) is read on stage {v.consumer_stages[0]}; torch_mpmd "
                 "sends tensors only: compute it from the inputs' sizes, or split elsewhere")
-        _check_not_dtensor(nodes[v.node], v)
+        transfer = _local_shard_transfer(nodes[v.node], v)
+        if transfer is not None:
+            transfers[v.node] = transfer
         if _is_autocast_enter(nodes[v.node]):
             raise ValueError(
                 f"a stage boundary falls inside a `with torch.autocast(...)` region (entered at "
@@ -289,9 +410,9 @@ def build_stages(gm: torch.fx.GraphModule, ir: GraphIR, plan: Any,
                                 tuple(v.consumer_stages), v.bytes)
                 received.append(sv)
                 env[nodes[v.node]] = placeholder(sv.name)
-                env[nodes[v.node]].meta.update(
-                    {k: nodes[v.node].meta[k] for k in ("example_value", "val")
-                     if k in nodes[v.node].meta})
+        for sv in received:  # after every placeholder: a DTensor is rebuilt from its shard
+            env[nodes[sv.node]] = _received_value(graph, env[nodes[sv.node]], nodes[sv.node],
+                                                  transfers.get(sv.node))
         root = torch.nn.Module()
         params, buffers = [], []
         for node_id, p in placements.items():
@@ -343,7 +464,8 @@ def build_stages(gm: torch.fx.GraphModule, ir: GraphIR, plan: Any,
             if v.producer_stage == s:
                 sent.append(StageValue(nodes[v.node].name, v.node, v.producer_stage,
                                        tuple(v.consumer_stages), v.bytes))
-                outs.append(env[nodes[v.node]])
+                outs.append(_sent_value(graph, env[nodes[v.node]], nodes[v.node],
+                                        transfers.get(v.node)))
         num_model_outputs = 0
         if s == num_stages - 1:
             for o in model_outputs:
