@@ -107,6 +107,19 @@ def _shard_dim(p: torch.Tensor) -> int | None:
     return next((d for d in range(base.dim()) if d not in taken), None)
 
 
+def _comm_device(group: Any, device: torch.device) -> torch.device:
+    """Where the buffers of the all-gathers and reduce-scatters live: on
+    ``device``, or on the CPU when gloo carries that device's tensors (gloo
+    reads host memory: a CUDA all-gather over gloo crashed the process on an
+    H200, NOTE [Host staging] in csrc/runtime/c10d_transport.h)."""
+    if device.type in ("cpu", "meta"):
+        return device
+    backend = str(dist.get_backend(group))
+    per_device = dict(part.split(":", 1) for part in backend.split(",") if ":" in part)
+    name = per_device.get(device.type) if per_device else backend
+    return torch.device("cpu") if name in (None, "gloo") else device
+
+
 def shard_rows(shards: "ParamShards", p: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
     """This rank's part of ``full``, a value shaped like compute parameter
     ``p``'s local tensor (a gradient): the rows its shard holds (the whole of
@@ -316,6 +329,9 @@ class ShardedStages:
         self.timeout_s = timeout_s
         self.wait = wait
         self.ranks = dist.get_process_group_ranks(self.group)
+        first = next((p for ps in stage_params.values() for p in ps), None)
+        self.comm_device = _comm_device(self.group, _base(first).device if first is not None
+                                        else torch.device("cpu"))
         self.gather = {s: _buckets(ps, shards) for s, ps in stage_params.items()}
         owner: dict[int, int] = {}
         by_id: dict[int, torch.nn.Parameter] = {}
@@ -357,7 +373,7 @@ class ShardedStages:
                 works.append((None, None))
                 continue
             first = _base(slots[0].param)
-            flat = torch.empty(numel, dtype=first.dtype, device=first.device)
+            flat = torch.empty(numel, dtype=first.dtype, device=self.comm_device)
             for slot in slots:
                 local = slot.shard._local_tensor.movedim(slot.dim, 0).reshape(-1)
                 flat[slot.offset:slot.offset + local.numel()].copy_(local)
@@ -399,7 +415,7 @@ class ShardedStages:
                     rows = table[:, slot.offset:slot.offset + slot.numel]
                     full = rows.reshape(self.size * slot.chunk, slot.row_numel)[:slot.rows]
                     full = full.reshape(slot.moved(slot.rows)).movedim(0, slot.dim)
-                    _set_base(p, full.contiguous())
+                    _set_base(p, full.contiguous().to(slot.shard._local_tensor.device))
                 self._users[id(p)] = self._users.get(id(p), 0) + 1
             for p in replicated:
                 if self._users.get(id(p), 0) == 0:
@@ -438,7 +454,7 @@ class ShardedStages:
                 numel: int) -> None:
         if slots:
             p0 = _base(slots[0].param)  # the bucket's dtype (gradients take it)
-            table = torch.zeros(self.size, numel, dtype=p0.dtype, device=p0.device)
+            table = torch.zeros(self.size, numel, dtype=p0.dtype, device=self.comm_device)
             for slot in slots:
                 g = local_grad(slot.param)
                 if g is not None:  # rank r's rows go to row r of the table
@@ -523,6 +539,7 @@ class ShardedStages:
         """Add ``g`` (this rank's part) to the shard's gradient, unless frozen."""
         if not shard.requires_grad:  # frozen (its programs may still compute it)
             return
+        g = g.to(shard._local_tensor.device)  # from a host-staged reduction
         current = local_grad(shard)
         if current is None:
             set_local_grad(shard, g.clone(memory_format=torch.contiguous_format))

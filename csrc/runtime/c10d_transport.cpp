@@ -21,8 +21,11 @@ std::string shapeOf(const at::Tensor& t) {
 // NOTE [Host staging] in c10d_transport.h.
 bool needsHostStaging(c10d::ProcessGroup& pg, at::Device device) {
   if (device.is_cpu() || device.is_meta()) return false;
-  if (!pg.hasBackendForDeviceType(device.type())) return true;
-  return pg.getBackend(device.type())->getBackendName() == "gloo";
+  try {  // (hasBackendForDeviceType is not in every torch release)
+    return pg.getBackend(device.type())->getBackendName() == "gloo";
+  } catch (const std::exception&) {
+    return true;  // no backend for the device: its tensors go through the CPU one
+  }
 }
 
 // Waits on every work of one transfer; c10d reports failures and timeouts by
