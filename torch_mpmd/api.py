@@ -829,15 +829,21 @@ def pipeline(module: torch.nn.Module, *, loss_fn: Callable[..., torch.Tensor] | 
     ``mesh["tp"]`` to the model before ``pipeline()`` (torchtitan's style,
     ``parallelize_module``); each tp rank runs its own copy of the pipeline
     on the same batch, its stages computing on local shards with the plan's
-    collectives, and DTensor parameters get DTensor gradients. Values
-    crossing stages must be plain tensors (the plans' default
-    ``use_local_output=True``). ``data_parallel``: ``"replicate"``
+    collectives, and DTensor parameters get DTensor gradients. A DTensor
+    value crossing stages (a plan with ``use_local_output=False``, sequence
+    parallel's Shard(1)) is sent as each tp rank's local shard and rebuilt
+    on the next stage, its gradient in the same placements; Partial values,
+    DTensors over other meshes and symbolic sizes are refused at the split
+    (NOTE [DTensor boundaries] in stage.py). ``data_parallel``: ``"replicate"``
     (the default: every dp rank holds whole stages, gradients all-reduced)
     or ``"shard"`` (ZeRO-3, as FSDP2: parameters, gradients and optimizer
     state split along dim 0 over "dp"; ``parameters()`` are DTensors from
     here on; each stage's parameters are all-gathered by the schedule's
     UNSHARD action ahead of its first compute and freed by RESHARD after its
-    last, gradients reduce-scattered at REDUCE_GRAD; see sharding.py);
+    last, gradients reduce-scattered at REDUCE_GRAD; see sharding.py). A
+    parameter shared by stages on several pipeline ranks (tied embeddings)
+    has its gradient summed over them and averaged over "dp" by one
+    all-reduce that its last REDUCE_GRAD posts on each rank (tied.py);
     ``reshard_after_forward=True`` also frees them between a stage's last
     forward and its backward when other stages run in between (less memory,
     one more gather). ``timeout`` (seconds or timedelta)

@@ -339,7 +339,7 @@ class StageRunner:
 
     def reduce_grad(self, stage: int) -> None:
         """REDUCE_GRAD: the stage's backward is over; starts its data-parallel
-        reduction when there is one (tied weights are summed after the step)."""
+        reduction and the sums of tied weights it posts (runtime._reduce_grad)."""
         if self.on_reduce_grad is not None:
             self.on_reduce_grad(stage)
 
