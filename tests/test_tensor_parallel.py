@@ -55,7 +55,9 @@ DP_CASES = [dict(id="train-dp_pp_tp-1f1b", kind="train", schedule="1f1b",
             dict(id="clip_eval-dp_pp_tp", kind="clip_eval", schedule="1f1b",
                  dims=("dp", "pp", "tp"), dp=2),
             dict(id="train-dp_pp_tp-shard", kind="train", schedule="1f1b",
-                 dims=("dp", "pp", "tp"), dp=2, kwargs={"data_parallel": "shard"})]
+                 dims=("dp", "pp", "tp"), dp=2, kwargs={"data_parallel": "shard"})] + [
+    dict(id=f"train-dp_pp_tp-shard-{s}", kind="train", schedule=s, dims=("dp", "pp", "tp"),
+         dp=2, kwargs={"data_parallel": "shard"}) for s in ("zero_bubble", "interleaved_1f1b")]
 _GRID8 = GridRun(8, "tp_worker:grid", DP_CASES, task="tp", timeout=400)
 
 
@@ -83,6 +85,26 @@ def check_training(got: list[dict], replicas: list[list[int]], *, sharded: bool 
         assert len(held) == 1, (pp_rank, held)
     # One pipeline replica per (dp, tp) coordinate, its ranks by pp rank.
     assert all(r["replicas"] == replicas for r in got), got[0]["replicas"]
+    check_tied_sum(got, replicas)
+
+
+def check_tied_sum(got: list[dict], replicas: list[list[int]]) -> None:
+    """The embedding tied to the head (first and last stage) is summed over
+    pp and dp by one all-reduce, posted by the REDUCE_GRAD of the stage that
+    reads it, over a group of whole pipeline replicas (those of this rank's
+    tp coordinate), the same on every member."""
+    for rank, r in enumerate(got):
+        if len(replicas[0]) == 1:  # no "pp": nothing is shared across ranks
+            assert r["tied"] is None, (rank, r["tied"])
+            continue
+        pp_rank = next(rep.index(rank) for rep in replicas if rank in rep)
+        stage = min(r["local_stages"]) if pp_rank == 0 else max(r["local_stages"])
+        assert r["tied"]["count"] == 1, (rank, r["tied"])
+        assert r["tied"]["posted_by"] == [f"{stage}REDUCE_GRAD"], (rank, r["tied"])
+        group = set(r["tied"]["groups"][0])
+        assert rank in group and all(set(rep) <= group or not set(rep) & group
+                                     for rep in replicas), (rank, group)
+        assert all(got[m]["tied"]["groups"] == r["tied"]["groups"] for m in group)
 
 
 def check_clip_eval(got: list[dict]) -> None:
@@ -202,6 +224,10 @@ def test_sharded_over_tensor_parallel_clip_eval_forward():
     check_clip_eval(_GRID.results("clip_eval-dp_tp-shard"))
 
 
-def test_dp2_pp2_tp2_sharded_training_equals_one_process():
-    check_training(_GRID8.results("train-dp_pp_tp-shard"), [[0, 2], [1, 3], [4, 6], [5, 7]],
-                   sharded=True)
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_dp2_pp2_tp2_sharded_training_equals_one_process(schedule):
+    """3-D: sharded over "dp", pipelined over "pp", tensor parallel over "tp"
+    (2-D DTensor shards), for every schedule; the tied embedding's gradient
+    summed over pp and dp by its REDUCE_GRAD."""
+    case = "train-dp_pp_tp-shard" + ("" if schedule == "1f1b" else f"-{schedule}")
+    check_training(_GRID8.results(case), [[0, 2], [1, 3], [4, 6], [5, 7]], sharded=True)

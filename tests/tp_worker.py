@@ -193,6 +193,8 @@ def train(case: dict[str, Any]) -> dict[str, Any]:
     res["fallback"] = pipe._mpmd_runtime.runner.fallback_reason
     res["replicas"] = pipe._mpmd_replicas
     res["transfers"] = transfers(pipe)
+    res["tied"] = pipe.last_step_stats.get("collectives", {}).get("tied_all_reduce")
+    res["local_stages"] = list(pipe.local_stages)
     return res
 
 
