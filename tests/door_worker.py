@@ -329,6 +329,24 @@ def four_ranks() -> dict[str, Any]:
     except Exception:
         out["dp"] = {"error": _error_text()}
     try:
+        # A compiled module (outputs, then backward outside): the backward part
+        # of the schedule posts the dp reductions and must wait for them.
+        torch._dynamo.reset()
+        model = build("gpt")
+        ref = copy.deepcopy(model)
+        want = sum(loss_of("gpt", ref, x, y) for x, y in batches) / 2
+        want.backward()
+        compiled = torch.compile(model, backend="mpmd", options=dict(
+            schedule="1f1b", num_microbatches=4, split_points=["blocks.1"], mesh=mesh))
+        x, y = batches[dp_rank]
+        loss = F.cross_entropy(compiled(x).flatten(0, 1), y.flatten())
+        loss.backward()
+        out["dp_outputs"] = dict(grads=_grads(model, ref), error=None,
+                                 with_grad=sorted(n for n, p in model.named_parameters()
+                                                  if p.grad is not None))
+    except Exception:
+        out["dp_outputs"] = {"error": _error_text()}
+    try:
         torch._dynamo.reset()
         case = dict(model="hf_llama", schedule="1f1b", m=4)
         out["pp4"] = train(case, None, 60.0)  # split points: 4 stages on 4 ranks

@@ -118,10 +118,12 @@ def test_the_door_on_four_ranks_with_data_parallel_replicas_and_four_stages():
     run = run_ranks(4, "door_worker:four_ranks", timeout=600)
     bad = []
     for rank, res in enumerate(run.results):
-        for what in ("dp", "pp4"):
+        for what in ("dp", "dp_outputs", "pp4"):
             r = res[what]
             assert not r["error"], f"rank {rank} {what}:\n{tail(r['error'])}"
-            if not r["loss_diff"]["ok"]:
+            if what == "dp_outputs":  # its loss is computed outside: the global mean's
+                assert r["with_grad"], rank   # gradients, averaged over dp by the backward
+            elif not r["loss_diff"]["ok"]:
                 bad.append(f"rank {rank} {what} loss: {r['loss_diff']}")
             bad += _bad(rank, r["grads"], f"{what} ")
     assert not bad, "\n".join(bad)
