@@ -158,21 +158,24 @@ class DataParallel:
                         if (g := local_grad(p)) is not None}
 
     def reduce(self, stage: int) -> None:
-        """REDUCE_GRAD(stage): start the all-reduce of the stage's gradient increments."""
-        params = self.params.get(stage, [])
-        if not params:
-            return
-        parts = []
-        for p in params:  # local parts: a DTensor's (tensor parallel) shard
-            g = local_grad(p)
-            g = g if g is not None else torch.zeros_like(_local(p))
-            before = self._before.get(id(p))
-            parts.append((g - before if before is not None else g).reshape(-1))
-        flat = torch.cat(parts).div_(self.size)
-        # Its work ends within the timeout even if the step fails before
-        # waiting for it (NOTE [Bounded collectives] in lockstep.py).
-        work = lockstep.all_reduce(flat, self.group, self.timeout.total_seconds())
-        self._pending.append((work, flat, params))
+        """REDUCE_GRAD(stage): start the all-reduce of the stage's gradient
+        increments, one flat buffer per dtype (a stage mixing fp32 and bf16
+        parameters reduces each in its own: one buffer would promote them)."""
+        by_dtype: dict[torch.dtype, list[torch.nn.Parameter]] = {}
+        for p in self.params.get(stage, []):
+            by_dtype.setdefault(_local(p).dtype, []).append(p)
+        for params in by_dtype.values():
+            parts = []
+            for p in params:  # local parts: a DTensor's (tensor parallel) shard
+                g = local_grad(p)
+                g = g if g is not None else torch.zeros_like(_local(p))
+                before = self._before.get(id(p))
+                parts.append((g - before if before is not None else g).reshape(-1))
+            flat = torch.cat(parts).div_(self.size)
+            # Its work ends within the timeout even if the step fails before
+            # waiting for it (NOTE [Bounded collectives] in lockstep.py).
+            work = lockstep.all_reduce(flat, self.group, self.timeout.total_seconds())
+            self._pending.append((work, flat, params))
 
     def end_step(self, wait: Any) -> None:
         """Wait for every reduction (``wait(work, what)`` bounds it) and write the
