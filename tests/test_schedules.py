@@ -411,3 +411,29 @@ def test_sharded_csv_cells_parse_identically_in_torch_pipelining(name, spr):
     for row in csv.reader(io.StringIO(low.to_csv())):
         for cell in row:
             assert str(_Action.from_str(cell)) == cell
+
+
+def test_simulate_ends_a_tied_sum_after_its_last_member_posted_it():
+    """A sum over the ranks of stages 0 and 3 (tied weights, interleaved on 2
+    ranks): each rank posts it at its last REDUCE_GRAD of those stages; both
+    ranks' steps end `cost` after the later post."""
+    s = schedules.get_schedule("interleaved_1f1b", num_ranks=2, num_microbatches=4,
+                               stages_per_rank=2)
+    plain = s.simulate(timeline=True)
+    tied = s.simulate(cross_rank_reduces=[([0, 3], 5.0)], timeline=True)
+    posts = [max(end for action, _, end in plain.timeline[r]
+                 if action in ("0REDUCE_GRAD", "3REDUCE_GRAD")) for r in range(2)]
+    assert tied.makespan == pytest.approx(max(plain.makespan, max(posts) + 5.0))
+    assert tied.makespan > plain.makespan
+
+
+@pytest.mark.parametrize("bad, words", [
+    ([([0, 9], 1.0)], "stages [0, 9]"),
+    ([([0], 1.0)], "two or more stages"),
+    ([([0, 1], -1.0)], "cost"),
+    ([(0, 1.0)], "must be (stages, cost)"),
+])
+def test_simulate_rejects_bad_cross_rank_reduces_naming_them(bad, words):
+    s = schedules.get_schedule("1f1b", num_ranks=2, num_microbatches=2)
+    with pytest.raises(ValueError, match=re.escape(words)):
+        s.simulate(cross_rank_reduces=bad)
