@@ -313,8 +313,50 @@ def local_costs(case: dict[str, Any]) -> dict[str, Any]:
     return {"bytes": out}
 
 
+def door(case: dict[str, Any]) -> dict[str, Any]:
+    """The compile door over the TP model: torch.compile(forward + loss,
+    backend="mpmd") on the ("pp", "tp") mesh, loss.backward(), AdamW over
+    the module's own (DTensor and plain) parameters; two steps against the
+    reference."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    mesh = make_mesh(case)
+    model, ref = build(mesh)
+
+    @torch.compile(backend="mpmd", options=dict(schedule=case["schedule"], num_microbatches=M,
+                                                split_points=SPLITS[2], mesh=mesh, timeout=60))
+    def train_loss(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return gpt_loss(model(x), y)
+
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=LR, eps=EPS)
+    want = dict(ref.named_parameters())
+    res: dict[str, Any] = {"loss": [], "grads": []}
+    for seed in (1, 2):
+        x, y = batch(seed)
+        loss = train_loss(x, y)
+        loss.backward()
+        ref_loss = gpt_loss(ref(x), y)
+        ref_loss.backward()
+        res["loss"].append(max_diff(loss.detach().reshape(()), ref_loss.detach()))
+        # Parameters of other ranks' stages get no gradient here.
+        res["grads"].append(worst({n: max_diff(full(p.grad), want[n].grad)
+                                   for n, p in model.named_parameters() if p.grad is not None}))
+        local = {n for n, p in model.named_parameters() if p.grad is not None}
+        res["with_grad"] = len(local)
+        opt.step()
+        opt.zero_grad()
+        ropt.step()
+        ropt.zero_grad()
+    res["params"] = worst({n: max_diff(full(p.detach()), want[n].detach())
+                           for n, p in model.named_parameters() if n in local})
+    return res
+
+
 CASES: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
-    "train": train, "clip_eval": clip_eval, "errors": errors, "local_costs": local_costs}
+    "train": train, "clip_eval": clip_eval, "errors": errors, "local_costs": local_costs,
+    "door": door}
 
 
 def grid(cases: list[dict[str, Any]]) -> dict[str, Any]:
