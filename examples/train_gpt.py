@@ -281,8 +281,6 @@ def main() -> int:
     if args.tp > 1:  # before pipeline(), torchtitan's way: the stages keep the DTensors
         from torch.distributed.tensor.parallel import parallelize_module
 
-        if args.door:
-            raise SystemExit("--tp is not available with --door")
         for block in model.blocks:
             parallelize_module(block, mesh["tp"], tensor_parallel_plan())
     num_stages = pp * args.stages_per_rank
@@ -356,7 +354,7 @@ def main() -> int:
         opt.zero_grad()
         sched.step()
         dt = time.perf_counter() - t0
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
         if step > 1:  # the first step includes capture and partitioning
             timed_tokens += tokens_per_step
             timed_seconds += dt
