@@ -62,6 +62,17 @@ def test_load_state_dict_writes_into_the_stages():
         assert_close(pipe(x), other(x), **TOL)
 
 
+def test_load_state_dict_with_assign_after_capture_is_refused_naming_it():
+    model, x, y = gpt_and_batch()
+    pipe = mpmd.pipeline(model, loss_fn=lm_loss, num_microbatches=2)
+    pipe.step(x, target=y)
+    before = {n: p.detach().clone() for n, p in pipe.named_parameters()}
+    with pytest.raises(ValueError, match=r"assign=True.*captured"):
+        pipe.load_state_dict(copy.deepcopy(model).state_dict(), assign=True)
+    for n, p in pipe.named_parameters():
+        assert torch.equal(p, before[n]), n
+
+
 def test_new_batch_shape_is_recaptured_and_still_matches_reference():
     model, x, y = gpt_and_batch()
     pipe = mpmd.pipeline(model, loss_fn=lm_loss, num_microbatches=2, split_points=["blocks.1"],

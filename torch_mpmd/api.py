@@ -413,7 +413,18 @@ class Pipeline(torch.nn.Module):
         with ``strict``, this rank's keys must all be there and keys the module
         does not have are errors. With sharded data parallel, a full tensor
         (a plain state dict, e.g. pretrained weights) loads its rows into the
-        parameter's shard."""
+        parameter's shard. ``assign=True`` is refused once the model is
+        captured, and with sharded data parallel: it would put new tensors in
+        the module where the stages (and the user's optimizer) hold the old
+        ones, and the load would be silently ignored."""
+        if assign and (self.is_captured or self._mpmd_shards is not None):
+            when = ("the pipeline has captured the model (its stages hold the parameters)"
+                    if self.is_captured else
+                    "data_parallel='shard' (the parameters are DTensor shards)")
+            raise ValueError(f"load_state_dict(assign=True) is not supported once {when}: "
+                             "new tensors would replace the ones the stages and your optimizer "
+                             "hold; use assign=False (copies into them), or assign before "
+                             "pipeline()")
         if self.is_captured:
             local = set(super().state_dict().keys())
             model_keys = set(self._mpmd_module.state_dict().keys())
