@@ -13,6 +13,7 @@ the results are the differences.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import time
@@ -200,6 +201,108 @@ def _pipeline(model: nn.Module, name: str, schedule: str, mesh: Any, pp: int, mo
                          timeout=60, **extra, **kwargs)
 
 
+# ------------------------------------------------------------------ gathered bytes
+
+@contextlib.contextmanager
+def stages_under_autograd() -> Any:
+    """Every stage built meanwhile runs on the runner's autograd path (its
+    fallback for stages that cannot become programs), forced."""
+    from torch_mpmd import program_runner
+    from torch_mpmd.programs import ProgramsUnsupported
+
+    build = program_runner.build_stage_programs
+
+    def refuse(*_: Any, **__: Any) -> Any:
+        raise ProgramsUnsupported("forced: the stages run under autograd")
+
+    program_runner.build_stage_programs = refuse
+    try:
+        yield
+    finally:
+        program_runner.build_stage_programs = build
+
+
+class GatheredProbe:
+    """The bytes of a sharded pipeline's gathered parameters alive on this
+    rank, seen from outside ShardedStages: after each gather (``ready``) the
+    storages the stage's compute parameters then use are remembered by weak
+    reference, so a storage that anything keeps alive (tensors saved for
+    backward included) still counts, with the bytes it holds when read. They
+    are read when a compute action starts (before its own gather) and right
+    after every RESHARD. Call ``reset()`` before each step.
+
+    ``peak``: the most bytes of all local stages' gathered storages together
+    at the start of a compute action; ``waiting[s]``: the most bytes of stage
+    s's own when another stage starts a compute action while s waits for its
+    backward (its forwards all done, no B or I begun; absent when that never
+    happens); ``waiting_total``: the most bytes of all stages' together at
+    those points; ``after_reshard[s]``: s's bytes right after each RESHARD."""
+
+    def __init__(self, pipe: Any) -> None:
+        rt = pipe._mpmd_runtime
+        self.runner = rt.runner
+        self.params = {s: [getattr(p, "_local_tensor", p) for p in rt.model.stages[s].parameters()]
+                       for s in rt.local_stages}
+        self.full_bytes = {s: sum(t.numel() * t.element_size() for t in ts)
+                           for s, ts in self.params.items()}
+        # Bytes of s's parameters that another local stage reads too (tied weights).
+        self.shared_bytes = {s: sum(t.numel() * t.element_size() for t in ts if any(
+            t is u for o, us in self.params.items() if o != s for u in us))
+            for s, ts in self.params.items()}
+        self.storages: dict[int, list[Any]] = {}
+        self.reset()
+        for name in ("forward", "backward", "backward_weight"):  # called by name per action
+            setattr(self.runner, name, self._compute(name, getattr(self.runner, name)))
+        dp = rt.dp
+        ready, reshard = dp.ready, dp.reshard
+
+        def on_ready(stage: int) -> None:
+            from torch.multiprocessing.reductions import StorageWeakRef
+
+            ready(stage)
+            self.storages[stage] = [StorageWeakRef(t.untyped_storage())
+                                    for t in self.params[stage]]
+
+        def on_reshard(stage: int) -> None:
+            reshard(stage)
+            self.after_reshard[stage].append(self.live([stage]))
+
+        dp.ready, dp.reshard = on_ready, on_reshard
+
+    def reset(self) -> None:
+        self.peak = self.waiting_total = 0
+        self.waiting: dict[int, int] = {}
+        self.after_reshard: dict[int, list[int]] = {s: [] for s in self.params}
+        self.forwards = {s: 0 for s in self.params}
+        self.backward_begun: set[int] = set()
+
+    def live(self, stages: Any) -> int:
+        """Bytes of the stages' gathered storages now (each storage once)."""
+        refs = {r.cdata: r for s in stages for r in self.storages.get(s, ()) if not r.expired()}
+        return sum(torch.UntypedStorage._new_with_weak_ptr(c).nbytes() for c in refs)
+
+    def _compute(self, kind: str, run: Callable[..., Any]) -> Callable[..., Any]:
+        def call(stage: int, *args: Any) -> Any:
+            total = self.live(self.params)
+            self.peak = max(self.peak, total)
+            for s in self.params:
+                if s != stage and self.forwards[s] == self.runner.num_microbatches \
+                        and s not in self.backward_begun:
+                    self.waiting[s] = max(self.waiting.get(s, 0), self.live([s]))
+                    self.waiting_total = max(self.waiting_total, total)
+            if kind == "forward":
+                self.forwards[stage] += 1
+            else:
+                self.backward_begun.add(stage)
+            return run(stage, *args)
+        return call
+
+    def report(self) -> dict[str, Any]:
+        return {"full_bytes": self.full_bytes, "shared_bytes": self.shared_bytes,
+                "peak": self.peak, "waiting": self.waiting,
+                "waiting_total": self.waiting_total, "after_reshard": self.after_reshard}
+
+
 # ------------------------------------------------------------------ training cases
 
 _SEEN: dict[tuple[str, str, str], dict[str, Any]] = {}  # losses and full gradients per run
@@ -207,9 +310,17 @@ _SEEN: dict[tuple[str, str, str], dict[str, Any]] = {}  # losses and full gradie
 
 def train(case: dict[str, Any]) -> dict[str, Any]:
     """Two AdamW steps of the pipeline (``case``: model, schedule, mode and
-    pipeline keywords) against the reference: losses, every gradient after
-    each step, every parameter after both, and the DTensor layout before the
-    first step and after the last."""
+    pipeline keywords; ``autograd``: its stages under autograd) against the
+    reference: losses, every gradient after each step, every parameter after
+    both, and the DTensor layout before the first step and after the last;
+    with "shard", the gathered bytes of the second step (GatheredProbe)."""
+    if case.get("autograd"):
+        with stages_under_autograd():
+            return _train(case)
+    return _train(case)
+
+
+def _train(case: dict[str, Any]) -> dict[str, Any]:
     name, schedule, mode = case["model"], case["schedule"], case.get("mode", "shard")
     dp, pp = 2, 2
     mesh = make_mesh(dp, pp)
@@ -229,9 +340,12 @@ def train(case: dict[str, Any]) -> dict[str, Any]:
     loss_fn = loss_for(name)
     seen = {"losses": [], "grads": []}
     res["loss"], res["grads"] = [], []
+    probe = None
     for seed in (1, 2):
         x, y = batch(name, seed)
         loss = pipe.step(x[mine], target=y[mine])
+        if mode == "shard" and probe is None:  # watches the next step
+            probe = GatheredProbe(pipe)
         ref_loss = loss_fn(ref(x), y)
         ref_loss.backward()
         res["loss"].append(max_diff(loss.reshape(()), ref_loss.detach()))
@@ -258,6 +372,9 @@ def train(case: dict[str, Any]) -> dict[str, Any]:
             {type(v).__name__ for p in pipe.parameters() for k, v in opt.state[p].items()
              if k != "step"})
     res["functional"] = pipe._mpmd_runtime.runner.fallback_reason is None
+    if probe is not None:
+        res["probe"] = probe.report()
+        res["gathered_peak_bytes"] = pipe.last_step_stats["collectives"]["gathered_peak_bytes"]
     # The sum of the tied embedding's gradient over pp and dp (tied.py).
     res["tied"] = pipe.last_step_stats.get("collectives", {}).get("tied_all_reduce")
     res["tied_bytes"] = sum(p.numel() * p.element_size() for n, p in ref.named_parameters()
@@ -271,6 +388,48 @@ def train(case: dict[str, Any]) -> dict[str, Any]:
             "loss": max(max_diff(a, b) for a, b in zip(seen["losses"], other["losses"])),
             "grads": max(max_diff(g[n], o.get(n)) for g, o in zip(seen["grads"], other["grads"])
                          for n in g)}
+    return res
+
+
+def train_tp(case: dict[str, Any]) -> dict[str, Any]:
+    """Sharded over "dp" with tensor-parallel blocks (tp_worker's TPGPT and
+    plan) on a ("dp", "tp") = (2, 2) mesh, both stages on every rank (no pp;
+    ``case``'s pipeline keywords): two AdamW steps against one process, and
+    the gathered bytes of the second step (GatheredProbe; the compute
+    parameters of the blocks are DTensors, their local shards gathered, and
+    the tied embedding is read by both stages)."""
+    import tp_worker as T
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    mine = T._mine(mesh)
+    model, ref = T.build(mesh)
+    pipe = mpmd.pipeline(model, loss_fn=T.gpt_loss, schedule=case["schedule"],
+                         num_microbatches=T.M, split_points=T.SPLITS[2], stages_per_rank=2,
+                         mesh=mesh, data_parallel="shard", timeout=60, **case.get("kwargs", {}))
+    opt = torch.optim.AdamW(pipe.parameters(), lr=T.LR, eps=T.EPS)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=T.LR, eps=T.EPS)
+    res: dict[str, Any] = {"loss": [], "grads": []}
+    probe = None
+    for seed in (1, 2):
+        x, y = T.batch(seed)
+        loss = pipe.step(x[mine], target=y[mine])
+        probe = probe or GatheredProbe(pipe)
+        ref_loss = T.gpt_loss(ref(x), y)
+        ref_loss.backward()
+        res["loss"].append(max_diff(loss.reshape(()), ref_loss.detach()))
+        res["grads"].append(worst(T.compare_grads(pipe, ref)))
+        opt.step()
+        opt.zero_grad()
+        ropt.step()
+        ropt.zero_grad()
+    res["params"] = worst(T.compare_params(pipe, ref))
+    res["local_stages"] = list(pipe.local_stages)
+    res["functional"] = pipe._mpmd_runtime.runner.fallback_reason is None
+    rt = pipe._mpmd_runtime
+    res["dtensor_compute"] = sum(isinstance(p, DTensor) for s in rt.local_stages
+                                 for p in rt.model.stages[s].parameters())
+    res["probe"] = probe.report()
+    res["gathered_peak_bytes"] = pipe.last_step_stats["collectives"]["gathered_peak_bytes"]
     return res
 
 
@@ -369,7 +528,7 @@ def meta_init(case: dict[str, Any]) -> dict[str, Any]:
 
 
 CASES: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
-    "train": train, "clip_eval": clip_eval, "meta_init": meta_init}
+    "train": train, "train_tp": train_tp, "clip_eval": clip_eval, "meta_init": meta_init}
 
 
 def grid(cases: list[dict[str, Any]]) -> dict[str, Any]:

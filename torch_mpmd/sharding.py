@@ -12,7 +12,8 @@ actions give them their values:
 
     UNSHARD(s)     post the all-gather of stage s's shards (asynchronous)
     first compute  wait for it; each compute parameter takes its full value
-    RESHARD(s)     compute parameters back to stand-ins
+    RESHARD(s)     compute parameters back to stand-ins, their full
+                   storages emptied (NOTE [Resharding frees the storage])
     REDUCE_GRAD(s) reduce-scatter of the stage's full gradients, averaged
                    over dp, into the shards' DTensor gradients (async; the
                    step waits for them at its end)
@@ -48,6 +49,28 @@ column-parallel bias) is replicated over "dp", its gradient all-reduced.
 A parameter read by two stages of this rank (tied weights, V schedules) is
 gathered by each stage's UNSHARD and stays full until both have resharded; its
 gradient is reduced once, at the later stage's REDUCE_GRAD.
+
+NOTE [Resharding frees the storage]: setting a compute parameter's ``.data``
+back to a stand-in frees nothing while other tensors view its full value,
+and the forwards keep such views for their backwards: a stage program's F
+returns the parameters it reads among its ``saved`` outputs (the Parameter
+objects themselves, which follow ``.data``, but also new tensors viewing them:
+the transposed weight of every linear, ``aten.t`` / ``permute``, FX and
+Inductor alike), and under autograd the graph saves the same views (addmm's
+``mat2``). With ``reshard_after_forward`` those views kept most of a
+stage's gathered bytes (86-95% in the tests and BENCHMARKS.md) alive from
+its RESHARD to its backward. So, as FSDP2
+does, each compute parameter owns one full-size tensor for as long as the
+pipeline lives: a gather allocates its storage again (``resize_``) and copies
+the gathered rows into it, RESHARD empties it in place
+(``untyped_storage().resize_(0)``). The storage object stays the same, so a
+view saved by a forward reads the values the next gather writes (the same
+values: the parameters change only at the optimizer step, after the step's
+last backward) and holds no memory in between. The parameter itself still
+becomes a stand-in at RESHARD (other code tells gathered from not by it).
+The copies write the full tensor, never the parameter, so the parameter's
+version counter, which autograd checks for the tensors it saved, is left as
+it was.
 """
 
 from __future__ import annotations
@@ -348,6 +371,12 @@ class ShardedStages:
         self.reduce_layout = {s: _buckets([by_id[i] for i, o in owner.items() if o == s], shards)
                               for s in stage_params}
         self._users: dict[int, int] = {}  # id(compute parameter) -> gathered stages using it
+        # id(compute parameter) -> the tensor whose storage holds its full
+        # value, emptied by RESHARD (NOTE [Resharding frees the storage]);
+        # the bytes they hold now, and at most during this executor run.
+        self._full: dict[int, torch.Tensor] = {}
+        self._held = 0
+        self._peak_held = 0
         self._gathered: set[int] = set()
         self._pending: dict[int, list[tuple[Any, torch.Tensor]]] = {}  # per bucket
         self._reductions: list[tuple[Any, torch.Tensor, list[_Slot], list[torch.nn.Parameter]]] = []
@@ -407,21 +436,62 @@ class ShardedStages:
         done = min(done, end) if done else end
         self._gathers.append((posted, done, end - start,
                               sum(o.numel() * o.element_size() for _, o in works if o is not None)))
-        for (_, out), (slots, replicated, numel) in zip(works, self.gather[stage]):
-            table = out.view(self.size, numel) if out is not None else None
-            for slot in slots:
-                p = slot.param
-                if self._users.get(id(p), 0) == 0:
-                    rows = table[:, slot.offset:slot.offset + slot.numel]
-                    full = rows.reshape(self.size * slot.chunk, slot.row_numel)[:slot.rows]
-                    full = full.reshape(slot.moved(slot.rows)).movedim(0, slot.dim)
-                    _set_base(p, full.contiguous().to(slot.shard._local_tensor.device))
-                self._users[id(p)] = self._users.get(id(p), 0) + 1
-            for p in replicated:
-                if self._users.get(id(p), 0) == 0:
-                    _set_base(p, self.shards.of[id(p)]._local_tensor.clone())
-                self._users[id(p)] = self._users.get(id(p), 0) + 1
+        with torch.no_grad():
+            for (_, out), (slots, replicated, numel) in zip(works, self.gather[stage]):
+                table = out.view(self.size, numel) if out is not None else None
+                if slots and table.device != slots[0].shard._local_tensor.device:
+                    table = table.to(slots[0].shard._local_tensor.device)  # host-staged: one copy
+                for slot in slots:
+                    if self._users.get(id(slot.param), 0) == 0:
+                        self._unpack(table, slot)
+                    self._users[id(slot.param)] = self._users.get(id(slot.param), 0) + 1
+                for p in replicated:
+                    if self._users.get(id(p), 0) == 0:
+                        local = self.shards.of[id(p)]._local_tensor
+                        _set_base(p, self._refill(p, local.device).copy_(local))
+                    self._users[id(p)] = self._users.get(id(p), 0) + 1
         self._gathered.add(stage)
+        if self._held > self._peak_held:
+            self._peak_held = self._held
+
+    def _unpack(self, table: torch.Tensor, slot: _Slot) -> None:
+        """The slot's parameter takes its full value: row r of the gathered
+        ``table`` holds dp rank r's rows, copied into the parameter's full
+        storage along its sharded dim."""
+        full = self._refill(slot.param, slot.shard._local_tensor.device)
+        rows = full.movedim(slot.dim, 0)
+        for r in range(self.size):
+            start, stop = _rows(slot.rows, self.size, r)
+            if stop > start:
+                n = (stop - start) * slot.row_numel
+                part = table[r, slot.offset:slot.offset + n]
+                rows[start:stop].copy_(part.view(slot.moved(stop - start)))
+        _set_base(slot.param, full)
+
+    def _refill(self, p: torch.nn.Parameter, device: torch.device) -> torch.Tensor:
+        """The tensor that holds compute parameter ``p``'s full value, its
+        storage allocated again if a RESHARD emptied it (NOTE [Resharding
+        frees the storage]); the caller writes the values."""
+        full = self._full.get(id(p))
+        if full is None:
+            base = _base(p)
+            full = self._full[id(p)] = torch.empty(base.shape, dtype=base.dtype, device=device)
+        storage = full.untyped_storage()
+        if storage.nbytes() == 0:
+            storage.resize_(full.numel() * full.element_size())
+        self._held += storage.nbytes()
+        return full
+
+    def _free(self, p: torch.nn.Parameter) -> None:
+        """``p`` back to a stand-in, its full storage emptied in place: every
+        tensor still viewing it (saved for backward) holds no memory until the
+        next gather refills it."""
+        _set_base(p, _standin(_base(p)))
+        full = self._full.get(id(p))
+        if full is not None:
+            storage = full.untyped_storage()
+            self._held -= storage.nbytes()
+            storage.resize_(0)
 
     # ------------------------------------------------------------ RESHARD
     def reshard(self, stage: int) -> None:
@@ -437,7 +507,7 @@ class ShardedStages:
             n = self._users.get(id(p), 0) - 1
             self._users[id(p)] = n
             if n <= 0:
-                _set_base(p, _standin(_base(p)))
+                self._free(p)
 
     def reshard_all(self) -> None:
         for stage in list(self._gathered) + list(self._pending):
@@ -500,19 +570,23 @@ class ShardedStages:
     def begin_run(self) -> None:
         """An executor run starts: report() covers it alone."""
         self._gathers = []
+        self._peak_held = self._held
 
     def report(self) -> dict[str, Any]:
         """The last step's collectives on this rank: all-gathers (count, bytes
         received, seconds from post to completion, seconds a compute action
-        waited for them, and the share hidden behind other work) and
-        reduce-scatters (count, bytes sent)."""
+        waited for them, and the share hidden behind other work),
+        reduce-scatters (count, bytes sent), and the most bytes of full
+        parameters the gathers held at once (their storages, NOTE [Resharding
+        frees the storage]; the collectives' own buffers not counted)."""
         total = sum(done - posted for posted, done, _, _ in self._gathers)
         exposed = sum(min(waited, done - posted) for posted, done, waited, _ in self._gathers)
         return {"all_gather": {"count": len(self._gathers),
                                "bytes": sum(b for *_, b in self._gathers),
                                "seconds": total, "exposed_s": exposed,
                                "hidden_fraction": (1.0 - exposed / total) if total > 0 else 0.0},
-                "reduce_scatter_bytes": self._reduced_bytes}
+                "reduce_scatter_bytes": self._reduced_bytes,
+                "gathered_peak_bytes": self._peak_held}
 
     def end_step(self, wait: Callable[[Any, str], None] | None = None) -> None:
         """Wait for the step's reductions (by ``wait``, default the pipeline's)
