@@ -755,9 +755,9 @@ class MixedDtypeNet(nn.Module):
         return (x.to(torch.bfloat16) @ self.w16).float() @ self.w32
 
 
-def mixed_dtypes(_: Any) -> dict[str, Any]:
-    """dp2 shard of MixedDtypeNet against one process: loss, gradients (their
-    dtypes and values, bf16 within its precision)."""
+def mixed_dtypes(mode: str | None) -> dict[str, Any]:
+    """dp2 of MixedDtypeNet, sharded (or ``mode``) against one process: loss,
+    gradients (their dtypes and values, bf16 within its precision)."""
     rank = dist.get_rank()
     torch.manual_seed(0)
     model = MixedDtypeNet()
@@ -765,7 +765,7 @@ def mixed_dtypes(_: Any) -> dict[str, Any]:
     ref.load_state_dict(model.state_dict())
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
     pipe = mpmd.pipeline(model, loss_fn=F.mse_loss, num_microbatches=1, mesh=mesh,
-                         data_parallel="shard", timeout=60)
+                         data_parallel=mode or "shard", timeout=60)
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(4, 8, generator=g), torch.randn(4, 1, generator=g)
     loss = pipe.step(x[2 * rank:2 * rank + 2], target=y[2 * rank:2 * rank + 2])

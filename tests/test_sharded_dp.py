@@ -348,11 +348,22 @@ def test_meta_device_one_element_parameters_are_initialized():
     assert float(loss) == pytest.approx(float(F.mse_loss(reference(x), y)), rel=1e-5)
 
 
-def test_a_stage_mixing_fp32_and_bf16_parameters_shards_each_in_its_own_dtype():
-    run = run_ranks(2, "sharded_worker:mixed_dtypes", None, timeout=120)
+@pytest.mark.parametrize("mode", ["shard", "replicate"])
+def test_a_stage_mixing_fp32_and_bf16_parameters_reduces_each_in_its_own_dtype(mode):
+    run = run_ranks(2, "sharded_worker:mixed_dtypes", mode, timeout=120)
     for r in run.results:
         got, want = r["loss"]
         assert got == pytest.approx(want, rel=1e-5), r
         assert r["grads"]["w32"][0] == "torch.float32" and r["grads"]["w32"][1] < 1e-5, r
         dtype, diff, scale = r["grads"]["w16"]
         assert dtype == "torch.bfloat16" and diff <= 2 ** -7 * max(scale, 1.0), r
+
+
+@pytest.mark.parametrize("backend, device, want", [
+    ("gloo", "cuda", "gloo"), ("nccl", "cuda", "nccl"), ("cpu:gloo,cuda:nccl", "cuda", "nccl"),
+    ("cpu:gloo,cuda:nccl", "cpu", "gloo"), ("cpu:gloo", "cuda", None)])
+def test_the_backend_for_a_device_is_read_from_the_groups_backend_name(backend, device, want):
+    """What decides host staging of the sharded collectives (gloo or none for
+    the parameters' device: buffers on the host)."""
+    from torch_mpmd.sharding import backend_for
+    assert backend_for(backend, device) == want

@@ -545,7 +545,8 @@ class Pipeline(torch.nn.Module):
         (:func:`torch_mpmd.trace.step_metrics`); with sharded data parallel,
         ``collectives``: its all-gathers (count, bytes, seconds, the seconds
         compute waited for them and the share hidden behind other work) and
-        reduce-scattered bytes (``ShardedStages.report``); with weights tied
+        reduce-scattered bytes, the peak bytes of gathered parameters held
+        (``gathered_peak_bytes``; ``ShardedStages.report``); with weights tied
         across pipeline ranks, after a step, ``collectives["tied_all_reduce"]``:
         the sums of their gradients this rank posted (count, bytes, the
         REDUCE_GRAD actions that posted them, each group's global ranks:

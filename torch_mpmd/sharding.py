@@ -137,10 +137,16 @@ def _comm_device(group: Any, device: torch.device) -> torch.device:
     H200, NOTE [Host staging] in csrc/runtime/c10d_transport.h)."""
     if device.type in ("cpu", "meta"):
         return device
-    backend = str(dist.get_backend(group))
-    per_device = dict(part.split(":", 1) for part in backend.split(",") if ":" in part)
-    name = per_device.get(device.type) if per_device else backend
+    name = backend_for(str(dist.get_backend(group)), device.type)
     return torch.device("cpu") if name in (None, "gloo") else device
+
+
+def backend_for(backend: str, device_type: str) -> str | None:
+    """The backend a group's name gives ``device_type`` tensors: "gloo" for
+    "gloo", "nccl" for "cpu:gloo,cuda:nccl" and "cuda"; None when a per-device
+    name lists no backend for it."""
+    per_device = dict(part.split(":", 1) for part in backend.split(",") if ":" in part)
+    return per_device.get(device_type) if per_device else backend
 
 
 def shard_rows(shards: "ParamShards", p: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
