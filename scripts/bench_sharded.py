@@ -129,17 +129,29 @@ def main() -> None:
              for s, t in times.items()}
     hidden = statistics.median(runs["shard"]["hidden"])
     everyone: list[dict] = [None] * world  # type: ignore[list-item]
+    tied = stats["collectives"].get("tied_all_reduce")
     dist.all_gather_object(everyone, {"rank": dist.get_rank(), "stages": local,
                                       "memory": {m: r["memory"] for m, r in runs.items()},
                                       "span": stats["span_s"], "hidden": hidden,
-                                      "gathers": gathers})
+                                      "gathers": gathers, "tied": tied})
     if dist.get_rank() != 0:
         dist.destroy_process_group()
         return
     stage_costs = {}
     for entry in everyone:
         stage_costs.update({int(s): c for s, c in entry["stages"].items()})
-    sim = shard.schedule.simulate(stage_costs=[stage_costs[s] for s in sorted(stage_costs)])
+    # The tied embedding's sum over pp and dp (REDUCE_GRAD posts it on each of
+    # its ranks): an all-reduce moves about twice a reduce-scatter's bytes,
+    # priced at the measured all-gather rate.
+    cross = []
+    tied_posts = [e["tied"] for e in everyone if e["tied"]]
+    if tied_posts:
+        stages = sorted({int(a[:-len("REDUCE_GRAD")]) for t in tied_posts for a in t["posted_by"]})
+        g0 = everyone[0]["gathers"]
+        per_byte = g0["seconds"] / max(1, g0["bytes"])
+        cross = [(stages, 2 * tied_posts[0]["bytes"] * per_byte)]
+    sim = shard.schedule.simulate(stage_costs=[stage_costs[s] for s in sorted(stage_costs)],
+                                  cross_rank_reduces=cross)
     med = {m: statistics.median(r["times"]) for m, r in runs.items()}
     print(f"GPT {args.layers}x{args.d_model}, pp2 x dp2 (4 ranks x 1 thread, gloo), "
           f"{args.schedule}, m=4, "
@@ -164,6 +176,9 @@ def main() -> None:
               f"{g['bytes'] / max(1, g['count']) / 2**20:.2f} MiB, "
               f"{g['seconds'] / max(1, g['count']) * 1e3:.2f} ms each; hidden behind other "
               f"work (median over steps): {entry['hidden']:.0%}")
+    if cross:
+        print(f"tied sum over stages {cross[0][0]}: {tied_posts[0]['bytes'] / 2**10:.1f} KiB, "
+              f"priced {cross[0][1] * 1e3:.2f} ms")
     print(f"simulated step with collectives {sim.makespan * 1e3:.1f} ms, measured span "
           f"(rank 0) {everyone[0]['span'] * 1e3:.1f} ms, measured/simulated "
           f"{everyone[0]['span'] / sim.makespan:.2f}")
