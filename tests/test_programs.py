@@ -277,3 +277,22 @@ def test_pipelining_a_torch_compiled_module_compiles_its_stage_programs():
     assert_close(loss, want.detach(), rtol=1e-4, atol=1e-5)
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+def test_saved_bytes_count_what_the_forward_computes_not_views_of_parameters():
+    """A linear's backward reads its weight transposed; F hands that view on
+    in `saved`, but it owns no memory (NOTE [Resharding frees the storage] in
+    sharding.py relies on the same fact): saved_bytes counts the activations
+    alone, well under one weight's bytes here."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64, bias=False), nn.ReLU(), nn.Linear(64, 64, bias=False))
+    x, y = torch.randn(4, 64), torch.randn(4, 64)
+    runner, sm = make_runner(model, x, 2, split=False)
+    runner.prepare(sm.named_microbatches((x,), {}, 2), list(y.chunk(2)), F.mse_loss)
+    prog = runner.programs[0]
+    weight_bytes = 64 * 64 * 4
+    views = [n for n in prog.graphs["F"].graph.nodes if "t" == getattr(n.target, "__name__", "")
+             .split(".")[0]]
+    assert views, "the forward saves no transposed weight: the test no longer covers a view"
+    # The ReLU's output and the linear outputs of 2 rows: a few KiB at most.
+    assert 0 < prog.saved_bytes < weight_bytes, prog.saved_bytes

@@ -180,6 +180,21 @@ class _Traced(torch.nn.Module):
                      for i, o in enumerate(out[:self.num_sent]))
 
 
+def _views_input(node: torch.fx.Node, inputs: set[str]) -> bool:
+    """Whether ``node`` is a placeholder named in ``inputs`` or a view of one
+    (``t``, ``permute``, ``view``, ``expand``: an op whose schema says its
+    result aliases its first argument, without writing it): a value that
+    owns no memory of its own, which the saved-bytes accounting skips."""
+    while node.op != "placeholder":
+        schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
+        alias = schema.returns[0].alias_info if schema is not None and schema.returns else None
+        if alias is None or alias.is_write or not node.args or \
+                not isinstance(node.args[0], torch.fx.Node):
+            return False
+        node = node.args[0]
+    return node.name in inputs
+
+
 def _nbytes(t: Any) -> int:
     """Bytes of a tensor (its size hint when symbolic; no guards); 0 for a size."""
     if not isinstance(t, torch.Tensor):
@@ -430,9 +445,11 @@ def build_stage_programs(stage: int, module: torch.fx.GraphModule, *, num_user: 
             raise ProgramsUnsupported(f"a gradient the runner does not handle: {desc}")
 
     # Bytes a microbatch's `saved` holds beyond what already exists: values F
-    # computes (placeholders passed through, parameters and inputs, are not new).
+    # computes (placeholders passed through, parameters and inputs, are not
+    # new; nor are views of them, such as a linear's transposed weight).
+    fw_inputs = {n.name for n in fw.graph.nodes if n.op == "placeholder"}
     saved_bytes = sum(_nbytes(n.meta["val"]) for n in fw_outs[num_fwd:]
-                      if n.op != "placeholder")
+                      if not _views_input(n, fw_inputs))
 
     programs = StagePrograms(
         stage=stage, forward=fw, backward=bw, state_tensors=state, num_user=num_user,
@@ -447,7 +464,7 @@ def build_stage_programs(stage: int, module: torch.fx.GraphModule, *, num_user: 
     # with no module hooks to run (nn.Module.__call__ costs microseconds).
     programs.forward, programs.backward = fw.forward, bw.forward
     if split_backward:
-        existing = {n.name for n in fw_outs[num_fwd:] if n.op == "placeholder"}
+        existing = {n.name for n in fw_outs[num_fwd:] if _views_input(n, fw_inputs)}
         _split(programs, bw, param_grads, input_grads, existing)
     if compiler is not None:
         _compile(programs, compiler, skip=() if run_backward else ("B",))
@@ -476,7 +493,7 @@ def _split(programs: StagePrograms, bw: torch.fx.GraphModule,
            param_grads: list[tuple[torch.Tensor, int]],
            input_grads: list[tuple[int, int]], existing: set[str]) -> None:
     """Cut B into I and W with the C++ partitioner (NOTE [Backward split]).
-    ``existing``: saved values that are F's own inputs (parameters, inputs),
+    ``existing``: saved values that are F's own inputs (parameters, inputs) or views of them,
     not counted in the carry's bytes."""
     nodes = [n for n in bw.graph.nodes if n.op != "output"]
     index = {n: i for i, n in enumerate(nodes)}
@@ -522,7 +539,7 @@ def _split(programs: StagePrograms, bw: torch.fx.GraphModule,
     programs.weight_backward = gw.forward
     programs.i_input_slots = [slot for slot, _ in input_grads]
     programs.carry_bytes = sum(_nbytes(nodes[j].meta["val"]) for j in carry
-                               if nodes[j].name not in existing)
+                               if not _views_input(nodes[j], existing))
     programs.carry_sizes = [k for k, j in enumerate(carry) if _is_size(nodes[j].meta["val"])]
     programs.w_params = [p for p, _ in param_grads]
     programs.graphs.update({"I": gi, "W": gw})
