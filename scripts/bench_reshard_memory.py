@@ -37,15 +37,14 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from torch.distributed.device_mesh import init_device_mesh
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 import torch_mpmd as mpmd  # noqa: E402
-from gpt_model import GPT, GPTConfig  # noqa: E402
+from gpt_model import GPT  # noqa: E402
 from sharded_worker import GatheredProbe, stages_under_autograd  # noqa: E402
+from bench_sharded import lm_loss, pp2_dp2_gpt  # noqa: E402  (this folder)
 
 
 def main() -> None:
@@ -57,20 +56,7 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--d-model", type=int, default=128)
     args = p.parse_args()
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    if dist.get_world_size() != 4:
-        raise SystemExit("run with torchrun --nproc-per-node 4 (pp2 x dp2)")
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
-    dp_rank = mesh.get_local_rank("dp")
-    cfg = GPTConfig(vocab_size=64, block_size=64, n_layer=args.layers, n_head=4,
-                    d_model=args.d_model)
-    gen = torch.Generator().manual_seed(1000 + dp_rank)
-    x = torch.randint(0, 64, (16, 64), generator=gen)
-    y = torch.randint(0, 64, (16, 64), generator=gen)
-
-    def lm_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(out.reshape(-1, out.shape[-1]), target.reshape(-1))
+    mesh, cfg, x, y = pp2_dp2_gpt(args.layers, args.d_model)
 
     points = [f"blocks.{args.layers * k // 4}" for k in range(1, 4)]
     runs = {}

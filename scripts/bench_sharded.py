@@ -54,6 +54,26 @@ def _state_bytes(pipe: mpmd.Pipeline, opt: torch.optim.Optimizer) -> dict[str, i
             "optimizer": _local_bytes(state)}
 
 
+def lm_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(out.reshape(-1, out.shape[-1]), target.reshape(-1))
+
+
+def pp2_dp2_gpt(layers: int, d_model: int) -> tuple:
+    """The set-up this script and bench_reshard_memory.py share: gloo on 4
+    ranks, a ("dp", "pp") = (2, 2) mesh, the example GPT's config, and this dp
+    replica's batch (16 x 64 tokens): (mesh, cfg, x, y)."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    if dist.get_world_size() != 4:
+        raise SystemExit("run with torchrun --nproc-per-node 4 (pp2 x dp2)")
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
+    cfg = GPTConfig(vocab_size=64, block_size=64, n_layer=layers, n_head=4, d_model=d_model)
+    gen = torch.Generator().manual_seed(1000 + mesh.get_local_rank("dp"))
+    x = torch.randint(0, 64, (16, 64), generator=gen)
+    y = torch.randint(0, 64, (16, 64), generator=gen)
+    return mesh, cfg, x, y
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--rounds", type=int, default=6, help="alternating blocks")
@@ -63,21 +83,8 @@ def main() -> None:
     p.add_argument("--schedule", default="1f1b",
                    help="1f1b (1 stage per rank) or interleaved_1f1b (2 per rank)")
     args = p.parse_args()
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    mesh, cfg, x, y = pp2_dp2_gpt(args.layers, args.d_model)
     world = dist.get_world_size()
-    if world != 4:
-        raise SystemExit("run with torchrun --nproc-per-node 4 (pp2 x dp2)")
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
-    dp_rank = mesh.get_local_rank("dp")
-    cfg = GPTConfig(vocab_size=64, block_size=64, n_layer=args.layers, n_head=4,
-                    d_model=args.d_model)
-    gen = torch.Generator().manual_seed(1000 + dp_rank)
-    x = torch.randint(0, 64, (16, 64), generator=gen)
-    y = torch.randint(0, 64, (16, 64), generator=gen)
-
-    def lm_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(out.reshape(-1, out.shape[-1]), target.reshape(-1))
 
     spr = 2 if args.schedule == "interleaved_1f1b" else 1
     points = [f"blocks.{args.layers * k // (2 * spr)}" for k in range(1, 2 * spr)]
