@@ -44,7 +44,8 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
-def model_and_batch(device: torch.device, layers: int = 4) -> tuple[GPT, torch.Tensor, torch.Tensor]:
+def model_and_batch(device: torch.device, layers: int = 4
+                    ) -> tuple[GPT, torch.Tensor, torch.Tensor]:
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=48, block_size=16, n_layer=layers, n_head=4, d_model=32))
     g = torch.Generator().manual_seed(1)
@@ -56,10 +57,6 @@ def model_and_batch(device: torch.device, layers: int = 4) -> tuple[GPT, torch.T
 def scaled(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.detach().float().cpu(), b.detach().float().cpu()
     return float(((a - b).abs() / (ATOL + RTOL * b.abs())).max()) if a.numel() else 0.0
-
-
-def full(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
 def mine(p: torch.Tensor, g: torch.Tensor, want: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -108,9 +105,12 @@ def run_case(case: str, device: torch.device) -> dict:
                      for n, p in pipe.named_parameters() if p.grad is not None),
                     default=(0.0, None))
         out["grads"].append(worst)
-        out["device_of_grads"] = sorted({str(getattr(p.grad, "_local_tensor", p.grad).device) for p in pipe.parameters()
+        out["device_of_grads"] = sorted({str(getattr(p.grad, "_local_tensor", p.grad).device)
+                                         for p in pipe.parameters()
                                          if p.grad is not None})
-        opt.step(); opt.zero_grad(); ropt.step(); ropt.zero_grad()
+        for o in (opt, ropt):
+            o.step()
+            o.zero_grad()
     out["fallback"] = pipe._mpmd_runtime.runner.fallback_reason
     return out
 

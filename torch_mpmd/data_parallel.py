@@ -32,8 +32,8 @@ import torch.distributed as dist
 from torch_mpmd import lockstep
 from torch_mpmd.sharding import local_grad, set_local_grad
 
-__all__ = ["DataParallel", "MESH_DIMS", "MeshGroups", "mesh_groups", "new_replica_group",
-           "new_tied_group"]
+__all__ = ["DataParallel", "MESH_DIMS", "MeshGroups", "flat_increments", "local_part",
+           "mesh_groups", "new_replica_group", "new_tied_group"]
 
 
 MESH_DIMS = ("dp", "pp", "tp")
@@ -126,10 +126,35 @@ def new_tied_group(pp_ranks: Sequence[int], replicas: Sequence[Sequence[int]],
     return mine, members
 
 
-def _local(p: torch.Tensor) -> torch.Tensor:
+def local_part(p: torch.Tensor) -> torch.Tensor:
     """This rank's part of ``p``: a DTensor's local shard, else ``p``."""
     local = getattr(p, "_local_tensor", None)
     return local if isinstance(local, torch.Tensor) else p
+
+
+def flat_increments(params: Sequence[torch.nn.Parameter], before: dict[int, torch.Tensor],
+                    divisor: int) -> list[tuple[list[torch.nn.Parameter], torch.Tensor]]:
+    """Per dtype, in order of first appearance: the parameters and one flat
+    buffer of their step's gradient increments (this rank's parts; ``.grad``
+    minus ``before[id(p)]`` when there is one, zeros for a missing ``.grad``)
+    divided by ``divisor``. One buffer per dtype: concatenating a stage's fp32
+    and bf16 gradients would promote them."""
+    by_dtype: dict[torch.dtype, list[torch.nn.Parameter]] = {}
+    for p in params:
+        by_dtype.setdefault(local_part(p).dtype, []).append(p)
+    out = []
+    for group in by_dtype.values():
+        parts = []
+        for p in group:
+            g = local_grad(p)
+            g = g if g is not None else torch.zeros_like(local_part(p))
+            prev = before.get(id(p))
+            parts.append((g - prev if prev is not None else g).reshape(-1))
+        flat = torch.cat(parts)
+        if divisor > 1:
+            flat.div_(divisor)
+        out.append((group, flat))
+    return out
 
 
 class DataParallel:
@@ -159,19 +184,8 @@ class DataParallel:
 
     def reduce(self, stage: int) -> None:
         """REDUCE_GRAD(stage): start the all-reduce of the stage's gradient
-        increments, one flat buffer per dtype (a stage mixing fp32 and bf16
-        parameters reduces each in its own: one buffer would promote them)."""
-        by_dtype: dict[torch.dtype, list[torch.nn.Parameter]] = {}
-        for p in self.params.get(stage, []):
-            by_dtype.setdefault(_local(p).dtype, []).append(p)
-        for params in by_dtype.values():
-            parts = []
-            for p in params:  # local parts: a DTensor's (tensor parallel) shard
-                g = local_grad(p)
-                g = g if g is not None else torch.zeros_like(_local(p))
-                before = self._before.get(id(p))
-                parts.append((g - before if before is not None else g).reshape(-1))
-            flat = torch.cat(parts).div_(self.size)
+        increments (averaged over dp), one flat buffer per dtype."""
+        for params, flat in flat_increments(self.params.get(stage, []), self._before, self.size):
             # Its work ends within the timeout even if the step fails before
             # waiting for it (NOTE [Bounded collectives] in lockstep.py).
             work = lockstep.all_reduce(flat, self.group, self.timeout.total_seconds())
@@ -184,7 +198,7 @@ class DataParallel:
             wait(work, f"the data-parallel gradient all_reduce ({len(params)} tensors)")
             offset = 0
             for p in params:
-                local = _local(p)
+                local = local_part(p)
                 n = local.numel()
                 avg = flat[offset:offset + n].view_as(local)
                 offset += n

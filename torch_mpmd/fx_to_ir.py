@@ -273,6 +273,8 @@ def _meta_value(node: Any) -> Any:
 
 @functools.cache
 def _dtensor_type() -> Any:
+    """torch's DTensor class, or None for a torch built without distributed
+    (stage.py uses it too)."""
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:  # a torch built without distributed

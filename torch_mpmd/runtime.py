@@ -7,7 +7,8 @@ It also holds the collective steps around an executor run: the start-up
 handshake (plan hashes), the exchanges that keep the ranks in step (NOTE
 [Lockstep] in lockstep.py), the waits for the gradient reductions that
 REDUCE_GRAD posts (dp; tied weights: tied.py) and the broadcast of the loss
-and outputs from the last stage's rank. Every wait is bounded: by ``timeout``, or at a capture by ``startup_timeout``.
+and outputs from the last stage's rank. Every wait is bounded: by
+``timeout``, or at a capture by ``startup_timeout``.
 """
 
 from __future__ import annotations
@@ -27,11 +28,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.fx
-from torch.distributed.tensor import DTensor
 
 from torch_mpmd import _runtime, lockstep
 from torch_mpmd.data_parallel import DataParallel, new_replica_group, new_tied_group
-from torch_mpmd.sharding import ParamShards, ShardedStages, local_grad, set_local_grad
+from torch_mpmd.sharding import ParamShards, ShardedStages
 from torch_mpmd.program_runner import ProgramRunner
 from torch_mpmd.lockstep import PipelineError
 from torch_mpmd.programs import Compiler
@@ -423,8 +423,7 @@ class RankRuntime:
         for ranks in sorted(by_ranks):
             fqns = by_ranks[ranks]
             for r in ranks:
-                order = [int(t[:-len("REDUCE_GRAD")]) for t in self.schedule.actions[r]
-                         if t.endswith("REDUCE_GRAD")]
+                order = self._reduce_order(r)
                 mine = {s for f in fqns for s in readers[f] if self.stage_to_rank[s] == r}
                 missing = sorted(mine - set(order))
                 if missing:
@@ -474,9 +473,13 @@ class RankRuntime:
         return (groups + [g for g, _ in getattr(self, "tied_groups", [])] +
                 [g.group for g in (tied.groups if tied is not None else ())])
 
+    def _reduce_order(self, rank: int) -> list[int]:
+        """The stages of pipeline rank ``rank``'s REDUCE_GRAD actions, in program order."""
+        return [int(t[:-len("REDUCE_GRAD")]) for t in self.schedule.actions[rank]
+                if t.endswith("REDUCE_GRAD")]
+
     def _data_parallel(self) -> DataParallel | ShardedStages:
-        order = [int(t[:-len("REDUCE_GRAD")]) for t in self.schedule.actions[self.rank]
-                 if t.endswith("REDUCE_GRAD")]
+        order = self._reduce_order(self.rank)
         tied = {id(p) for p in self.tied.params} if self.tied is not None else set()
         if self.shards is not None:
             every = {s: list(self.model.stages[s].parameters()) for s in self.local_stages}

@@ -28,7 +28,7 @@ import torch.fx
 from torch_mpmd import _C
 from torch_mpmd.capture import CapturedGraph, PlaceholderInfo, capture
 from torch_mpmd.capture import flatten_inputs
-from torch_mpmd.fx_to_ir import GraphIR, grad_mode_setting, order_mutations
+from torch_mpmd.fx_to_ir import GraphIR, _dtensor_type, grad_mode_setting, order_mutations
 from torch_mpmd.fx_to_ir import resolve_split_points, to_ir
 from torch_mpmd.microbatch import Replicate, split_microbatches
 
@@ -173,14 +173,6 @@ def _is_autocast_enter(node: torch.fx.Node) -> bool:
 
 
 # ------------------------------------------------------------------ DTensor boundaries
-
-
-def _dtensor_type() -> Any:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # a torch built without distributed
-        return None
-    return DTensor
 
 
 @dataclass(frozen=True, eq=False)

@@ -32,12 +32,13 @@ critical path.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from torch_mpmd import lockstep
+from torch_mpmd.data_parallel import flat_increments, local_part
 from torch_mpmd.sharding import ParamShards, ShardedStages, local_grad, set_local_grad, shard_rows
 
 __all__ = ["TiedGroup", "TiedSums"]
@@ -51,11 +52,7 @@ class TiedGroup:
     ranks: list[int]           # its global ranks (for errors)
     params: list[torch.nn.Parameter]  # this rank's compute parameters of the group
     stage: int                 # the local stage whose REDUCE_GRAD posts the sum
-    pp_ranks: tuple[int, ...] = field(default=())  # the pipeline ranks sharing them
-
-
-def _local(p: torch.Tensor) -> torch.Tensor:
-    return p._local_tensor if hasattr(p, "_local_tensor") else p
+    pp_ranks: tuple[int, ...]  # the pipeline ranks sharing them
 
 
 class TiedSums:
@@ -90,24 +87,12 @@ class TiedSums:
         for g in self.groups:
             if g.stage != stage:
                 continue
-            # One flat buffer per dtype, in the group's (FQN) order, as on
-            # every member rank.
-            by_dtype: dict[torch.dtype, list[torch.nn.Parameter]] = {}
-            for p in g.params:
-                by_dtype.setdefault(_local(p).dtype, []).append(p)
-            for params in by_dtype.values():
-                parts = []
-                for p in params:
-                    grad = local_grad(p)
-                    if grad is None:
-                        grad = torch.zeros_like(_local(p))
-                    before = self._before.get(id(p))
-                    parts.append((grad - before if before is not None else grad).reshape(-1))
-                    if self.shards is not None:
+            # In the group's (FQN) order, one buffer per dtype, as on every
+            # member rank.
+            for params, flat in flat_increments(g.params, self._before, self.dp_size):
+                if self.shards is not None:
+                    for p in params:
                         p.grad = None  # a compute gradient: its rows go to the shard
-                flat = torch.cat(parts)
-                if self.dp_size > 1:
-                    flat.div_(self.dp_size)
                 work = lockstep.all_reduce(flat, g.group, self.timeout_s)
                 self._posted.append((stage, flat.numel() * flat.element_size()))
                 self._pending.append((work, flat, params, g))
@@ -121,7 +106,7 @@ class TiedSums:
                        f"pipeline ranks {list(g.pp_ranks)} (global ranks {g.ranks}, all_reduce)")
             offset = 0
             for p in params:
-                local = _local(p)
+                local = local_part(p)
                 total = flat[offset:offset + local.numel()].view(local.shape)
                 offset += local.numel()
                 if self.shards is not None:

@@ -150,13 +150,15 @@ std::unique_ptr<PendingTransfer> C10dTransport::recv(int peer, const TransferKey
   std::vector<c10::intrusive_ptr<c10d::Work>> works;
   Values values;
   for (const at::Tensor& spec : specs) {
-    at::Tensor t = at::empty(spec.sizes(), spec.options().device(host_staging_ ? at::Device(at::kCPU) : device_));
+    const at::Device lands = host_staging_ ? at::Device(at::kCPU) : device_;
+    at::Tensor t = at::empty(spec.sizes(), spec.options().device(lands));
     std::vector<at::Tensor> one{t};
     works.push_back(groupFor(peer, rank_).recv(one, peer, tag_));
     values.push_back(tensorValue(std::move(t)));
   }
-  return std::make_unique<C10dPending>(peer, what, std::move(works), std::move(values),
-                                       host_staging_ ? std::optional<at::Device>(device_) : std::nullopt);
+  std::optional<at::Device> to_device;
+  if (host_staging_) to_device = device_;
+  return std::make_unique<C10dPending>(peer, what, std::move(works), std::move(values), to_device);
 }
 
 }  // namespace mpmd::runtime
