@@ -25,6 +25,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 import models
 import torch_mpmd as mpmd
 from dist_harness import error_text as _error_text, partial_result, run_grid
+from optim_replay import AdamWReplay
 from tp_worker import (EPS, LR, PLAN, VOCAB, SEQ, _mine, _pipeline, batch,
                        full, gpt_loss, make_mesh, max_diff, worst)
 
@@ -85,7 +86,10 @@ def _saving_run(directory: str, layout: dict[str, Any], out: dict[str, Any]
                 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], float] | None:
     """Two AdamW steps in ``layout`` against the one-process reference, save,
     then a third step (the continuation). Returns (saved state, continued
-    state, continued loss), all ranks' union; None when the save failed."""
+    state, continued loss), all ranks' union; None when the save failed.
+    Every step's gradients are compared with the reference's; the saved and
+    continued parameters and moments with AdamW replayed on the pipeline's
+    gradients (optim_replay.py)."""
     mesh, kwargs = _layout_kwargs(layout)
     mine = _mine(mesh)
     ref = _new_model(None, scramble=False)
@@ -93,14 +97,24 @@ def _saving_run(directory: str, layout: dict[str, Any], out: dict[str, Any]
     pipe = _pipeline(model, mesh, "1f1b", **kwargs)
     opt = torch.optim.AdamW(pipe.parameters(), lr=LR, eps=EPS)
     ropt = torch.optim.AdamW(ref.parameters(), lr=LR, eps=EPS)
-    for seed in (1, 2):
+    replay = AdamWReplay(ref, lr=LR, eps=EPS)
+    want = dict(ref.named_parameters(remove_duplicate=False))
+    out["grads_vs_ref"] = []
+
+    def train_step(seed: int) -> float:
         x, y = batch(seed)
-        pipe.step(x[mine], target=y[mine])
+        loss = float(pipe.step(x[mine], target=y[mine]))
         gpt_loss(ref(x), y).backward()
-        opt.step()
-        opt.zero_grad()
-        ropt.step()
-        ropt.zero_grad()
+        out["grads_vs_ref"].append(max(max_diff(full(p.grad), want[n].grad)
+                                       for n, p in pipe.named_parameters()))
+        replay.step(pipe, all_ranks=True)   # the states compared are every rank's
+        for o in (opt, ropt):
+            o.step()
+            o.zero_grad()
+        return loss
+
+    for seed in (1, 2):
+        train_step(seed)
     try:
         out["saved_in"] = mpmd.checkpoint.save(pipe, opt, directory)
         out["save_error"] = None
@@ -108,16 +122,11 @@ def _saving_run(directory: str, layout: dict[str, Any], out: dict[str, Any]
         out["save_error"] = _error_text()
         return None
     saved_all = _gather_states(_state_of(pipe, opt))
-    ref_state = _plain_state(ref, ropt)
+    ref_state = _plain_state(replay, replay.optimizer)
     out["saved_vs_ref"] = max(max_diff(v, ref_state[k]) for k, v in saved_all.items())
-    x3, y3 = batch(3)
-    loss3 = float(pipe.step(x3[mine], target=y3[mine]))
-    opt.step()
-    opt.zero_grad()
+    loss3 = train_step(3)
     cont_all = _gather_states(_state_of(pipe, opt))
-    gpt_loss(ref(x3), y3).backward()
-    ropt.step()
-    ref_state = _plain_state(ref, ropt)
+    ref_state = _plain_state(replay, replay.optimizer)
     out["continuation_vs_ref"] = max(max_diff(v, ref_state[k]) for k, v in cont_all.items())
     out["names_saved"] = len(saved_all)
     dist.barrier()
@@ -286,6 +295,7 @@ def meta_init(case: dict[str, Any]) -> dict[str, Any]:
     pipe = _pipeline(model, mesh, "1f1b", init_fn=deterministic_init, **kwargs)
     opt = torch.optim.AdamW(pipe.parameters(), lr=LR, eps=EPS)
     ropt = torch.optim.AdamW(ref.parameters(), lr=LR, eps=EPS)
+    replay = AdamWReplay(ref, lr=LR, eps=EPS)
     res: dict[str, Any] = {"loss": [], "grads": []}
     for seed in (1, 2):
         x, y = batch(seed)
@@ -308,11 +318,12 @@ def meta_init(case: dict[str, Any]) -> dict[str, Any]:
         res["grads"].append(worst({n: max_diff(full(p.grad), dict(
             ref.named_parameters(remove_duplicate=False))[n].grad)
             for n, p in pipe.named_parameters()}))
+        replay.step(pipe)
         opt.step()
         opt.zero_grad()
         ropt.step()
         ropt.zero_grad()
-    want = dict(ref.named_parameters(remove_duplicate=False))
+    want = dict(replay.named_parameters())
     res["params"] = worst({n: max_diff(full(p.detach()), want[n].detach())
                            for n, p in pipe.named_parameters()})
     res["names"] = sorted(n for n, _ in pipe.named_parameters())

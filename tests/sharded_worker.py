@@ -29,6 +29,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 import models
 import torch_mpmd as mpmd
 from dist_harness import error_text as _error_text, partial_result, run_grid
+from optim_replay import AdamWReplay, full
 
 RTOL, ATOL = 1e-4, 1e-5
 BATCH = 8   # the global batch
@@ -110,13 +111,6 @@ def make_mesh(dp: int, pp: int) -> Any:
     return init_device_mesh("cpu", (dp, pp), mesh_dim_names=("dp", "pp"))
 
 
-def full(t: torch.Tensor | None) -> torch.Tensor | None:
-    """The whole tensor (collective over a DTensor's mesh)."""
-    if isinstance(t, DTensor):
-        return t.full_tensor()
-    return t
-
-
 def max_diff(a: torch.Tensor | None, b: torch.Tensor | None) -> float:
     """max |a - b|, scaled so that <= 1 means within (RTOL, ATOL); inf when
     one is missing or the shapes differ."""
@@ -137,7 +131,9 @@ def compare_grads(pipe: Any, ref: nn.Module) -> dict[str, float]:
     return {n: max_diff(full(p.grad), want[n].grad) for n, p in pipe.named_parameters()}
 
 
-def compare_params(pipe: Any, ref: nn.Module) -> dict[str, float]:
+def compare_params(pipe: Any, ref: nn.Module | AdamWReplay) -> dict[str, float]:
+    """Each parameter against ``ref``'s (after optimizer steps: an
+    AdamWReplay, see optim_replay.py)."""
     want = ref_params(ref)
     return {n: max_diff(full(p.detach()), want[n].detach()) for n, p in pipe.named_parameters()}
 
@@ -337,6 +333,7 @@ def _train(case: dict[str, Any]) -> dict[str, Any]:
         res["listed_before"] = len(list(pipe.parameters()))
     opt = torch.optim.AdamW(pipe.parameters(), lr=LR, eps=EPS)   # built before the first step
     ropt = torch.optim.AdamW(ref.parameters(), lr=LR, eps=EPS)
+    replay = AdamWReplay(ref, lr=LR, eps=EPS)
     loss_fn = loss_for(name)
     seen = {"losses": [], "grads": []}
     res["loss"], res["grads"] = [], []
@@ -354,11 +351,12 @@ def _train(case: dict[str, Any]) -> dict[str, Any]:
         seen["losses"].append(loss.detach().clone())
         seen["grads"].append({n: full(p.grad).clone() for n, p in pipe.named_parameters()})
         res["grad_types"] = sorted({type(p.grad).__name__ for p in pipe.parameters()})
+        replay.step(pipe)
         opt.step()
         opt.zero_grad()
         ropt.step()
         ropt.zero_grad()
-    res["params"] = worst(compare_params(pipe, ref))
+    res["params"] = worst(compare_params(pipe, replay))
     res["names"] = sorted(n for n, _ in pipe.named_parameters())
     res["all_names"] = sorted(n for n, _ in ref.named_parameters())   # tied: once
     res["num_parameters"] = len(list(ref.parameters()))
@@ -408,6 +406,7 @@ def train_tp(case: dict[str, Any]) -> dict[str, Any]:
                          mesh=mesh, data_parallel="shard", timeout=60, **case.get("kwargs", {}))
     opt = torch.optim.AdamW(pipe.parameters(), lr=T.LR, eps=T.EPS)
     ropt = torch.optim.AdamW(ref.parameters(), lr=T.LR, eps=T.EPS)
+    replay = AdamWReplay(ref, lr=T.LR, eps=T.EPS)
     res: dict[str, Any] = {"loss": [], "grads": []}
     probe = None
     for seed in (1, 2):
@@ -418,11 +417,12 @@ def train_tp(case: dict[str, Any]) -> dict[str, Any]:
         ref_loss.backward()
         res["loss"].append(max_diff(loss.reshape(()), ref_loss.detach()))
         res["grads"].append(worst(T.compare_grads(pipe, ref)))
+        replay.step(pipe)
         opt.step()
         opt.zero_grad()
         ropt.step()
         ropt.zero_grad()
-    res["params"] = worst(T.compare_params(pipe, ref))
+    res["params"] = worst(T.compare_params(pipe, replay))
     res["local_stages"] = list(pipe.local_stages)
     res["functional"] = pipe._mpmd_runtime.runner.fallback_reason is None
     rt = pipe._mpmd_runtime
@@ -499,6 +499,7 @@ def meta_init(case: dict[str, Any]) -> dict[str, Any]:
                      init_fn=deterministic_init)
     opt = torch.optim.AdamW(pipe.parameters(), lr=LR, eps=EPS)
     ropt = torch.optim.AdamW(ref.parameters(), lr=LR, eps=EPS)
+    replay = AdamWReplay(ref, lr=LR, eps=EPS)
     res: dict[str, Any] = {"loss": [], "grads": []}
     for seed in (1, 2):
         x, y = batch(name, seed)
@@ -517,11 +518,12 @@ def meta_init(case: dict[str, Any]) -> dict[str, Any]:
         ref_loss.backward()
         res["loss"].append(max_diff(loss.reshape(()), ref_loss.detach()))
         res["grads"].append(worst(compare_grads(pipe, ref)))
+        replay.step(pipe)
         opt.step()
         opt.zero_grad()
         ropt.step()
         ropt.zero_grad()
-    res["params"] = worst(compare_params(pipe, ref))
+    res["params"] = worst(compare_params(pipe, replay))
     now = {n: p.detach() for n, p in ref_params(ref).items()}
     res["layout_after"] = layout(pipe, now, dp, dp_rank, exact=False)
     return res
@@ -588,14 +590,23 @@ def checkpoints(directory: str) -> dict[str, Any]:
     pipe = _pipeline(model, name, "1f1b", mesh, 2, "shard")
     opt = torch.optim.AdamW(pipe.parameters(), lr=LR, eps=EPS)
     ropt = torch.optim.AdamW(ref.parameters(), lr=LR, eps=EPS)
-    for seed in (1, 2):
-        x, y = batch(name, seed)
-        pipe.step(x[mine], target=y[mine])
+    # Gradients against the reference's; the saved and continued parameters
+    # and moments against AdamW replayed on the pipeline's gradients.
+    replay = AdamWReplay(ref, lr=LR, eps=EPS)
+    out["grads_vs_ref"] = []
+
+    def train_step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = pipe.step(x[mine], target=y[mine])
         gpt_loss(ref(x), y).backward()
-        opt.step()
-        opt.zero_grad()
-        ropt.step()
-        ropt.zero_grad()
+        out["grads_vs_ref"].append(worst(compare_grads(pipe, ref))[1])
+        replay.step(pipe, all_ranks=True)   # the states compared are every rank's
+        for o in (opt, ropt):
+            o.step()
+            o.zero_grad()
+        return loss
+
+    for seed in (1, 2):
+        train_step(*batch(name, seed))
     try:
         out["saved_in"] = mpmd.checkpoint.save(pipe, opt, directory)
         out["save_error"] = None
@@ -608,12 +619,10 @@ def checkpoints(directory: str) -> dict[str, Any]:
     saved_all: dict[str, torch.Tensor] = {}
     for part in everything:
         saved_all.update(part)
-    ref_saved = _plain_state(ref, ropt)
+    ref_saved = _plain_state(replay, replay.optimizer)
     out["saved_vs_ref"] = max(max_diff(v, ref_saved[k]) for k, v in saved_all.items())
     # The continuation: one more step from the saved state.
-    loss3 = pipe.step(x3[mine], target=y3[mine])
-    opt.step()
-    opt.zero_grad()
+    loss3 = train_step(x3, y3)
     cont = _state_of(pipe, opt)
     everything = [None] * dist.get_world_size()
     dist.all_gather_object(everything, {"loss": float(loss3), "state": cont})
@@ -621,11 +630,8 @@ def checkpoints(directory: str) -> dict[str, Any]:
     for part in everything:
         cont_all.update(part["state"])
     cont_loss = everything[0]["loss"]
-    ref_loss3 = gpt_loss(ref(x3), y3)
-    ref_loss3.backward()
-    ropt.step()
     out["continuation_vs_ref"] = max(
-        max_diff(v, _plain_state(ref, ropt)[k]) for k, v in cont_all.items())
+        max_diff(v, _plain_state(replay, replay.optimizer)[k]) for k, v in cont_all.items())
     dist.barrier()
 
     def resume(key: str, dp: int, pp: int, mode: str, capture_first: bool) -> None:

@@ -51,7 +51,10 @@ def grid(tmp_path_factory):
 def check_saved(got: list[dict]) -> None:
     for rank, r in enumerate(got):
         assert r["save_error"] is None, f"rank {rank}:\n{r['save_error']}"
-        # The saving run itself trains as the one-process reference.
+        # The saving run itself trains as the one-process reference: its
+        # gradients equal the reference's every step, and its parameters and
+        # moments are AdamW's of those gradients (optim_replay.py).
+        assert len(r["grads_vs_ref"]) == 3 and max(r["grads_vs_ref"]) <= 1, (rank, r)
         assert r["saved_vs_ref"] <= 1 and r["continuation_vs_ref"] <= 1, (rank, r)
 
 

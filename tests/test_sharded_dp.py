@@ -264,6 +264,9 @@ def checkpoints(tmp_path_factory):
 def test_checkpoint_saved_sharded_holds_the_reference_state(checkpoints):
     for rank, r in enumerate(checkpoints):
         assert r["save_error"] is None, f"rank {rank}:\n{r['save_error']}"
+        # Gradients equal the reference's every step; the saved and continued
+        # parameters and moments are AdamW's of them (optim_replay.py).
+        assert len(r["grads_vs_ref"]) == 3 and max(r["grads_vs_ref"]) <= 1, (rank, r)
         assert r["saved_vs_ref"] <= 1 and r["continuation_vs_ref"] <= 1, (rank, r)
 
 

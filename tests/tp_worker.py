@@ -28,6 +28,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
 import models
 import torch_mpmd as mpmd
 from dist_harness import run_grid
+from optim_replay import AdamWReplay
 from sharded_worker import full, max_diff, worst
 
 BATCH = 8   # the global batch
@@ -116,7 +117,9 @@ def compare_grads(pipe: Any, ref: nn.Module) -> dict[str, float]:
     return {n: max_diff(full(p.grad), want[n].grad) for n, p in pipe.named_parameters()}
 
 
-def compare_params(pipe: Any, ref: nn.Module) -> dict[str, float]:
+def compare_params(pipe: Any, ref: nn.Module | AdamWReplay) -> dict[str, float]:
+    """Each parameter against ``ref``'s (after optimizer steps: an
+    AdamWReplay, see optim_replay.py)."""
     want = dict(ref.named_parameters(remove_duplicate=False))
     return {n: max_diff(full(p.detach()), want[n].detach()) for n, p in pipe.named_parameters()}
 
@@ -160,7 +163,8 @@ def _mine(mesh: Any) -> slice:
 
 def train(case: dict[str, Any]) -> dict[str, Any]:
     """Two AdamW steps against the reference: losses, every gradient after
-    each step, every parameter after both; the parameters' and gradients'
+    each step, every parameter after both (against AdamW replayed on the
+    pipeline's gradients: optim_replay.py); the parameters' and gradients'
     types and whether the stage programs ran (no autograd fallback)."""
     mesh = make_mesh(case)
     mine = _mine(mesh)
@@ -169,6 +173,7 @@ def train(case: dict[str, Any]) -> dict[str, Any]:
     pipe = _pipeline(model, mesh, case["schedule"], variant, **case.get("kwargs", {}))
     opt = torch.optim.AdamW(pipe.parameters(), lr=LR, eps=EPS)
     ropt = torch.optim.AdamW(ref.parameters(), lr=LR, eps=EPS)
+    replay = AdamWReplay(ref, lr=LR, eps=EPS)
     res: dict[str, Any] = {"loss": [], "grads": []}
     for seed in (1, 2):
         x, y = batch(seed)
@@ -183,11 +188,12 @@ def train(case: dict[str, Any]) -> dict[str, Any]:
             {f"{type(p).__name__}:{type(p.grad).__name__}"
              f"{':same' if not isinstance(p, DTensor) or p.grad.placements == p.placements else ':other'}"
              for p in pipe.parameters()})
+        replay.step(pipe)
         opt.step()
         opt.zero_grad()
         ropt.step()
         ropt.zero_grad()
-    res["params"] = worst(compare_params(pipe, ref))
+    res["params"] = worst(compare_params(pipe, replay))
     res["names"] = sorted(n for n, _ in pipe.named_parameters())
     res["all_names"] = sorted(n for n, _ in ref.named_parameters())
     res["fallback"] = pipe._mpmd_runtime.runner.fallback_reason
@@ -331,6 +337,7 @@ def door(case: dict[str, Any]) -> dict[str, Any]:
 
     opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
     ropt = torch.optim.AdamW(ref.parameters(), lr=LR, eps=EPS)
+    replay = AdamWReplay(ref, lr=LR, eps=EPS)
     want = dict(ref.named_parameters())
     res: dict[str, Any] = {"loss": [], "grads": []}
     for seed in (1, 2):
@@ -345,11 +352,13 @@ def door(case: dict[str, Any]) -> dict[str, Any]:
                                    for n, p in model.named_parameters() if p.grad is not None}))
         local = {n for n, p in model.named_parameters() if p.grad is not None}
         res["with_grad"] = len(local)
+        replay.step(model)
         opt.step()
         opt.zero_grad()
         ropt.step()
         ropt.zero_grad()
-    res["params"] = worst({n: max_diff(full(p.detach()), want[n].detach())
+    replayed = dict(replay.named_parameters())
+    res["params"] = worst({n: max_diff(full(p.detach()), replayed[n].detach())
                            for n, p in model.named_parameters() if n in local})
     return res
 
