@@ -15,6 +15,8 @@ from __future__ import annotations
 import collections
 import contextlib
 import datetime
+import hashlib
+import inspect
 import logging
 import math
 import os
@@ -30,7 +32,8 @@ from torch_mpmd.data_parallel import mesh_groups
 from torch_mpmd.sharding import DATA_PARALLEL_MODES, ParamShards
 from torch_mpmd.lockstep import pipeline_call
 from torch_mpmd.programs import resolve_compiler
-from torch_mpmd.microbatch import first_microbatch, merge_microbatches, split_tree
+from torch_mpmd.microbatch import (check_target_batch, first_microbatch, merge_microbatches,
+                                   split_tree)
 from torch_mpmd.runtime import V_SCHEDULES, PipelineError, RankRuntime, StagedModel
 from torch_mpmd.schedules import Schedule, get_schedule, names as schedule_names
 from torch_mpmd.stage import _set_path, split_model
@@ -172,6 +175,7 @@ class Pipeline(torch.nn.Module):
         self._mpmd_step = 0
         self._mpmd_last: tuple[Any, dict[int, int]] | None = None
         self._mpmd_all_modules: list[torch.nn.Module] | None = None
+        self._mpmd_all_params: list[torch.Tensor] = []  # the module's, for NOTE [Freezing]
         self._mpmd_last_stats: dict[str, Any] | None = None
         if self._mpmd_meta:  # now, so that an optimizer built before the first step
             # holds the Parameters that this rank later materializes in place
@@ -249,14 +253,30 @@ class Pipeline(torch.nn.Module):
         self._mpmd_module.train(mode)
         return self
 
+    # NOTE [Freezing]: stage programs, the autograd runner's weight lists,
+    # data-parallel buckets and tied sums are built for the parameters that
+    # require grad when the model is captured. ``requires_grad`` of every
+    # parameter of the wrapped module is therefore part of the capture key,
+    # read at every call: freezing or unfreezing between steps takes the
+    # capture built for the new set (made once, then reused, like train/eval
+    # captures), so a frozen parameter gets no gradient and an unfrozen one
+    # gets its own, as in eager PyTorch. The key is the module's flags, which
+    # every rank holds whole: freeze on the module (``pipe.module`` or the
+    # model you wrapped), on every rank alike; ranks that disagree get a
+    # PipelineError at the next call. With sharded data parallel the shards
+    # (``pipe.parameters()``) may also be frozen: their rows are reduced and
+    # left without gradient (ShardedStages.add_grad), no new capture needed.
     def _ensure_built(self, args0: tuple, kwargs0: dict) -> RankRuntime:
         # Stages bake in the input shapes and every module's train/eval mode
         # (dropout, BatchNorm): each combination has its own capture, kept so
         # that alternating (training and validation batches) does not re-capture.
+        # Which parameters train is part of the key too (NOTE [Freezing]).
         if self._mpmd_all_modules is None:  # walked once: the capture fixed the modules
             self._mpmd_all_modules = list(self._mpmd_module.modules())
+            self._mpmd_all_params = list(self._mpmd_module.parameters())
         sig = (_tensor_signature(args0, kwargs0, self._mpmd_dynamic),
-               tuple(mod.training for mod in self._mpmd_all_modules))
+               tuple(mod.training for mod in self._mpmd_all_modules),
+               tuple(p.requires_grad for p in self._mpmd_all_params))
         unfit = None  # why a dynamic capture cannot serve these sizes
         if self._mpmd_runtime is not None and sig == self._mpmd_input_signature:
             unfit = _unfit(self._mpmd_runtime, self._mpmd_split, args0, kwargs0)
@@ -275,7 +295,7 @@ class Pipeline(torch.nn.Module):
             # Stages and their programs are specialized to the shapes captured
             # (a dynamic capture: to the guards its symbolic sizes recorded).
             why = (f"the dynamic capture cannot serve these sizes ({unfit})" if unfit else
-                   f"the inputs or train/eval modes changed from "
+                   f"the inputs, train/eval modes or frozen parameters changed from "
                    f"{_describe_key(self._mpmd_input_signature)} to {_describe_key(sig)}")
             _log.warning("torch_mpmd: capturing%s again: %s",
                          " and compiling" if self._mpmd_compiler else "", why)
@@ -350,6 +370,7 @@ class Pipeline(torch.nn.Module):
                 "schedule": schedule if isinstance(schedule, str) else type(schedule).__name__,
                 "num_stages": str(split.num_stages),
                 "microbatch inputs": _describe_key(sig),
+                "loss_fn": _loss_label(self._mpmd_loss_fn),
                 "compile": _compile_label(self._mpmd_compile),
                 "bytes_cost": str(self._mpmd_bytes_cost),
                 "data_parallel": self.data_parallel,
@@ -458,7 +479,7 @@ class Pipeline(torch.nn.Module):
                                "called under torch.no_grad() or inference_mode(); use "
                                "eval_step() for the loss without backward, or the pipeline "
                                "call for outputs")
-        self._check_target(target)
+        self._check_target(args, kwargs, target)
         m = self.num_microbatches
         args0, kwargs0 = first_microbatch(args, kwargs, m)
         targets = split_tree(target, m, "target") if target is not None else [None] * m
@@ -638,7 +659,7 @@ class Pipeline(torch.nn.Module):
         ``loss_fn=None``. It runs in the module's current train/eval mode:
         call ``pipe.eval()`` before (and ``pipe.train()`` after) to turn
         dropout off; each mode keeps its own capture."""
-        self._check_target(target)
+        self._check_target(args, kwargs, target)
         m = self.num_microbatches
         targets = split_tree(target, m, "target") if target is not None else [None] * m
         with torch.no_grad():
@@ -662,12 +683,23 @@ class Pipeline(torch.nn.Module):
                                         norm_type, foreach, error_if_nonfinite)
 
     # ------------------------------------------------------------ forward-only runs
-    def _check_target(self, target: Any) -> None:
-        if target is not None and self._mpmd_loss_fn is None:
+    def _check_target(self, args: tuple, kwargs: dict, target: Any) -> None:
+        """The target as the loss contract needs it, before capture or any
+        communication: given exactly when loss_fn reads it, and of the
+        inputs' batch size (split alike, or it would broadcast silently)."""
+        loss_fn = self._mpmd_loss_fn
+        if target is not None and loss_fn is None:
             raise ValueError("target= was given, but the pipeline has loss_fn=None: the loss "
                              "comes from the model's output and the target would be ignored; "
                              "pass pipeline(loss_fn=...), or give the labels to the model as "
                              "an argument (e.g. labels=y)")
+        if target is None and loss_fn is not None and not _target_optional(loss_fn):
+            raise ValueError(f"target is missing: pipeline(loss_fn={training.callable_name(loss_fn)}) "
+                             "computes loss_fn(output, target) on each microbatch, but no "
+                             "target= was given; pass step(..., target=y) (or give loss_fn's "
+                             "second parameter a default if it needs no target)")
+        if target is not None:
+            check_target_batch(args, kwargs, target)
 
     def _check_output_rank(self, output_rank: Any) -> None:
         if output_rank is None:
@@ -771,10 +803,51 @@ def _describe_key(sig: tuple | None) -> str:
     """A capture key for a log line: the input shapes and dtypes, the modes."""
     if sig is None:
         return "nothing"
-    tensors, modes = sig
+    tensors, modes, trainable = sig
     shapes = ", ".join(f"{tuple(t[0])} {str(t[1]).replace('torch.', '')}"
                        if isinstance(t, tuple) else str(t) for t in tensors)
-    return f"[{shapes}] ({'training' if all(modes) else 'eval' if not any(modes) else 'mixed'})"
+    frozen = len(trainable) - sum(trainable)
+    return (f"[{shapes}] ({'training' if all(modes) else 'eval' if not any(modes) else 'mixed'}"
+            f"{f', {frozen} of {len(trainable)} parameters frozen' if frozen else ''})")
+
+
+def _loss_label(loss_fn: Callable[..., Any] | None) -> str:
+    """The loss function as the start-up handshake compares it across ranks:
+    its qualified name and a digest of its code (two lambdas, or a function
+    edited on one rank only, differ), never an address."""
+    if loss_fn is None:
+        return "None (the model's output)"
+    fn = loss_fn
+    while isinstance(getattr(fn, "func", None), Callable):  # functools.partial
+        fn = fn.func
+    if isinstance(fn, torch.nn.Module):
+        fn = type(fn).forward
+    code = getattr(fn, "__code__", None)
+    if code is None:  # a builtin or C function: its name says it all
+        return training.callable_name(loss_fn)
+    return f"{training.callable_name(loss_fn)} (code {_code_digest(code)})"
+
+
+def _code_digest(code: Any) -> str:
+    h = hashlib.sha256(code.co_code)
+    for const in code.co_consts:  # nested functions by their code, not their repr's address
+        h.update((_code_digest(const) if hasattr(const, "co_code") else repr(const)).encode())
+    h.update(repr(code.co_names).encode())
+    return h.hexdigest()[:12]
+
+
+def _target_optional(loss_fn: Callable[..., Any]) -> bool:
+    """Whether ``loss_fn(output)`` is a valid call (its second parameter has a
+    default, or it takes *args): then a step may go without target."""
+    fn = loss_fn.forward if isinstance(loss_fn, torch.nn.Module) else loss_fn
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):  # no signature to read (a builtin): trust the call
+        return True
+    P = inspect.Parameter
+    positional = [p for p in params if p.kind in (P.POSITIONAL_ONLY, P.POSITIONAL_OR_KEYWORD)]
+    return (any(p.kind == P.VAR_POSITIONAL for p in params) or len(positional) < 2 or
+            positional[1].default is not P.empty)
 
 
 def _compile_label(compile: Any) -> str:

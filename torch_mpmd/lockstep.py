@@ -343,8 +343,9 @@ class Ledger:
         if len(digests) > 1:
             listing = ", ".join(f"{self.name(self.ranks[i])}: {r[_F['digest']] & (2**64 - 1):016x}"
                                 for i, r in enumerate(table))
-            return ("the ranks run different captures of the model (their inputs' shapes or "
-                    f"train/eval modes differ; capture digests {listing})")
+            return ("the ranks run different captures of the model (their inputs' shapes, "
+                    "train/eval modes or frozen parameters differ: freeze and unfreeze on "
+                    f"every rank alike; capture digests {listing})")
         return None
 
     # -------------------------------------------------------- a call's exchanges

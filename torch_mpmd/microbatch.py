@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-__all__ = ["Replicate", "split_microbatches", "first_microbatch", "split_tree",
+__all__ = ["Replicate", "split_microbatches", "first_microbatch", "split_tree", "check_target_batch",
            "merge_microbatches"]
 
 
@@ -57,6 +57,39 @@ def _split(value: Any, m: int, where: str, *, first_only: bool = False) -> list[
             first._dynamo_dynamic_indices = set(marked)  # what mark_dynamic sets
         return [first]
     return list(value.chunk(m, dim=0))
+
+
+def _batch_sizes(value: Any, where: str) -> list[tuple[str, int]]:
+    """(name, dim 0) of every tensor leaf of ``value`` that is split into
+    microbatches (not Replicate, not 0-dim)."""
+    if isinstance(value, Replicate):
+        return []
+    if isinstance(value, torch.Tensor):
+        return [(where, value.shape[0])] if value.dim() else []
+    leaves = pytree.tree_leaves(value, is_leaf=lambda x: isinstance(x, Replicate))
+    return [(f"{where} (leaf {i})", leaf.shape[0]) for i, leaf in enumerate(leaves)
+            if isinstance(leaf, torch.Tensor) and not isinstance(leaf, Replicate) and leaf.dim()]
+
+
+def check_target_batch(args: Sequence[Any], kwargs: Mapping[str, Any], target: Any) -> None:
+    """The target's batch size (dim 0 of each split leaf) must be the inputs'
+    (or a whole multiple of it: a target flattened over samples, (B*T,) for
+    (B, T) inputs, splits alike) when the inputs agree on one. Split in the
+    same m chunks, a smaller target would broadcast against each
+    microbatch's output: a wrong loss where eager PyTorch raises a size
+    mismatch. ValueError naming both."""
+    inputs = [*(s for i, a in enumerate(args) for s in _batch_sizes(a, f"positional argument {i}")),
+              *(s for k, v in kwargs.items() for s in _batch_sizes(v, f"keyword argument {k!r}"))]
+    sizes = {n for _, n in inputs}
+    if len(sizes) != 1:  # no split input, or inputs of several sizes: nothing to compare with
+        return
+    (batch,) = sizes
+    for where, n in _batch_sizes(target, "target"):
+        if n % batch:
+            raise ValueError(f"{where} has batch size {n} (dim 0), but the inputs have batch "
+                             f"size {batch} ({inputs[0][0]}); each microbatch's target must "
+                             "hold the same samples as its inputs: pass a target with "
+                             f"{batch} rows (or wrap a per-batch value in torch_mpmd.Replicate)")
 
 
 def split_tree(value: Any, m: int, where: str, *, first_only: bool = False) -> list[Any]:

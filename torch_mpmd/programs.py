@@ -589,7 +589,7 @@ def loss_tail(loss_fn: Callable[..., torch.Tensor] | None, rebuild_output: Calla
         target = (pytree.tree_unflatten(target_leaves, target_spec)
                   if target_spec is not None else None)
         try:
-            return microbatch_loss(loss_fn, output, target)
+            return microbatch_loss(loss_fn, output, target, needs_grad=torch.is_grad_enabled())
         except ValueError as e:  # the autograd path raises it again, to the caller
             raise ProgramsUnsupported(f"the loss: {e}") from e
 

@@ -445,7 +445,8 @@ class StageRunner:
 
     def _loss(self, flat: tuple, mb: int) -> torch.Tensor:
         output = self.rebuild_output(flat, self.inputs[mb])
-        return microbatch_loss(self.loss_fn, output, self.targets[mb])
+        return microbatch_loss(self.loss_fn, output, self.targets[mb],
+                               needs_grad=self.training)
 
     def _loss_grad(self, loss: torch.Tensor) -> torch.Tensor:
         """The gradient the loss of one microbatch starts backward with: 1/m, so

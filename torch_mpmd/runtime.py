@@ -514,8 +514,6 @@ class RankRuntime:
         and target shape), then wait for every rank to have built its own: a
         rank still compiling would otherwise make the others' first transfers
         time out. Every rank builds at the same step (the key is the same)."""
-        if isinstance(self.dp, ShardedStages):
-            self.dp.sync_requires_grad()
         if not self.runner.prepare(inputs, targets, loss_fn):
             return
         if self.ledger is not None:  # bounded by build_timeout_s (see __init__)

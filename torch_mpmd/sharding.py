@@ -365,13 +365,15 @@ class ShardedStages:
         owner: dict[int, int] = {}
         by_id: dict[int, torch.nn.Parameter] = {}
         elsewhere = set(reduced_elsewhere)
-        # Every parameter that can train: one the user unfreezes (requires_grad
-        # on its shard, see sync_requires_grad) after this is reduced too.
+        # Every parameter the stages compute a gradient for: the module's
+        # requires_grad, fixed per capture (NOTE [Freezing] in api.py). A
+        # frozen shard is reduced too and left without gradient (add_grad), so
+        # the user can freeze and unfreeze shards without a new capture.
         for s in list(stage_params) + list(reduce_order):  # the last REDUCE_GRAD wins
             for p in stage_params.get(s, ()):
                 if id(p) in elsewhere:
                     continue
-                if p.requires_grad or self.shards.of[id(p)].requires_grad:
+                if p.requires_grad:
                     owner[id(p)] = s
                     by_id[id(p)] = p
         self.reduce_layout = {s: _buckets([by_id[i] for i, o in owner.items() if o == s], shards)
@@ -562,16 +564,6 @@ class ShardedStages:
     def begin_step(self) -> None:
         self._reductions = []
         self._reduced_bytes = 0
-
-    def sync_requires_grad(self) -> None:
-        """The user freezes and unfreezes the shards (pipe.parameters()): the
-        stages' parameters follow, before a step builds or runs its programs."""
-        for buckets in self.gather.values():
-            for slots, replicated, _ in buckets:
-                for p in [slot.param for slot in slots] + replicated:
-                    want = self.shards.of[id(p)].requires_grad
-                    if p.requires_grad != want:
-                        p.requires_grad_(want)
 
     def begin_run(self) -> None:
         """An executor run starts: report() covers it alone."""

@@ -109,9 +109,11 @@ class TiedSums:
                 local = local_part(p)
                 total = flat[offset:offset + local.numel()].view(local.shape)
                 offset += local.numel()
+                if not p.requires_grad:  # frozen on the module (NOTE [Freezing] in api.py)
+                    continue
                 if self.shards is not None:
                     ShardedStages.add_grad(self.shards.of[id(p)], shard_rows(self.shards, p, total))
-                elif p.requires_grad:
+                else:
                     before = self._before.get(id(p))
                     set_local_grad(p, total.clone() if before is None else before + total)
 

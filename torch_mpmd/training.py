@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+import torch.utils._pytree as pytree
 from torch.distributed.tensor import DTensor
 
 from torch_mpmd.sharding import local_grad
@@ -37,7 +38,7 @@ from torch_mpmd.sharding import local_grad
 if TYPE_CHECKING:
     from torch_mpmd.runtime import RankRuntime
 
-__all__ = ["microbatch_loss", "loss_from_output", "clip_grad_norm_", "counted_parameters",
+__all__ = ["microbatch_loss", "loss_from_output", "callable_name", "clip_grad_norm_", "counted_parameters",
            "mean_loss"]
 
 
@@ -75,17 +76,58 @@ def loss_from_output(output: Any) -> torch.Tensor:
     return loss if loss.dim() == 0 else loss.reshape(())
 
 
+def callable_name(fn: Any) -> str:
+    """A loss function (or any callable) as messages name it: its qualified
+    name, a module instance's type, a partial's function."""
+    if isinstance(fn, torch.nn.Module):
+        return f"{type(fn).__module__}.{type(fn).__qualname__}"
+    inner = getattr(fn, "func", None)  # functools.partial
+    if inner is not None and callable(inner):
+        return f"functools.partial({callable_name(inner)}, ...)"
+    qualname = getattr(fn, "__qualname__", None) or type(fn).__qualname__
+    return f"{getattr(fn, '__module__', None) or ''}.{qualname}".lstrip(".")
+
+
 def microbatch_loss(loss_fn: Callable[..., torch.Tensor] | None, output: Any,
-                    target: Any) -> torch.Tensor:
+                    target: Any, *, needs_grad: bool = False) -> torch.Tensor:
     """One microbatch's loss on the last stage, a 0-dim tensor (the loss
-    contract in the module docstring)."""
+    contract in the module docstring). ``needs_grad`` (a training step, under
+    grad mode): a loss that does not require grad is a ValueError naming
+    ``loss_fn`` and what it returned, where eager ``backward()`` would raise
+    too (a detached loss would train on zero gradients)."""
     if loss_fn is None:
-        return loss_from_output(output)
-    loss = loss_fn(output, target)
-    if not (isinstance(loss, torch.Tensor) and loss.numel() == 1):
-        raise ValueError(f"loss_fn must return a one-element tensor, it returned "
-                         f"{_describe(loss)}")
+        loss = loss_from_output(output)
+        what = "the model's output (loss_fn=None)"
+    else:
+        what = f"loss_fn {callable_name(loss_fn)}"
+        try:
+            loss = loss_fn(output, target)
+        except Exception as e:
+            if isinstance(output, torch.Tensor) or not isinstance(e, (TypeError, AttributeError,
+                                                                      ValueError)):
+                raise
+            # The user's loss failed on an output it did not expect: say what
+            # the last stage produced, not only what broke inside the loss.
+            raise type(e)(f"{what} failed on the last stage's output, which is "
+                          f"{_describe(output)}: {e}") from e
+        if not (isinstance(loss, torch.Tensor) and loss.numel() == 1):
+            raise ValueError(f"loss_fn must return a one-element tensor, it returned "
+                             f"{_describe(loss)}")
+    if needs_grad and not loss.requires_grad:
+        raise ValueError(
+            f"{what} returned a loss that does not require grad ({_describe(loss)}, "
+            f"dtype {str(loss.dtype).replace('torch.', '')}, requires_grad=False), so the step "
+            "would train on zero gradients; return a loss computed from the model's output "
+            "without .detach(), .item(), torch.tensor(...) or torch.no_grad()"
+            + ("" if _requires_grad_anywhere(output) else
+               "; the model's output does not require grad either (is every parameter "
+               "frozen?)"))
     return loss if loss.dim() == 0 else loss.reshape(())
+
+
+def _requires_grad_anywhere(value: Any) -> bool:
+    return any(isinstance(t, torch.Tensor) and t.requires_grad
+               for t in pytree.tree_leaves(value))
 
 
 def mean_loss(rt: "RankRuntime", losses: Mapping[int, torch.Tensor], num_microbatches: int,
