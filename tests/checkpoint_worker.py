@@ -143,3 +143,40 @@ def resume(directory: str) -> dict[str, Any]:
     out.update(_train(pipe, opt, sched, data, STEPS - SAVE_AT))
     return out
 
+
+
+# ------------------------------------------------------ tests/test_checkpoint_security.py
+
+def save_for_tampering(directory: str) -> dict[str, Any]:
+    """One step, then a save with extra {"step": 5} and extra_per_rank
+    {"rank": r}; the test then tampers with copies of it."""
+    pipe, opt, _ = _setup(0)
+    x, y = _batches()[0]
+    pipe.step(x, target=y)
+    opt.step()
+    opt.zero_grad()
+    saved_in = mpmd.checkpoint.save(pipe, opt, directory, extra={"step": 5},
+                                    extra_per_rank={"rank": dist.get_rank()})
+    return {"saved_in": saved_in}
+
+
+def load_each(directories: list[str]) -> dict[str, Any]:
+    """A fresh run (other weights), captured by one step, loads each checkpoint
+    in turn: per directory the error (type and text) or the extra state, and
+    whether a failed load left the parameters as they were."""
+    pipe, opt, _ = _setup(1)
+    x, y = _batches()[0]
+    pipe.step(x, target=y)
+    opt.zero_grad()
+    out: dict[str, Any] = {}
+    for directory in directories:
+        before = {k: v.clone() for k, v in pipe.state_dict().items()}
+        try:
+            got = mpmd.checkpoint.load(pipe, opt, directory)
+            out[directory] = {"error": None, "extra": got["extra"],
+                              "extra_per_rank": got["extra_per_rank"]}
+        except Exception as e:   # the test checks the type and the text
+            out[directory] = {
+                "error": f"{type(e).__name__}: {e}",
+                "untouched": all(torch.equal(v, before[k]) for k, v in pipe.state_dict().items())}
+    return out

@@ -1,6 +1,7 @@
 """torch_mpmd.checkpoint: the latest pointer and fresh directories, user state
 (extra / extra_per_rank) across a resumed 2-rank run, a second save of a step
-killed mid-write, strict keys and shapes, checksums, missing files."""
+killed mid-write (what the survivor is told, and its directory removed by the
+next save), strict keys and shapes, checksums, missing files."""
 
 import json
 import os
@@ -226,3 +227,17 @@ def test_missing_shard_of_one_rank_fails_load_on_every_rank_naming_the_file(runs
         line = got["broken_error"].splitlines()[0]
         assert "missing file step_2/__0_0.distcp" in line, got["broken_error"]
         assert got["untouched"]
+
+
+def test_survivor_of_a_save_killed_mid_write_says_so_and_the_next_save_removes_it(runs):
+    died_in = runs["second"].results[1]["died_writing"]
+    first_dir = runs["first"][0]["saved_in"]
+    assert (f"CheckpointError: saving {died_in} failed on rank 0" in runs["second"].stderr[0]
+            and f"the next save removes {died_in}" in runs["second"].stderr[0]), \
+        runs["second"].describe([0])
+    resumed(runs)   # run C has loaded; now a save under the same path
+    assert os.path.isdir(died_in)
+    pipe, opt = make()
+    step(pipe, opt)
+    mpmd.checkpoint.save(pipe, opt, os.path.dirname(first_dir))
+    assert not os.path.exists(died_in) and os.path.isdir(first_dir)

@@ -23,6 +23,18 @@ RNG) and restored on the rank of the same number. Non-tensor values are stored
 as JSON (tagged for tuples, bytes and non-string dict keys), tensors through
 DCP: nothing of ours is pickled.
 
+Loading runs no code from the checkpoint. Besides ``extra`` (above), a
+checkpoint carries tensors and plain values only: None, bool, int, float,
+complex, str, bytes, and tuples, lists, sets and dicts of them (the
+optimizer's param-group options, what a module's state dict holds besides
+tensors); ``save`` refuses anything else in the module's or optimizer's state,
+naming the key. DCP pickles its
+``.metadata`` and every non-tensor item; ``load`` reads them with unpicklers
+that resolve only the names those hold (DCP's metadata dataclasses, torch.Size,
+dtypes and layouts; the builtins of plain values) and refuses any other name
+before calling anything, naming the file (and key). Tensor data are read with
+``torch.load(weights_only=True)``.
+
 NOTE [Checkpoint layout]
 ------------------------
 
@@ -32,25 +44,32 @@ NOTE [Checkpoint layout]
     path/step_7.1/__<r>_0.distcp  DCP's data written by rank r
     path/step_7.1/rank_<r>.json   rank r's manifest: a CRC32 of every item it
                                   wrote (key, file, byte range), its
-                                  extra_per_rank state, and on rank 0 ``extra``
+                                  extra_per_rank state, and on rank 0 ``extra``;
+                                  a sha256 of each extra entry and, on rank 0,
+                                  of .metadata
 
 Every save goes to a directory that did not exist: ``step_<k>``, or
 ``step_<k>.<n>`` (n one past the highest) when a save of step k exists, so a
 save never writes into what ``latest`` names. Only when every rank has written
 its data and manifest does rank 0 replace ``latest`` (write, fsync, rename), so
 a save that dies part-way, on any rank, leaves the previous checkpoint current
-and whole. ``keep_last=n`` then removes all but the current and the n-1 most
-recently completed checkpoints (and the directories of saves that died).
+and whole. Each save first removes the directories of saves that died
+part-way (a step directory without every rank's manifest, never the one
+``latest`` names), and a rank whose save fails because another died raises a
+CheckpointError saying so. ``keep_last=n`` then removes all but the current
+and the n-1 most recently completed checkpoints.
 
 ``load`` checks before it reads anything (and every rank raises the same
 error, whose first line names the problem): with ``strict`` (the default) the
 checkpoint's model and optimizer keys must be exactly those of the module and
 optimizer over all ranks, with the same shapes; every file it reads must be
-there; and every item it reads must match the CRC32 recorded at save, else the
-error names the key and the file. A failed load leaves the module's parameters
-and buffers as they were. The optimizer's param-group options (lr, initial_lr,
-...) are stored per parameter and not compared: those both have load.
-The CRC32 covers each item's bytes as written (read back after the save), and
+there; every item it reads must match the CRC32 recorded at save, else the
+error names the key and the file; ``.metadata`` must match its sha256 (checked
+before it is read) and every ``extra`` / ``extra_per_rank`` entry its own, else
+the error names the file and the entry. A failed load leaves the module's
+parameters and buffers as they were. The optimizer's param-group options (lr,
+initial_lr, ...) are stored per parameter and not compared: those both have
+load. The CRC32 covers each item's bytes as written (read back after the save), and
 load reads the bytes of the items it needs once more to verify them before DCP
 does; tensors of the user's state come back on the CPU.
 
@@ -62,14 +81,20 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import hashlib
+import io
 import json
 import numbers
 import os
+import pathlib
+import pickle
 import random
 import re
 import shutil
 import warnings
+import zipfile
 import zlib
+from collections import OrderedDict
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -78,8 +103,13 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import (DefaultLoadPlanner, DefaultSavePlanner,
                                           FileSystemReader)
+from torch.distributed.checkpoint import filesystem as dcp_filesystem
+from torch.distributed.checkpoint import metadata as dcp_metadata
+from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, Metadata,
+                                                   MetadataIndex, StorageMeta,
+                                                   TensorStorageMetadata)
 from torch.distributed.checkpoint.state_dict import (StateDictOptions,
                                                      get_optimizer_state_dict,
                                                      set_optimizer_state_dict)
@@ -88,7 +118,7 @@ __all__ = ["save", "load", "latest", "RNGState", "CheckpointError"]
 
 _LATEST = "latest"
 _FORMAT = "torch_mpmd.checkpoint"
-_VERSION = 1
+_VERSION = 2                                 # 2: sha256 of .metadata and of extra
 _NAME = re.compile(r"step_(\d+)(?:\.(\d+))?")
 _SECTIONS = ("model", "optim", "pipeline")   # checked for unexpected keys (in this order)
 _EXTRA = "extra"                             # DCP keys of extra tensors: extra.<name>.<i>
@@ -234,6 +264,17 @@ def _crc_ranges(path: str, ranges: list[tuple[int, int]]) -> list[int | None]:
     return out
 
 
+def _digest(value: Any) -> str:
+    """sha256 of a JSON value in one canonical spelling (sorted keys, no spaces)."""
+    text = json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return hashlib.sha256(text.encode("ascii")).hexdigest()
+
+
+def _digests(entries: Mapping[str, Any]) -> dict[str, str]:
+    """{name: sha256} of a manifest's extra or extra_per_rank entries."""
+    return {name: _digest(entry) for name, entry in entries.items()}
+
+
 def _write_json(path: str, value: Any) -> None:
     with open(path, "w", encoding="utf-8") as f:
         json.dump(value, f, indent=1)
@@ -334,6 +375,255 @@ def _encode_extra(values: Mapping[str, Any] | None, where: str, prefix: str,
     return out
 
 
+# ------------------------------------------------ reading without running code
+#
+# DCP pickles .metadata and every non-tensor item (the optimizer's param-group
+# options: lr, betas, ...), and unpickling may call any function the file
+# names. We unpickle both with unpicklers that resolve only the names listed
+# here: the dataclasses of DCP's metadata, torch's dtypes and layouts, and the
+# few builtins plain values need. Any other name is refused before anything
+# is called. Tensors' data are read by DCP with torch.load(weights_only=True).
+
+_MD = "torch.distributed.checkpoint.metadata"
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+
+
+class _Refused(pickle.UnpicklingError):
+    """A pickle names something a checkpoint never holds (args[0] says what)."""
+
+
+def _layout(name: str) -> torch.layout:
+    """torch.strided (or another layout) from its str(); what a pickle of
+    TensorProperties calls torch.serialization._get_layout for."""
+    layouts = {str(v): v for v in vars(torch).values() if isinstance(v, torch.layout)}
+    if not isinstance(name, str) or name not in layouts:
+        raise _Refused(f"an unknown layout {name!r}")
+    return layouts[name]
+
+
+def _latin1(text: str, encoding: str) -> bytes:
+    """bytes as protocol 2 pickles them (torch.save's): _codecs.encode(text,
+    'latin1'), admitted for that encoding only."""
+    if type(text) is not str or encoding not in ("latin1", "latin-1"):
+        raise _Refused(f"_codecs.encode with encoding {encoding!r}")
+    return text.encode("latin1")
+
+
+def _builtins(**names: Any) -> dict[tuple[str, str], Any]:
+    """``names`` under both module names pickle uses for builtins (protocol 2
+    writes ``__builtin__``)."""
+    return {(module, n): v for module in ("builtins", "__builtin__") for n, v in names.items()}
+
+
+# Plain values: None, bool, int, float, complex, str, bytes, and tuples, lists,
+# sets and dicts of them; the pickle of one needs only these names.
+_PLAIN_NAMES: dict[tuple[str, str], Any] = {
+    ("_codecs", "encode"): _latin1,
+    ("collections", "OrderedDict"): OrderedDict,
+    **_builtins(set=set, frozenset=frozenset, complex=complex)}
+
+# What DCP's Metadata holds: its dataclasses, the file reader's _StorageInfo,
+# torch.Size, dtypes, layouts, and the checkpoint's path (StorageMeta).
+_METADATA_NAMES: dict[tuple[str, str], Any] = {
+    **{(_MD, n): getattr(dcp_metadata, n) for n in (
+        "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
+        "ChunkStorageMetadata", "BytesStorageMetadata", "_MEM_FORMAT_ENCODING")},
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): dcp_filesystem._StorageInfo,
+    ("torch", "Size"): torch.Size,
+    **{("torch", n): v for n, v in vars(torch).items() if isinstance(v, torch.dtype)},
+    ("torch.serialization", "_get_layout"): _layout,
+    **{(m, n): path for m in ("pathlib", "pathlib._local")
+       for n, path in (("PosixPath", pathlib.PurePosixPath),
+                       ("PurePosixPath", pathlib.PurePosixPath),
+                       ("WindowsPath", pathlib.PureWindowsPath),
+                       ("PureWindowsPath", pathlib.PureWindowsPath))},
+    **_PLAIN_NAMES}
+
+
+class _NamesUnpickler(pickle.Unpickler):
+    """An unpickler that resolves only the names of ``names`` and no
+    persistent ids (tensor storages)."""
+
+    def __init__(self, data: bytes, names: Mapping[tuple[str, str], Any]) -> None:
+        super().__init__(io.BytesIO(data))
+        self._names = names
+
+    def find_class(self, module: str, name: str) -> Any:
+        try:
+            return self._names[(module, name)]
+        except (KeyError, TypeError):
+            raise _Refused(f"{module}.{name}") from None
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise _Refused("a tensor's storage (a persistent id)")
+
+
+def _unpickle(data: bytes, names: Mapping[tuple[str, str], Any], where: str) -> Any:
+    """Unpickle ``data`` resolving only ``names``; ValueError naming ``where``
+    and what it refers to when it refers to anything else (nothing it names
+    is called) or is not a pickle."""
+    try:
+        return _NamesUnpickler(data, names).load()
+    except _Refused as e:
+        raise ValueError(f"{where} refers to {e.args[0]}, which a checkpoint never holds: "
+                         f"refused (loading a checkpoint never runs code from it)") from None
+    except Exception as e:
+        raise ValueError(f"{where} is not a readable pickle: {type(e).__name__}: {e}") from None
+
+
+_SCALARS = (type(None), bool, int, float, complex, str, bytes)
+
+
+def _is_plain(value: Any) -> bool:
+    """Whether ``value`` is a plain value (exact types, not subclasses)."""
+    kind = type(value)
+    if kind in _SCALARS:
+        return True
+    if kind in (tuple, list, set, frozenset):
+        return all(_is_plain(v) for v in value)
+    if kind in (dict, OrderedDict):
+        return all(_is_plain(k) and _is_plain(v) for k, v in value.items())
+    return False
+
+
+def _not_plain(state: Mapping[str, Any], prefix: str = "") -> list[str]:
+    """The values of a state dict that DCP would pickle (neither tensors nor
+    mappings or lists it walks into) and that are not plain: "key (type)"."""
+    out: list[str] = []
+    for key, value in state.items():
+        at = f"{prefix}{key}"
+        if isinstance(value, torch.Tensor):
+            continue
+        if isinstance(value, Mapping):
+            out += _not_plain(value, f"{at}.")
+        elif isinstance(value, list):
+            out += _not_plain({str(i): v for i, v in enumerate(value)}, f"{at}.")
+        elif not _is_plain(value):
+            out.append(f"{at} ({type(value).__module__}.{type(value).__qualname__})")
+    return out
+
+
+def _read_plain_item(blob: bytes, where: str) -> Any:
+    """A non-tensor item as DCP writes it (torch.save's zip archive around a
+    pickle), read with the plain values' names only; ValueError naming
+    ``where`` for anything else."""
+    try:
+        archive = zipfile.ZipFile(io.BytesIO(blob))
+        pickles = [n for n in archive.namelist()
+                   if n.count("/") == 1 and n.endswith("/data.pkl")]
+        if len(pickles) != 1:
+            raise ValueError(f"{len(pickles)} data.pkl records")
+        data = archive.read(pickles[0])
+    except (zipfile.BadZipFile, ValueError, OSError) as e:
+        raise ValueError(f"{where} is not a value saved by torch.save: {e}") from None
+    value = _unpickle(data, _PLAIN_NAMES, where)
+    if not _is_plain(value):
+        raise ValueError(f"{where} holds a {type(value).__name__}, not a plain value")
+    return value
+
+
+def _check_metadata(metadata: Any, where: str) -> Metadata:
+    """``metadata`` if it has the shape of DCP's Metadata (every data file a
+    plain name in the checkpoint's directory), else ValueError naming ``where``."""
+    if not isinstance(metadata, Metadata) or not isinstance(metadata.state_dict_metadata, dict) \
+            or not isinstance(metadata.storage_data, dict):
+        raise ValueError(f"{where} is not DCP's metadata (a {type(metadata).__name__})")
+    kinds = (TensorStorageMetadata, BytesStorageMetadata)
+    for key, md in metadata.state_dict_metadata.items():
+        if not isinstance(key, str) or not isinstance(md, kinds):
+            raise ValueError(f"{where}: entry {key!r} is a {type(md).__name__}, not DCP's")
+    for index, info in metadata.storage_data.items():
+        file = getattr(info, "relative_path", None)
+        if (not isinstance(index, MetadataIndex)
+                or not isinstance(info, dcp_filesystem._StorageInfo)
+                or not isinstance(file, str) or file in ("", ".", "..")
+                or os.path.basename(file) != file or "\\" in file
+                or not all(isinstance(n, int) and n >= 0 for n in (info.offset, info.length))):
+            raise ValueError(f"{where}: storage entry {index!r} -> {info!r} is not an item "
+                             f"in a file of the checkpoint's directory")
+    return metadata
+
+
+def _sha256_file(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(_CHUNK), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _read_metadata(target: str, manifests: dict[int, dict[str, Any]] | None) -> Metadata:
+    """DCP's .metadata of ``target``: its sha256 checked against rank 0's
+    manifest first (when there are manifests), then read with the metadata's
+    names only. ValueError naming the file for a missing, changed or
+    refused one."""
+    file = os.path.join(target, ".metadata")
+    try:
+        with open(file, "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        raise ValueError(f"{file} is missing") from None
+    if manifests is not None:
+        want = manifests[0]["sha256"][".metadata"]
+        got = hashlib.sha256(data).hexdigest()
+        if got != want:
+            raise ValueError(f"{file} does not match the sha256 recorded in rank_0.json at save "
+                             f"(sha256 {got[:16]}..., saved {want[:16]}...): it changed "
+                             f"after the save; not read")
+    return _check_metadata(_unpickle(data, _METADATA_NAMES, file), file)
+
+
+def _read_plain_items(target: str, flat: Mapping[str, Any], metadata: Metadata) -> list[str]:
+    """Read every non-tensor item of ``flat`` with the plain values' names
+    only (after its checksum was verified): the problems, naming key and file."""
+    problems = []
+    for index, info in sorted(metadata.storage_data.items(), key=lambda kv: kv[0].fqn):
+        md = metadata.state_dict_metadata.get(index.fqn)
+        if index.fqn not in flat or not isinstance(md, BytesStorageMetadata):
+            continue
+        where = f"{index.fqn!r} in {os.path.join(os.path.basename(target), info.relative_path)}"
+        if info.transform_descriptors:
+            problems.append(f"{where} is stored with transforms {info.transform_descriptors}, "
+                            f"which torch_mpmd never writes")
+            continue
+        with open(os.path.join(target, info.relative_path), "rb") as f:
+            f.seek(info.offset)
+            blob = f.read(info.length)
+        try:
+            _read_plain_item(blob, where)
+        except ValueError as e:
+            problems.append(str(e))
+    return problems
+
+
+class _VerifiedReader(FileSystemReader):
+    """DCP's file reader, handed the metadata ``load`` verified and read,
+    instead of unpickling .metadata again."""
+
+    def __init__(self, path: str, metadata: Metadata) -> None:
+        super().__init__(path)
+        self._verified = metadata
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if self._verified.storage_meta is None:
+            self._verified.storage_meta = StorageMeta()
+        self._verified.storage_meta.load_id = self.load_id
+        return self._verified
+
+
+class _PlainLoadPlanner(DefaultLoadPlanner):
+    """DCP's default load planner, but a non-tensor item is read with the
+    plain values' names only, not torch.load(weights_only=False)."""
+
+    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        fqn = read_item.dest_index.fqn
+        obj = _read_plain_item(value.read(), repr(fqn))
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[fqn], obj)
+        else:
+            self.state_dict[fqn] = obj
+
+
 # --------------------------------------------------------------------- save
 
 class _RecordingSavePlanner(DefaultSavePlanner):
@@ -366,17 +656,45 @@ def _fresh_directory(root: str, step: int) -> str:
             taken.append(_NAME.fullmatch(name))
 
 
+def _finished(directory: str) -> bool:
+    """Whether a save wrote every rank's manifest into ``directory`` (rank 0's
+    names the number of ranks)."""
+    try:
+        with open(os.path.join(directory, "rank_0.json"), encoding="utf-8") as f:
+            world = json.load(f).get("world_size")
+    except (OSError, ValueError, AttributeError):
+        return False
+    return isinstance(world, int) and world >= 1 and all(
+        os.path.exists(os.path.join(directory, f"rank_{r}.json")) for r in range(world))
+
+
+def _remove_unfinished(root: str) -> None:
+    """Remove the directories of saves that died part-way (a rank killed
+    during the save): every step directory without all its manifests, but
+    never the one ``latest`` names."""
+    if not os.path.isdir(root):
+        return
+    try:
+        current = os.path.basename(latest(root))
+    except (OSError, ValueError):
+        current = None
+    for name in os.listdir(root):
+        if name != current and _NAME.fullmatch(name) and \
+                not _finished(os.path.join(root, name)):
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+
+
 def _prune(root: str, current: str, keep_last: int) -> None:
     """Remove checkpoint directories but ``current`` and the keep_last-1 most
-    recently completed others (a save completes when rank 0's manifest is
-    written); directories of saves that never completed go too."""
+    recently completed others (a save completes when every rank's manifest is
+    written; ordered by rank 0's); directories of saves that never completed
+    go too."""
     done, dead = [], []
     for name in os.listdir(root):
         if name == current or not _NAME.fullmatch(name):
             continue
-        manifest = os.path.join(root, name, "rank_0.json")
-        if os.path.exists(manifest):
-            done.append((os.stat(manifest).st_mtime_ns, name))
+        if _finished(os.path.join(root, name)):
+            done.append((os.stat(os.path.join(root, name, "rank_0.json")).st_mtime_ns, name))
         else:
             dead.append(name)
     done.sort(reverse=True)
@@ -384,6 +702,17 @@ def _prune(root: str, current: str, keep_last: int) -> None:
         dead.append(name)
     for name in dead:
         shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+
+
+def _refuse_not_plain(state: Mapping[str, Any]) -> None:
+    """TypeError naming the values of the state DCP would pickle that load
+    could not read back (anything but tensors and plain values)."""
+    bad = _not_plain(state)
+    if bad:
+        raise TypeError(f"{len(bad)} value{'s' * (len(bad) > 1)} of the module's or optimizer's "
+                        f"state cannot be saved: {_named(bad)} (a checkpoint holds tensors and "
+                        f"plain values: None, bool, int, float, complex, str, bytes, and "
+                        f"tuples, lists, sets and dicts of them)")
 
 
 def save(module: torch.nn.Module, optimizer: Any, path: str | os.PathLike, *,
@@ -397,8 +726,11 @@ def save(module: torch.nn.Module, optimizer: Any, path: str | os.PathLike, *,
     ``extra_per_rank`` from every rank (see the module docstring for what a
     value may be). The new directory becomes ``latest`` only after every rank
     finished. ``keep_last=n`` (n >= 1) then removes older checkpoints, never
-    the current one. Raises CheckpointError (on every rank) for a value that
-    cannot be saved; a rank that dies part-way leaves ``latest`` as it was.
+    the current one; the directories of earlier saves that died part-way go
+    in any case. Raises CheckpointError (on every rank) for a value that
+    cannot be saved (in ``extra``, or a non-tensor value of the module's or
+    optimizer's state that is not plain); a rank that dies part-way leaves
+    ``latest`` as it was, and the others raise CheckpointError.
     """
     if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
         raise ValueError(f"keep_last={keep_last!r} must be a positive int or None")
@@ -410,7 +742,10 @@ def save(module: torch.nn.Module, optimizer: Any, path: str | os.PathLike, *,
                                 "world_size": world, "step": step}
     tensors: dict[str, torch.Tensor] = {}
     problem, name = None, None
-    try:  # every rank checks its extra state; rank 0's is the one saved
+    state: dict[str, Any] = {}
+    try:  # every rank checks its state and extra state; rank 0's extra is the one saved
+        state = _state(module, optimizer)
+        _refuse_not_plain(state)
         saved_extra = _encode_extra(extra, "extra", _EXTRA, tensors)
         if rank == 0:
             manifest["extra"] = saved_extra
@@ -418,7 +753,10 @@ def save(module: torch.nn.Module, optimizer: Any, path: str | os.PathLike, *,
             tensors.clear()
         manifest["extra_per_rank"] = _encode_extra(
             extra_per_rank, "extra_per_rank", f"{_EXTRA_PER_RANK}.{rank}", tensors)
+        manifest["sha256"] = {kind: _digests(manifest.get(kind, {}))
+                              for kind in ("extra", "extra_per_rank")}
         if rank == 0:
+            _remove_unfinished(root)
             name = _fresh_directory(root, step)
     except TypeError as e:   # ours: the message names the value
         problem = str(e)
@@ -428,7 +766,6 @@ def save(module: torch.nn.Module, optimizer: Any, path: str | os.PathLike, *,
     _raise_agreed([p for p, _ in agreed], f"saving a checkpoint under {root!r}")
     target = os.path.join(root, agreed[0][1])
 
-    state = _state(module, optimizer)
     state.update(tensors)
     planner = _RecordingSavePlanner()
     try:
@@ -437,7 +774,14 @@ def save(module: torch.nn.Module, optimizer: Any, path: str | os.PathLike, *,
                                 no_dist=not _distributed())
     except CheckpointException as e:
         raise _dcp_error("saving", target, e) from e
+    except RuntimeError as e:   # a collective of DCP's failed: a rank left the save
+        head = str(e).partition("\n")[0]
+        raise CheckpointError(f"saving {target} failed on rank {rank}: {type(e).__name__}: "
+                              f"{head} (a rank died during the save? {_LATEST!r} still names "
+                              f"the previous checkpoint; the next save removes {target})") from e
     manifest["items"] = _checksums(target, metadata, planner.items)
+    if rank == 0:   # DCP's coordinator wrote .metadata before dcp.save returned
+        manifest["sha256"][".metadata"] = _sha256_file(os.path.join(target, ".metadata"))
     _write_json(os.path.join(target, f"rank_{rank}.json"), manifest)
     _fsync_dir(target)
     if _distributed():
@@ -494,8 +838,43 @@ def latest(path: str | os.PathLike) -> str:
     return os.path.join(os.fspath(path), name)
 
 
+class _NoManifest(ValueError):
+    """A checkpoint without a manifest (not saved by torch_mpmd, or a save
+    that died): ``load(strict=False)`` reads it without checksums."""
+
+
+def _check_digests(file: str, m: dict[str, Any]) -> None:
+    """ValueError naming each entry of a manifest's extra / extra_per_rank
+    added, removed or changed since the save (against its sha256)."""
+    changed = []
+    for kind in ("extra", "extra_per_rank"):
+        entries, saved = m.get(kind, {}), m["sha256"][kind]
+        for name in sorted(set(entries) | set(saved), key=str):
+            if name not in saved:
+                changed.append(f"{kind}[{name!r}] was added")
+            elif name not in entries:
+                changed.append(f"{kind}[{name!r}] was removed")
+            elif _digest(entries[name]) != saved[name]:
+                changed.append(f"{kind}[{name!r}] was changed")
+    if changed:
+        raise ValueError(f"{file} was edited after the save: {', '.join(changed)} (against "
+                         f"the sha256 recorded at save)")
+
+
+def _well_formed_digests(m: dict[str, Any], rank: int) -> bool:
+    sums = m.get("sha256")
+    return (isinstance(sums, dict)
+            and all(isinstance(sums.get(kind), dict)
+                    and all(isinstance(v, str) for v in sums[kind].values())
+                    for kind in ("extra", "extra_per_rank"))
+            and (rank != 0 or (isinstance(sums.get(".metadata"), str)
+                               and _HEX64.fullmatch(sums[".metadata"]) is not None)))
+
+
 def _read_manifests(target: str) -> dict[int, dict[str, Any]]:
-    """Every rank's manifest; raises ValueError naming a missing or malformed one."""
+    """Every rank's manifest, its extra / extra_per_rank checked against
+    their sha256; raises _NoManifest for a missing one, ValueError naming a
+    malformed or edited one."""
     manifests: dict[int, dict[str, Any]] = {}
     world = None
     rank = 0
@@ -505,10 +884,15 @@ def _read_manifests(target: str) -> dict[int, dict[str, Any]]:
             with open(file, encoding="utf-8") as f:
                 m = json.load(f)
         except FileNotFoundError:
-            raise ValueError(f"{file} is missing (a checksum manifest; every completed "
-                             f"save writes one per rank)") from None
+            raise _NoManifest(f"{file} is missing (a checksum manifest; every completed "
+                              f"save writes one per rank)") from None
         except (OSError, ValueError) as e:
             raise ValueError(f"{file} is not a readable manifest: {e}") from None
+        if isinstance(m, dict) and m.get("format") == _FORMAT and m.get("version") != _VERSION:
+            raise ValueError(f"{file} is a manifest of version {m.get('version')!r}; this "
+                             f"torch_mpmd reads version {_VERSION} (version 1 recorded no "
+                             f"sha256 of .metadata and extra: save it again with the "
+                             f"torch_mpmd that wrote it, after loading it there)")
         if (not isinstance(m, dict) or m.get("format") != _FORMAT or m.get("rank") != rank
                 or not isinstance(m.get("world_size"), int) or m["world_size"] < 1
                 or not isinstance(m.get("items"), list)
@@ -516,8 +900,10 @@ def _read_manifests(target: str) -> dict[int, dict[str, Any]]:
                            and isinstance(e.get("crc32"), int) for e in m["items"])
                 or not all(isinstance(m.get(kind, {}), dict)
                            and all(isinstance(v, dict) for v in m.get(kind, {}).values())
-                           for kind in ("extra", "extra_per_rank"))):
+                           for kind in ("extra", "extra_per_rank"))
+                or not _well_formed_digests(m, rank)):
             raise ValueError(f"{file} is not a manifest of rank {rank} ({_FORMAT})")
+        _check_digests(file, m)
         if world is None:
             world = m["world_size"]
         manifests[rank] = m
@@ -637,10 +1023,14 @@ def load(module: torch.nn.Module, optimizer: Any, path: str | os.PathLike, *,
 
     Raises CheckpointError on every rank, before anything is loaded, when a
     file is missing, an item's bytes do not match the CRC32 recorded at save
-    (naming the key and the file), or with ``strict`` (the default) when the
-    checkpoint's model/optimizer keys or shapes differ from the module's and
-    optimizer's over all ranks. ``strict=False`` loads the keys both have
-    (checksums are still verified where recorded).
+    (naming the key and the file), ``.metadata`` or an extra entry does not
+    match its sha256, ``.metadata`` or a non-tensor item refers to anything a
+    checkpoint never holds (refused unread: loading runs no code), or with
+    ``strict`` (the default) when the checkpoint's model/optimizer keys or
+    shapes differ from the module's and optimizer's over all ranks.
+    ``strict=False`` loads the keys both have (checksums are still verified
+    where recorded; a checkpoint without manifests, e.g. one saved by DCP
+    alone, loads unverified, but its pickles are still read as above).
     """
     target = latest(path)
     rank = _rank()
@@ -658,13 +1048,10 @@ def load(module: torch.nn.Module, optimizer: Any, path: str | os.PathLike, *,
         manifests: dict[int, dict[str, Any]] | None = None
         try:
             manifests = _read_manifests(target)
-        except ValueError:
+        except _NoManifest:
             if strict or extra or extra_per_rank:
                 raise
-        try:
-            metadata = FileSystemReader(target).read_metadata()
-        except FileNotFoundError:
-            raise ValueError(f"{os.path.join(target, '.metadata')} is missing") from None
+        metadata = _read_metadata(target, manifests)
         for kind, asked, saved in (
                 ("extra", extra, (manifests or {}).get(0, {}).get("extra", {})),
                 ("extra_per_rank", extra_per_rank,
@@ -704,6 +1091,7 @@ def load(module: torch.nn.Module, optimizer: Any, path: str | os.PathLike, *,
         report["keys"] = [k for k in flat if _compared(k)]
         if not report["missing"] and not report["mismatched"]:
             issues = _verify(target, flat, metadata, manifests, strict)
+            issues = issues or _read_plain_items(target, flat, metadata)
             if issues:
                 report["problem"] = "\n".join(issues)
     except (ValueError, KeyError, TypeError) as e:   # ours: the message says it
@@ -717,8 +1105,10 @@ def load(module: torch.nn.Module, optimizer: Any, path: str | os.PathLike, *,
     try:
         with _quiet():
             # Partial: the checks above decided which differences are errors.
-            dcp.load(state, checkpoint_id=target, planner=DefaultLoadPlanner(
-                allow_partial_load=True), no_dist=not _distributed())
+            dcp.load(state, checkpoint_id=target,
+                     storage_reader=_VerifiedReader(target, metadata),
+                     planner=_PlainLoadPlanner(allow_partial_load=True),
+                     no_dist=not _distributed())
     except CheckpointException as e:
         raise _dcp_error("loading", target, e) from e
     module.load_state_dict(state["model"])
