@@ -2,8 +2,9 @@
 non-tensor item rewritten to carry a pickle payload is refused (whether or not
 the writer also rewrote every checksum) and the payload never runs; an edited
 ``extra`` / ``extra_per_rank`` in a manifest is detected; a save refuses
-values that load could not read back; a save removes the directories of saves
-that died part-way.
+values that load could not read back; a checkpoint without manifests
+(``strict=False``) loads unverified but still runs no code; a save removes the
+directories of saves that died part-way.
 
 The two-rank cases: one 2-rank run saves, this process tampers with copies of
 the checkpoint (as a writer with access to the files would, recomputing what
@@ -241,3 +242,20 @@ def test_save_removes_directories_of_saves_that_died(tmp_path):
     second = mpmd.checkpoint.save(pipe, opt, tmp_path)
     assert sorted(os.listdir(tmp_path)) == ["latest", "step_1", "step_2"]
     assert mpmd.checkpoint.latest(tmp_path) == second
+
+
+def test_checkpoint_without_manifests_loads_unverified_but_never_runs_code(tmp_path):
+    pipe, opt = make()
+    step(pipe, opt)
+    directory = mpmd.checkpoint.save(pipe, opt, tmp_path)
+    os.remove(os.path.join(directory, "rank_0.json"))   # as DCP alone writes it
+    fresh, fresh_opt = make()
+    with pytest.raises(CheckpointError, match="rank_0.json is missing"):
+        mpmd.checkpoint.load(fresh, fresh_opt, tmp_path)
+    assert mpmd.checkpoint.load(fresh, fresh_opt, tmp_path, strict=False)["step"] == 1
+    marker = str(tmp_path / "ran")
+    metadata_payload(directory, marker, rehash=False)
+    with pytest.raises(CheckpointError) as e:
+        mpmd.checkpoint.load(fresh, fresh_opt, tmp_path, strict=False)
+    assert ".metadata refers to builtins.eval" in str(e.value).splitlines()[0]
+    assert not os.path.exists(marker)
