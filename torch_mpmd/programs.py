@@ -209,18 +209,28 @@ def _is_size(value: Any) -> bool:
 
 
 def _is_random(node: torch.fx.Node) -> bool:
+    """A random op, or one run under a saved generator state (the forward of
+    a recomputed random op, NOTE [Recompute of random ops])."""
+    if node.op != "call_function":
+        return False
     target = node.target
-    tags = getattr(target, "tags", ())
-    return node.op == "call_function" and torch.Tag.nondeterministic_seeded in tags
+    from torch._prims.rng_prims import run_and_save_rng_state
+
+    return target is run_and_save_rng_state or \
+        torch.Tag.nondeterministic_seeded in getattr(target, "tags", ())
 
 
 def _decompositions(compiler: Compiler | None) -> dict | None:
     """Inductor lowers graphs decomposed by its own table (as its AOTAutograd
     path does); FX programs and other compilers get aten as traced."""
     if compiler is _inductor:
+        from torch._inductor import config
         from torch._inductor.decomposition import select_decomp_table
 
-        return select_decomp_table()
+        # The table _inductor compiles with (fallback_random): random ops
+        # (dropout) stay aten's, drawing what eager draws under the same seed.
+        with config.patch(fallback_random=True):
+            return select_decomp_table()
     return None
 
 
@@ -411,9 +421,14 @@ def build_stage_programs(stage: int, module: torch.fx.GraphModule, *, num_user: 
         else:
             raise ProgramsUnsupported(f"a tangent the runner does not handle: {out}")
 
-    fw, bw = default_partition(joint, None, num_fwd_outputs=num_fwd)
+    with _joint_fake_mode(placeholders):
+        fw, bw = default_partition(joint, None, num_fwd_outputs=num_fwd)
     fw_outs = list(fw.graph.output_node().args[0])
     bw_placeholders = [n for n in bw.graph.nodes if n.op == "placeholder"]
+    _name_rng_states(fw, fw_outs[num_fwd:], bw_placeholders)
+    if _save_unbound_sizes(fw, bw):
+        fw_outs = list(fw.graph.output_node().args[0])
+        bw_placeholders = [n for n in bw.graph.nodes if n.op == "placeholder"]
     _saved_in_backward_order(fw, fw_outs, num_fwd, bw_placeholders)
     fw_outs = list(fw.graph.output_node().args[0])
     saved_names = [n.name for n in fw_outs[num_fwd:]]
@@ -469,6 +484,138 @@ def build_stage_programs(stage: int, module: torch.fx.GraphModule, *, num_user: 
     if compiler is not None:
         _compile(programs, compiler, skip=() if run_backward else ("B",))
     return programs
+
+
+def _joint_fake_mode(placeholders: list[torch.fx.Node]) -> contextlib.AbstractContextManager:
+    """The joint graph's own fake mode as the current tracing context, for the
+    partitioner. NOTE [Recompute of random ops]: with activation
+    checkpointing around a random op (dropout; SDPA, whose CPU and flash
+    kernels are tagged ``nondeterministic_seeded`` for their dropout_p), the
+    partitioner makes the recompute replay the forward's random numbers
+    (``functionalize_rng_ops``: F returns the generator's state before the op,
+    as a saved value, and B runs the op again under that state). It describes
+    that state as a fake tensor of the fake mode it finds with
+    ``detect_fake_mode()``, which AOTAutograd's own compile path has active
+    and a program built from an exported joint graph does not: give it the
+    mode the joint's values belong to (not an enclosing Dynamo's, the compile
+    door's, whose fakes the programs never see). On CUDA the partitioner
+    would otherwise pass the generator itself into the programs (graph-safe
+    RNG, for CUDA graphs): the state is saved as a tensor there too, which
+    the executor holds like any saved value."""
+    from torch._functorch import config as functorch_config
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(functorch_config.patch(graphsafe_rng_functionalization=False))
+    fake_mode = torch._guards.detect_fake_mode(
+        [p.meta.get("val") for p in placeholders if isinstance(p.meta.get("val"), torch.Tensor)])
+    if fake_mode is not None:
+        stack.enter_context(torch._guards.tracing(torch._guards.TracingContext(fake_mode)))
+    return stack
+
+
+def _free_symbols(v: Any) -> tuple[set, set]:
+    """(the symbols a program input's value mentions, those it binds): a size
+    binds its symbol when it is one; a tensor, the symbols its sizes are."""
+    if isinstance(v, torch.SymInt):
+        e = v.node.expr
+        return set(e.free_symbols), ({e} if e.is_Symbol else set())
+    if not isinstance(v, torch.Tensor):
+        return set(), set()
+    mentioned, binds = set(), set()
+    for n in (*v.shape, *v.stride(), v.storage_offset()):
+        if isinstance(n, torch.SymInt):
+            mentioned |= n.node.expr.free_symbols
+    for n in v.shape:
+        if isinstance(n, torch.SymInt) and n.node.expr.is_Symbol:
+            binds.add(n.node.expr)
+    return mentioned, binds
+
+
+def _save_unbound_sizes(fw: torch.fx.GraphModule, bw: torch.fx.GraphModule) -> bool:
+    """Make B take every symbol its inputs' shapes mention (a dynamic capture).
+
+    NOTE [Symbols B cannot bind]: a compiled program binds each symbol from
+    its inputs (a size input, or a tensor dim that is the symbol). The
+    partitioner saves the sizes B's own nodes read, but not a symbol that
+    only shapes a saved tensor as part of an expression: a loss over a
+    target that is an input of the compiled function (the compile door, where
+    ``y`` of ``[s6, s81]`` is its own input) saves ``y.view(-1)`` of
+    ``[s6*s81]`` for cross entropy's backward, and Inductor, given B alone,
+    cannot find s6 and s81 ("expected [s6, s81] to have been codegen-ed").
+    (pipeline()'s target is traced with its sizes in the inputs' symbols,
+    which the partitioner does save.) F reads such a symbol as a dim of one of
+    its inputs: it returns that size as one more saved size, which B takes as
+    an input (and W with it, as every size). True when F and B changed."""
+    bw_inputs = [n for n in bw.graph.nodes if n.op == "placeholder"]
+    mentioned, bound = set(), set()
+    for n in bw_inputs:
+        m, b = _free_symbols(n.meta.get("val"))
+        mentioned |= m
+        bound |= b
+    missing = mentioned - bound
+    if not missing:
+        return False
+    sources: dict[Any, tuple[torch.fx.Node, int | None, torch.SymInt]] = {}
+    for p in (n for n in fw.graph.nodes if n.op == "placeholder"):
+        v = p.meta.get("val")
+        if isinstance(v, torch.SymInt) and v.node.expr.is_Symbol:
+            sources.setdefault(v.node.expr, (p, None, v))
+        elif isinstance(v, torch.Tensor):
+            for dim, n in enumerate(v.shape):
+                if isinstance(n, torch.SymInt) and n.node.expr.is_Symbol:
+                    sources.setdefault(n.node.expr, (p, dim, n))
+    taken = {n.name for n in fw.graph.nodes} | {n.name for n in bw.graph.nodes}
+    out = fw.graph.output_node()
+    extra = []
+    for sym in sorted(missing & sources.keys(), key=str):
+        p, dim, size = sources[sym]
+        if dim is None:
+            node = p
+        else:
+            name = f"{p.name}_size_{dim}"
+            while name in taken:
+                name += "_"
+            with fw.graph.inserting_before(out):
+                node = fw.graph.call_function(torch.ops.aten.sym_size.int, (p, dim), name=name)
+            node.meta["val"] = size
+        taken.add(node.name)
+        with bw.graph.inserting_before(bw_inputs[0]):
+            read = bw.graph.placeholder(node.name)
+        read.meta["val"] = size
+        if read.name != node.name:
+            raise ProgramsUnsupported(f"the size {sym} cannot be named in B")
+        extra.append(node)
+    if not extra:
+        return False
+    out.args = ((*out.args[0], *extra),)
+    fw.recompile()
+    bw.recompile()
+    return True
+
+
+def _name_rng_states(fw: torch.fx.GraphModule, saved: list[torch.fx.Node],
+                     bw_placeholders: list[torch.fx.Node]) -> None:
+    """Give each generator state F saves for a recomputed random op (NOTE
+    [Recompute of random ops]) the name of the B input that reads it: the
+    partitioner names them apart (F's ``getitem``, B's ``rng_state_output_k``),
+    and `saved` is matched to B's inputs by name. They pair up in order:
+    the partitioner appends both, one random op at a time."""
+    from torch._prims.rng_prims import run_and_save_rng_state, run_with_rng_state
+
+    states = [n for n in saved if n.op == "call_function" and n.target is operator.getitem
+              and n.args[0].target is run_and_save_rng_state and n.args[1] == 0]
+    reads = [p for p in bw_placeholders
+             if any(u.target is run_with_rng_state and u.args[0] is p for u in p.users)]
+    if len(states) != len(reads):
+        raise ProgramsUnsupported(f"F saves {len(states)} generator states for recomputed "
+                                  f"random ops, B reads {len(reads)}")
+    for state, read in zip(states, reads):
+        state._rename(read.name)
+        if state.name != read.name:
+            raise ProgramsUnsupported(f"the generator state {read.name!r} cannot be named "
+                                      "in F")
+    if states:
+        fw.recompile()
 
 
 def _saved_in_backward_order(fw: torch.fx.GraphModule, fw_outs: list, num_fwd: int,
