@@ -109,7 +109,7 @@ def _kill(proc: subprocess.Popen) -> None:
 def run_ranks(world_size: int, target: str, *args: Any, timeout: float = 120.0,
               pg_timeout: float = 60.0, init_process_group: bool = True,
               failure_grace: float | None = 20.0, env: dict[str, str] | None = None,
-              check: bool = True) -> RunResult:
+              check: bool = True, agent_store: bool = False) -> RunResult:
     """Run ``target`` ("module:function" importable from tests/) on ``world_size`` ranks.
 
     ``timeout``: hard limit for the whole launch, after which every rank is killed.
@@ -118,6 +118,9 @@ def run_ranks(world_size: int, target: str, *args: Any, timeout: float = 120.0,
     seconds to finish before they are killed (None: wait for the overall timeout).
     ``check``: raise AssertionError (with the failing ranks' stderr) unless every rank
     exited 0 with a complete result.
+    ``agent_store``: the rendezvous store lives in this process, as torchrun's
+    agent hosts it (TORCHELASTIC_USE_AGENT_STORE), not in rank 0's: it
+    outlives any rank.
     """
     if ":" not in target:
         raise ValueError(f"target={target!r} must be 'module:function'")
@@ -131,6 +134,15 @@ def run_ranks(world_size: int, target: str, *args: Any, timeout: float = 120.0,
     if sys.platform == "linux":  # gloo on loopback, whatever the hostname resolves to
         base_env.setdefault("GLOO_SOCKET_IFNAME", "lo")
     base_env.update(env or {})
+    store = None
+    if agent_store:
+        import datetime as _dt
+
+        import torch.distributed as dist
+
+        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=True,
+                              timeout=_dt.timedelta(seconds=timeout), wait_for_workers=False)
+        base_env["TORCHELASTIC_USE_AGENT_STORE"] = "True"
     pythonpath = [str(TESTS_DIR), str(REPO_ROOT)]
     if base_env.get("PYTHONPATH"):
         pythonpath.append(base_env["PYTHONPATH"])
@@ -184,6 +196,7 @@ def run_ranks(world_size: int, target: str, *args: Any, timeout: float = 120.0,
             _kill(p)
         for f in files:
             f.close()
+        del store  # the agent store (if any) closes with the launch
 
     results, complete, stdout, stderr = [], [], [], []
     for rank in range(world_size):

@@ -171,3 +171,28 @@ def timelines_over_steps(steps: int) -> dict[str, Any]:
         pipe.step(x, target=y)
     return {"programs": pipe.schedule.actions, "rows": pipe.timelines(steps=steps),
             "stage_times": pipe.stage_times(), "local_stages": list(pipe.local_stages)}
+
+
+def die_mid_pipeline(dying_rank: int, timeout: float) -> dict[str, Any]:
+    """4 pipeline ranks (1f1b, a stage each): ``dying_rank`` exits (code 3)
+    in its stage's first forward; every other rank records what its step
+    raised (partial result), then lets it escape so its process exits."""
+    rank = dist.get_rank()
+    if rank == dying_rank:
+        forward = ProgramRunner.forward
+
+        def dying_forward(self, stage, mb, inputs):
+            os._exit(3)
+
+        ProgramRunner.forward = dying_forward
+    x, y = W.make_batch("skip")
+    pipe = mpmd.pipeline(W.build_model("skip"), loss_fn=F.mse_loss, schedule="1f1b",
+                         num_microbatches=4, split_points=W.SKIP_SPLITS[4], timeout=timeout)
+    start = time.monotonic()
+    try:
+        pipe.step(x, target=y)
+    except mpmd.PipelineError as e:
+        partial_result({"rank": rank, "raised_after": time.monotonic() - start,
+                        "message": str(e)[:4000], "peer": e.peer})
+        raise
+    return {"rank": rank, "error": "the step returned although a peer died"}

@@ -243,3 +243,22 @@ def test_peer_that_never_calls_fails_the_first_step_within_the_timeout():
                     failure_grace=3, check=False)
     _survivor(run, [r"^rank 0: the other ranks did not arrive at the start-up comparison of "
                     r"plans within 5 s"], within=STALL_TIMEOUT + 25.0)  # capture included
+
+
+def test_with_four_ranks_every_survivor_names_the_rank_that_died_first():
+    # Rank 1 dies; ranks 0 and 2 see its connections close and name it; rank
+    # 3 only sees rank 2 stop (NOTE [Who died first]) and must still name
+    # rank 1, not blame rank 2. The store outlives the ranks, as torchrun's
+    # agent store does.
+    run = run_ranks(4, "fault_worker:die_mid_pipeline", 1, STALL_TIMEOUT, timeout=120,
+                    pg_timeout=60, failure_grace=None, check=False, agent_store=True)
+    assert not run.timed_out, run.describe()
+    assert run.returncodes[1] == 3, run.describe([1])
+    for rank in (0, 2, 3):
+        res = run.results[rank]
+        assert res is not None and "message" in res, run.describe([rank])
+        assert res["raised_after"] < STALL_TIMEOUT + 10, res
+        message = res["message"]
+        named = res["peer"] == 1 or "rank 1 died first" in message
+        assert named, f"rank {rank} does not name rank 1:\n{message}"
+    assert "rank 1 died first" in run.results[3]["message"], run.results[3]["message"]

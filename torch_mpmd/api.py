@@ -698,7 +698,8 @@ class Pipeline(torch.nn.Module):
                              "computes loss_fn(output, target) on each microbatch, but no "
                              "target= was given; pass step(..., target=y) (or give loss_fn's "
                              "second parameter a default if it needs no target)")
-        if target is not None:
+        if target is not None:  # after the inputs' own checks (first_microbatch)
+            first_microbatch(args, kwargs, self.num_microbatches)
             check_target_batch(args, kwargs, target)
 
     def _check_output_rank(self, output_rank: Any) -> None:

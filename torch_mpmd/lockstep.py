@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import datetime
 import functools
+import time
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -64,6 +65,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["PipelineError", "Ledger", "ledger_for", "pipeline_call", "describe_failure",
+           "peer_gone", "record_dead", "first_death",
            "all_gather", "all_reduce", "broadcast", "wait", "abandon", "KINDS"]
 
 
@@ -169,6 +171,72 @@ def abandon(groups: Iterable[Any]) -> None:
                 g.abort()
         except Exception:  # noqa: BLE001  (best effort: the failure is reported anyway)
             pass
+
+
+# ---------------------------------------------------------------- who died first
+
+# NOTE [Who died first]: with more than two pipeline ranks, a dead rank's
+# neighbours see its connections close, but ranks further along only see their
+# own neighbour stop (a timeout, or its connection closing as it exits in
+# turn) and would blame it. A rank that finds a peer's connection closed
+# records that peer in the job's store (the rendezvous store every rank
+# shares) with the time; a rank whose wait fails reads the records of the
+# pipeline's ranks and names the earliest. Best effort: a store that is gone
+# (it lived in the dead rank's process) records and tells nothing.
+_DEAD_KEY = "torch_mpmd/dead/"
+_PEER_GONE = ("closed by peer", "reset by peer", "broken pipe", "connection refused",
+              "connection closed")
+
+
+def peer_gone(reason: str) -> bool:
+    """Whether a transfer's failure says the peer's process is gone (its
+    connection closed), not that it was slow."""
+    text = reason.lower()
+    return any(s in text for s in _PEER_GONE)
+
+
+def _store() -> Any:
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except Exception:  # noqa: BLE001  (no default group: nothing to share)
+        return None
+
+
+def record_dead(peer: int, found_by: int) -> None:
+    """Record global rank ``peer`` as dead, found by global rank ``found_by``
+    (NOTE [Who died first]); the first record of a peer stays."""
+    store = _store()
+    if store is None:
+        return
+    try:
+        key = f"{_DEAD_KEY}{peer}"
+        if not store.check([key]):
+            store.set(key, f"{time.time():.6f} {found_by}")
+    except Exception:  # noqa: BLE001  (best effort)
+        pass
+
+
+def first_death(ranks: Iterable[int]) -> str | None:
+    """The earliest recorded death among global ``ranks``, as a sentence
+    ("rank 1 died first: rank 2 found its connection closed at 12:00:01.250"),
+    or None when none is recorded."""
+    store = _store()
+    if store is None:
+        return None
+    found: list[tuple[float, int, int]] = []
+    try:
+        for r in ranks:
+            key = f"{_DEAD_KEY}{r}"
+            if store.check([key]):
+                when, by = store.get(key).decode().split()
+                found.append((float(when), r, int(by)))
+    except Exception:  # noqa: BLE001  (best effort)
+        return None
+    if not found:
+        return None
+    when, dead, by = min(found)
+    stamp = time.strftime("%H:%M:%S", time.localtime(when)) + f".{int(when % 1 * 1000):03d}"
+    return f"rank {dead} died first: rank {by} found its connection closed at {stamp}"
 
 
 # ---------------------------------------------------------------- records

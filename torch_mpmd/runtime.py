@@ -678,9 +678,10 @@ class RankRuntime:
         partial = "The step's gradients are partial (call zero_grad() before another step)"
         if not getattr(e, "drained", False):
             self._break(f"rank {self.rank}: {lockstep._first_line(str(e), 600)}")
-            text = (f"{e}\n{partial}; after a failed or timed-out transfer the process group "
-                    "is unusable: restart the job (e.g. torchrun --max-restarts) rather than "
-                    "retry.")
+            died = self._who_died_first(e)
+            text = (f"{e}\n{died + '. ' if died else ''}{partial}; after a failed or timed-out "
+                    "transfer the process group is unusable: restart the job (e.g. torchrun "
+                    "--max-restarts) rather than retry.")
         elif self.ledger is None:
             text = f"{e}\n{partial}."
         else:
@@ -701,6 +702,28 @@ class RankRuntime:
         err = PipelineError(text, rank=e.rank, action=e.action, peer=e.peer)
         err._mpmd_settled = True  # reported to the others, or the groups are unusable
         return err
+
+    def _who_died_first(self, e: Any) -> str | None:
+        """NOTE [Who died first] (lockstep.py): a peer whose connection closed
+        is recorded dead; then the earliest death the pipeline's ranks
+        recorded, unless it is the peer this rank's own error names."""
+        peer = getattr(e, "peer", -1)
+        me = self._global(self.rank)
+        if peer is not None and peer >= 0 and lockstep.peer_gone(str(e)):
+            lockstep.record_dead(self._global(peer), me)
+        ranks = (self.ledger.ranks if self.ledger is not None else
+                 [self._global(r) for r in range(self.pp_size)])
+        died = lockstep.first_death(r for r in ranks if r != me)
+        if died is None or (peer is not None and peer >= 0 and
+                            died.startswith(f"rank {self._global(peer)} died")):
+            return None
+        return died
+
+    def _global(self, rank: int) -> int:
+        """A pipeline-group rank as a global rank."""
+        if self.group is None or not dist.is_initialized():
+            return rank
+        return dist.get_global_rank(self.group, rank)
 
     def _break(self, reason: str) -> None:
         """The groups cannot be used after this failure (NOTE [Abandoned groups])."""
