@@ -354,3 +354,51 @@ def four_ranks() -> dict[str, Any]:
     except Exception:
         out["pp4"] = {"error": _error_text()}
     return out
+
+
+def dynamic_compiled(case: dict[str, Any], group: Any, timeout: float) -> dict[str, Any]:
+    """``torch.compile(dynamic=True)`` with Inductor stage programs
+    (``options={"compile": True}``) on a Hugging Face model whose loss reads
+    the target, an input of the compiled function with sizes of its own (issue
+    23): the first call, then new batch and sequence sizes on the same capture."""
+    import transformers
+
+    name = case["model"]
+    torch.manual_seed(0)
+    common = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                  bos_token_id=0, eos_token_id=0)
+    if name == "hf_qwen3":
+        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(head_dim=8, **common))
+    elif name == "hf_phi3":
+        model = transformers.Phi3ForCausalLM(transformers.Phi3Config(pad_token_id=0, **common))
+    else:
+        raise ValueError(name)
+    ref = copy.deepcopy(model)
+    opts = dict(schedule=case["schedule"], num_microbatches=case["m"], group=group,
+                timeout=timeout, split_points=["model.layers.1"], compile=True)
+
+    @torch.compile(backend="mpmd", dynamic=True, options=opts)
+    def train_loss(x, y):
+        return loss_of(name, model, x, y)
+
+    out: dict[str, Any] = {}
+    for size, seq in ((8, 8), (12, 6)):
+        g = torch.Generator().manual_seed(size)
+        x, y = (torch.randint(0, 64, (size, seq), generator=g) for _ in range(2))
+        model.zero_grad(set_to_none=True)
+        ref.zero_grad(set_to_none=True)
+        want = loss_of(name, ref, x, y)
+        want.backward()
+        with _logging_ignored():
+            loss = train_loss(x, y)
+        loss.backward()
+        out[f"b{size}s{seq}"] = dict(loss=_diff(loss.detach(), want.detach(), *TOL),
+                                     grads=_grads(model, ref),
+                                     with_grad=sorted(n for n, p in model.named_parameters()
+                                                      if p.grad is not None))
+    out["all_params"] = sorted(n for n, _ in model.named_parameters())
+    return out
+
+
+KINDS["dynamic_compiled"] = dynamic_compiled

@@ -127,3 +127,28 @@ def test_the_door_on_four_ranks_with_data_parallel_replicas_and_four_stages():
                 bad.append(f"rank {rank} {what} loss: {r['loss_diff']}")
             bad += _bad(rank, r["grads"], f"{what} ")
     assert not bad, "\n".join(bad)
+
+
+# dynamic=True with Inductor stage programs (issue 23): a launch of its own
+# (Inductor compiles), run only by the test below.
+DYNAMIC_COMPILED = [dict(id=f"{model}-dynamic-compiled-{schedule}", kind="dynamic_compiled",
+                         model=model, schedule=schedule, m=2)
+                    for model, schedule in (("hf_qwen3", "zero_bubble"), ("hf_phi3", "1f1b"))]
+_DYNAMIC_GRID = GridRun(2, "door_worker:grid", DYNAMIC_COMPILED, task="door")
+
+
+@pytest.mark.parametrize("case_id", [c["id"] for c in DYNAMIC_COMPILED])
+def test_dynamic_door_with_inductor_programs_trains_like_eager_at_new_sizes(case_id):
+    ranks = _DYNAMIC_GRID.results(case_id)
+    bad = []
+    for rank, res in enumerate(ranks):
+        for size, r in res.items():
+            if not isinstance(r, dict) or "loss" not in r:
+                continue
+            if not r["loss"]["ok"]:
+                bad.append(f"rank {rank} {size} loss: {r['loss']}")
+            bad += _bad(rank, r["grads"], f"{size} ")
+    assert not bad, "\n".join(bad)
+    for size in ("b8s8", "b12s6"):  # every parameter has its gradient on some rank
+        covered = set().union(*(set(r[size]["with_grad"]) for r in ranks))
+        assert covered == set(ranks[0]["all_params"]), size
