@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import time
 import traceback
 from typing import Any, Callable
@@ -196,3 +197,24 @@ def die_mid_pipeline(dying_rank: int, timeout: float) -> dict[str, Any]:
                         "message": str(e)[:4000], "peer": e.peer})
         raise
     return {"rank": rank, "error": "the step returned although a peer died"}
+
+
+def leaves_early(timeout: float) -> dict[str, Any]:
+    """Rank 1 returns (its process exits cleanly) without calling the
+    pipeline; rank 0's first step must raise at once, naming rank 1 as gone,
+    not after ``timeout``."""
+    rank = dist.get_rank()
+    if rank == 1:   # the script ends here: exit code 0, without destroy_process_group
+        partial_result({"rank": rank, "left_at": time.time()})
+        sys.exit(0)
+    x, y = W.make_batch("skip")
+    pipe = mpmd.pipeline(W.build_model("skip"), loss_fn=F.mse_loss, schedule="1f1b",
+                         num_microbatches=2, split_points=W.SKIP_SPLITS[2], timeout=timeout)
+    start = time.monotonic()
+    try:
+        pipe.step(x, target=y)
+    except mpmd.PipelineError as e:
+        partial_result({"rank": rank, "raised_after": time.monotonic() - start,
+                        "message": str(e)[:4000]})
+        raise
+    return {"rank": rank, "error": "the step returned although rank 1 left"}

@@ -262,3 +262,17 @@ def test_with_four_ranks_every_survivor_names_the_rank_that_died_first():
         named = res["peer"] == 1 or "rank 1 died first" in message
         assert named, f"rank {rank} does not name rank 1:\n{message}"
     assert "rank 1 died first" in run.results[3]["message"], run.results[3]["message"]
+
+
+def test_a_peer_that_exits_cleanly_before_its_first_step_is_named_at_once():
+    # Rank 1's script ends (exit code 0) without calling the pipeline; rank
+    # 0's first step raises well within its 30 s timeout, naming rank 1 as
+    # gone (NOTE [Ranks that left]). The store lives in rank 0 here.
+    run = run_ranks(2, "fault_worker:leaves_early", 30.0, timeout=120, pg_timeout=60,
+                    failure_grace=None, check=False)
+    assert run.returncodes[1] == 0, run.describe([1])
+    survivor = run.results[0]
+    assert survivor is not None and "raised_after" in survivor, run.describe([0])
+    assert survivor["raised_after"] < 10.0, survivor   # capture included; not the timeout
+    assert re.search(r"^rank 0: rank 1 left the job \(the process exited\) before joining "
+                     r"the pipeline", survivor["message"]), survivor["message"]

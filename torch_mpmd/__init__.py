@@ -7,7 +7,9 @@ only the compiled ``torch_mpmd._C`` extension. The torch-dependent names
 imported on first access.
 """
 
+import atexit
 import importlib
+import sys
 from typing import Any
 
 from torch_mpmd import schedules
@@ -49,3 +51,15 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_LAZY) | set(_SUBMODULES))
+
+
+def _announce_exit() -> None:
+    """NOTE [Ranks that left] (lockstep.py): at exit, a process that runs
+    torch.distributed tells the job's store it left (torch is not imported
+    here for it: a process without it has nothing to tell)."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        importlib.import_module("torch_mpmd.lockstep").announce_exit()
+
+
+atexit.register(_announce_exit)

@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import datetime
 import functools
+import hashlib
 import time
 import weakref
 from collections.abc import Callable, Iterable, Sequence
@@ -65,7 +66,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["PipelineError", "Ledger", "ledger_for", "pipeline_call", "describe_failure",
-           "peer_gone", "record_dead", "first_death",
+           "peer_gone", "record_dead", "first_death", "announce_exit",
            "all_gather", "all_reduce", "broadcast", "wait", "abandon", "KINDS"]
 
 
@@ -356,7 +357,9 @@ class Ledger:
         try:
             group = self._exchanges_group(timeout_s)
         except Exception as e:  # noqa: BLE001
-            reason = (f"the other ranks did not arrive at {where} within {timeout_s:g} s "
+            reason = (f"{_first_line(str(e))}; found waiting for them at {where}"
+                      if isinstance(e, RanksLeft) else
+                      f"the other ranks did not arrive at {where} within {timeout_s:g} s "
                       f"(creating the group of the ranks' exchanges: {_first_line(str(e))})")
             self.break_(reason)
             raise PipelineError(f"{self.name(self.me)}: {reason} (a peer that stalled or died, "
@@ -527,13 +530,69 @@ _EXCHANGE_GROUPS: dict[tuple[int, ...], Any] = {}
 def _exchange_group(ranks: tuple[int, ...], timeout_s: float) -> Any:
     """The gloo group of the exchanges over ``ranks`` (NOTE [Lockstep]): made
     once (collective over ``ranks`` only; its rendezvous bounded by the
-    timeout), again after a failure on it or a new default group."""
+    timeout), again after a failure on it or a new default group. A rank that
+    left the job before arriving fails it at once (NOTE [Ranks that left])."""
     group = _EXCHANGE_GROUPS.get(ranks)
     if group is None or group not in dist.distributed_c10d._world.pg_map:
+        _await_arrivals(ranks, timeout_s)
         group = dist.new_group(list(ranks), timeout=_timedelta(timeout_s), backend="gloo",
                                use_local_synchronization=True)
         _EXCHANGE_GROUPS[ranks] = group
     return group
+
+
+# NOTE [Ranks that left]: a rank whose process exits before it joins the
+# pipeline (its script ended, or raised, before its first step) would leave
+# the others waiting out the timeout in the first exchange. Every process
+# that imported torch_mpmd records at exit, in the job's store, that it left
+# (torch_mpmd/__init__.py; while its default group still exists). Before the
+# exchanges' group is made, each rank records its arrival and polls the
+# store until all ranks arrived (then the group's own rendezvous is quick),
+# one of them is recorded as gone (an error at once, naming it), or the
+# timeout passes. The keys carry a count of the groups made over these
+# ranks, so a later group (after a failure) waits for fresh arrivals.
+_LEFT_KEY = "torch_mpmd/left/"
+_ARRIVALS: dict[tuple[int, ...], int] = {}
+_POLL_S = 0.02
+
+
+class RanksLeft(RuntimeError):
+    """Ranks of the pipeline exited before joining it (NOTE [Ranks that left])."""
+
+
+def announce_exit() -> None:
+    """Record in the job's store that this rank's process is exiting
+    (NOTE [Ranks that left]); best effort, silent."""
+    try:
+        if dist.is_initialized():
+            _store().set(f"{_LEFT_KEY}{dist.get_rank()}", f"{time.time():.6f}")
+    except Exception:  # noqa: BLE001  (the store may be gone already)
+        pass
+
+
+def _await_arrivals(ranks: tuple[int, ...], timeout_s: float) -> None:
+    store = _store()
+    if store is None or len(ranks) < 2:
+        return
+    gen = _ARRIVALS[ranks] = _ARRIVALS.get(ranks, 0) + 1
+    tag = hashlib.sha256(repr(ranks).encode()).hexdigest()[:16]
+    key = f"torch_mpmd/arrived/{tag}/{gen}/".__add__
+    try:
+        store.set(key(str(dist.get_rank())), "1")
+    except Exception:  # noqa: BLE001  (no store to poll: the group's rendezvous decides)
+        return
+    waiting = [r for r in ranks if r != dist.get_rank()]
+    deadline = time.monotonic() + timeout_s
+    while waiting and time.monotonic() < deadline:
+        waiting = [r for r in waiting if not store.check([key(str(r))])]
+        gone = [r for r in waiting if store.check([f"{_LEFT_KEY}{r}"])]
+        if gone:
+            raise RanksLeft(
+                f"rank{'s' if len(gone) > 1 else ''} {', '.join(map(str, gone))} left the job "
+                "(the process exited) before joining the pipeline: every rank must make the "
+                "same pipeline calls")
+        if waiting:
+            time.sleep(_POLL_S)
 
 
 def ledger_for(replicas: Sequence[Sequence[int]] | None, group: Any,
