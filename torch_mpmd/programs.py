@@ -513,26 +513,19 @@ def _joint_fake_mode(placeholders: list[torch.fx.Node]) -> contextlib.AbstractCo
     return stack
 
 
-def _free_symbols(v: Any) -> tuple[set, set]:
-    """(the symbols a program input's value mentions, those it binds): a size
-    binds its symbol when it is one; a tensor, the symbols its sizes are."""
+def _free_symbols(v: Any) -> set:
+    """The symbols a program input's value mentions (sizes, strides, offset)."""
     if isinstance(v, torch.SymInt):
-        e = v.node.expr
-        return set(e.free_symbols), ({e} if e.is_Symbol else set())
+        return set(v.node.expr.free_symbols)
     if not isinstance(v, torch.Tensor):
-        return set(), set()
-    mentioned, binds = set(), set()
-    for n in (*v.shape, *v.stride(), v.storage_offset()):
-        if isinstance(n, torch.SymInt):
-            mentioned |= n.node.expr.free_symbols
-    for n in v.shape:
-        if isinstance(n, torch.SymInt) and n.node.expr.is_Symbol:
-            binds.add(n.node.expr)
-    return mentioned, binds
+        return set()
+    return {sym for n in (*v.shape, *v.stride(), v.storage_offset())
+            if isinstance(n, torch.SymInt) for sym in n.node.expr.free_symbols}
 
 
 def _save_unbound_sizes(fw: torch.fx.GraphModule, bw: torch.fx.GraphModule) -> bool:
-    """Make B take every symbol its inputs' shapes mention (a dynamic capture).
+    """Make B take, as a size input, every symbol its inputs' shapes mention
+    (a dynamic capture).
 
     NOTE [Symbols B cannot bind]: a compiled program binds each symbol from
     its inputs (a size input, or a tensor dim that is the symbol). The
@@ -545,13 +538,16 @@ def _save_unbound_sizes(fw: torch.fx.GraphModule, bw: torch.fx.GraphModule) -> b
     (pipeline()'s target is traced with its sizes in the inputs' symbols,
     which the partitioner does save.) F reads such a symbol as a dim of one of
     its inputs: it returns that size as one more saved size, which B takes as
-    an input (and W with it, as every size). True when F and B changed."""
+    an input. A symbol that only a tensor input's dim binds is made a size
+    input too: W, cut from B, gets every size input but not every tensor
+    (NOTE [Backward split]). True when F and B changed."""
     bw_inputs = [n for n in bw.graph.nodes if n.op == "placeholder"]
     mentioned, bound = set(), set()
     for n in bw_inputs:
-        m, b = _free_symbols(n.meta.get("val"))
-        mentioned |= m
-        bound |= b
+        v = n.meta.get("val")
+        mentioned |= _free_symbols(v)
+        if isinstance(v, torch.SymInt) and v.node.expr.is_Symbol:
+            bound.add(v.node.expr)
     missing = mentioned - bound
     if not missing:
         return False
