@@ -9,7 +9,8 @@ parameter, which input, which tangent). The joint graph is cut into
 - ``B(saved, tangents) -> gradients`` (one per primal; ``None`` where none)
 
 by torch's default partitioner (which honours activation-checkpointing
-recompute tags), and for schedules with I and W, B is cut again by the C++
+recompute tags; a recomputed random op replays F's generator state, NOTE
+[Recompute of random ops]), and for schedules with I and W, B is cut again by the C++
 partitioner (``_C.split_backward``, csrc/core/backward_split.h) into
 
 - ``I(saved, tangents) -> (input gradients, carry)``: the nodes on a path to
