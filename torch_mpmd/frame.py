@@ -223,7 +223,14 @@ def _bind(code: types.CodeType, f_locals: dict[str, Any]
             args.append(value)
     at = n_pos + n_kw
     if code.co_flags & _CO_VARARGS:
-        args.extend(f_locals.get(names[at], ()))
+        # A decorated forward (transformers wraps its models' forwards in
+        # ``wrapper(*args, **kwargs)``) gets the module itself in *args.
+        for j, value in enumerate(f_locals.get(names[at], ())):
+            if isinstance(value, torch.nn.Module):
+                baked[n_pos + j] = value
+                roots[f"{names[at]}_{j}"] = value
+            else:
+                args.append(value)
         at += 1
     for var in names[n_pos:n_pos + n_kw]:
         value = f_locals[var]
@@ -233,5 +240,10 @@ def _bind(code: types.CodeType, f_locals: dict[str, Any]
         else:
             kwargs[var] = value
     if code.co_flags & _CO_VARKEYWORDS:
-        kwargs.update(f_locals.get(names[at], {}))
+        for var, value in f_locals.get(names[at], {}).items():
+            if isinstance(value, torch.nn.Module):
+                baked[var] = value
+                roots[var] = value
+            else:
+                kwargs[var] = value
     return tuple(args), kwargs, baked, roots
