@@ -23,7 +23,9 @@ from pipeline_worker import _diff, _error_text, _rank_world
 
 TOL = (1e-5, 1e-6)
 BATCH = 8
-LAYERS = {"hf_gpt2": "transformer.h", "hf_llama": "model.layers", "hf_mistral": "model.layers"}
+LAYERS = {"hf_gpt2": "transformer.h", "hf_llama": "model.layers", "hf_mistral": "model.layers",
+          "hf_qwen2": "model.layers", "hf_qwen2_tied": "model.layers",
+          "hf_llama_tied": "model.layers"}
 
 
 class ScaledMLP(nn.Module):
@@ -61,6 +63,12 @@ def build(name: str) -> nn.Module:
         return transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
     if name == "hf_mistral":
         return transformers.MistralForCausalLM(transformers.MistralConfig(**common))
+    if name in ("hf_qwen2", "hf_qwen2_tied"):
+        return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
+            tie_word_embeddings=name.endswith("_tied"), **common))
+    if name == "hf_llama_tied":
+        return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            tie_word_embeddings=True, **common))
     raise ValueError(name)
 
 
@@ -108,10 +116,23 @@ def _options(case: dict[str, Any], group: Any, timeout: float) -> dict[str, Any]
     return opts
 
 
-def _grads(model: nn.Module, ref: nn.Module, scale: float = 1.0) -> dict[str, Any]:
+def _grads(model: nn.Module, ref: nn.Module, scale: float = 1.0, *, fn: Any
+           ) -> dict[str, Any]:
+    """Every parameter this rank's pipeline (``mpmd.pipeline_of(fn)``) holds
+    against the reference's gradient times ``scale`` (a missing gradient is a
+    failure), and every other parameter must have none."""
+    import torch_mpmd as mpmd
+
     ref_params = dict(ref.named_parameters())
-    return {n: _diff(p.grad, ref_params[n].grad * scale, *TOL)
-            for n, p in model.named_parameters() if p.grad is not None}
+    owned = {n for n, _ in mpmd.pipeline_of(fn).named_parameters(remove_duplicate=False)}
+    out = {n: _diff(p.grad, ref_params[n].grad * scale, *TOL)
+           for n, p in model.named_parameters() if n in owned}
+    out.update({n: dict(ok=False, max_abs=None, why="a gradient on a rank that does not hold "
+                        "the parameter")
+                for n, p in model.named_parameters() if n not in owned and p.grad is not None})
+    if not owned:
+        out["<no parameter on this rank>"] = dict(ok=False, max_abs=None, why="")
+    return out
 
 
 def _logging_ignored():
@@ -149,7 +170,7 @@ def train(case: dict[str, Any], group: Any, timeout: float) -> dict[str, Any]:
     out = dict(loss=float(loss), loss_diff=_diff(loss.detach(), want.detach(), *TOL),
                requires_grad=loss.requires_grad)
     loss.backward()
-    out["grads"] = _grads(model, ref)
+    out["grads"] = _grads(model, ref, fn=train_loss)
     out["with_grad"] = sorted(n for n, p in model.named_parameters() if p.grad is not None)
     out["all_params"] = sorted(n for n, _ in model.named_parameters())
     return out
@@ -174,7 +195,8 @@ def replaced_parameter(case: dict[str, Any], group: Any, timeout: float) -> dict
     want.backward()
     loss = train_loss(x, y)
     loss.backward()
-    return dict(loss_diff=_diff(loss.detach(), want.detach(), *TOL), grads=_grads(model, ref),
+    return dict(loss_diff=_diff(loss.detach(), want.detach(), *TOL),
+                grads=_grads(model, ref, fn=train_loss),
                 with_grad=sorted(n for n, p in model.named_parameters() if p.grad is not None))
 
 
@@ -196,7 +218,8 @@ def input_grad(case: dict[str, Any], group: Any, timeout: float) -> dict[str, An
     for n, p in model.named_parameters():
         p.register_hook(lambda g, n=n: calls.append(n))
     train_loss(x, y).backward()
-    return dict(input_grad=_diff(x.grad, x_ref.grad, *TOL), grads=_grads(model, ref),
+    return dict(input_grad=_diff(x.grad, x_ref.grad, *TOL),
+                grads=_grads(model, ref, fn=train_loss),
                 hook_calls=sorted(calls),
                 with_grad=sorted(n for n, p in model.named_parameters() if p.grad is not None))
 
@@ -227,7 +250,7 @@ def autograd_grad(case: dict[str, Any], group: Any, timeout: float) -> dict[str,
     for n, p in model.named_parameters():  # hooks run once, in backward, as in eager
         p.register_hook(lambda g, n=n: calls.append(n))
     (train_loss(x, y) * 3.0).backward()
-    out["scaled"] = _grads(model, ref, 3.0)
+    out["scaled"] = _grads(model, ref, 3.0, fn=train_loss)
     out["hook_calls"] = sorted(calls)
     out["with_grad"] = sorted(n for n, p in model.named_parameters() if p.grad is not None)
     model.zero_grad(set_to_none=True)
@@ -240,7 +263,7 @@ def autograd_grad(case: dict[str, Any], group: Any, timeout: float) -> dict[str,
     total = summed(x, y)
     total.backward()
     out["sum_loss"] = _diff(total.detach(), want.detach() * case["m"], *TOL)
-    out["sum_grads"] = _grads(model, ref, float(case["m"]))
+    out["sum_grads"] = _grads(model, ref, float(case["m"]), fn=summed)
     return out
 
 
@@ -270,7 +293,7 @@ def batch_change(case: dict[str, Any], group: Any, timeout: float) -> dict[str, 
         loss = train_loss(x, y)
         loss.backward()
         out[f"b{size}"] = dict(loss=_diff(loss.detach(), want.detach(), *TOL),
-                               grads=_grads(model, ref))
+                               grads=_grads(model, ref, fn=train_loss))
     return out
 
 
@@ -325,7 +348,7 @@ def four_ranks() -> dict[str, Any]:
         loss = train_loss(x, y)
         loss.backward()
         out["dp"] = dict(loss_diff=_diff(loss.detach(), want.detach(), *TOL),
-                         grads=_grads(model, ref), error=None)
+                         grads=_grads(model, ref, fn=train_loss), error=None)
     except Exception:
         out["dp"] = {"error": _error_text()}
     try:
@@ -341,7 +364,7 @@ def four_ranks() -> dict[str, Any]:
         x, y = batches[dp_rank]
         loss = F.cross_entropy(compiled(x).flatten(0, 1), y.flatten())
         loss.backward()
-        out["dp_outputs"] = dict(grads=_grads(model, ref), error=None,
+        out["dp_outputs"] = dict(grads=_grads(model, ref, fn=compiled), error=None,
                                  with_grad=sorted(n for n, p in model.named_parameters()
                                                   if p.grad is not None))
     except Exception:
@@ -394,7 +417,7 @@ def dynamic_compiled(case: dict[str, Any], group: Any, timeout: float) -> dict[s
             loss = train_loss(x, y)
         loss.backward()
         out[f"b{size}s{seq}"] = dict(loss=_diff(loss.detach(), want.detach(), *TOL),
-                                     grads=_grads(model, ref),
+                                     grads=_grads(model, ref, fn=train_loss),
                                      with_grad=sorted(n for n, p in model.named_parameters()
                                                       if p.grad is not None))
     out["all_params"] = sorted(n for n, _ in model.named_parameters())
@@ -402,3 +425,84 @@ def dynamic_compiled(case: dict[str, Any], group: Any, timeout: float) -> dict[s
 
 
 KINDS["dynamic_compiled"] = dynamic_compiled
+
+
+# ------------------------------------------------------------------ issue 20's door cases
+
+
+def _mlp(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(),
+                         nn.Linear(16, 16))
+
+
+def _against(model: nn.Module, fn: Any, x: torch.Tensor, y: torch.Tensor,
+             call: Any) -> dict[str, Any]:
+    """One training call ``call()`` of the compiled ``fn`` on ``model``
+    against eager on a copy: loss and every gradient (owners must have one)."""
+    ref = copy.deepcopy(model)
+    want = F.mse_loss(ref(x), y)
+    want.backward()
+    model.zero_grad(set_to_none=True)
+    loss = call()
+    loss.backward()
+    return dict(loss_diff=_diff(loss.detach(), want.detach(), *TOL),
+                grads=_grads(model, ref, fn=fn))
+
+
+def factory(case: dict[str, Any], group: Any, timeout: float) -> dict[str, Any]:
+    """Two models, each with a training function from one factory (Dynamo
+    reuses the graph: the second model's tensors arrive as its inputs), then
+    the first again; and one compiled function called with each model as an
+    argument. Each call must train its own model."""
+    opts = dict(schedule=case["schedule"], num_microbatches=case["m"], group=group,
+                timeout=timeout, split_points=["2"])
+
+    def make_step(model: nn.Module) -> Any:
+        @torch.compile(backend="mpmd", options=opts)
+        def step(x, y):
+            return F.mse_loss(model(x), y)
+        return step
+
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randn(8, 16, generator=g), torch.randn(8, 16, generator=g)
+    first, second = _mlp(0), _mlp(1)
+    steps = {"first": make_step(first), "second": make_step(second)}
+    out: dict[str, Any] = {}
+    for name, model in (("first", first), ("second", second), ("first_again", first)):
+        fn = steps[name.replace("_again", "")]
+        out[f"factory_{name}"] = _against(model, fn, x, y, lambda: fn(x, y))
+
+    @torch.compile(backend="mpmd", options=opts)
+    def step_of(model, x, y):
+        return F.mse_loss(model(x), y)
+
+    for name, model in (("first", _mlp(2)), ("second", _mlp(3))):
+        out[f"argument_{name}"] = _against(model, step_of, x, y,
+                                           lambda: step_of(model, x, y))
+        # pipeline_of() cannot tell which model a function of a model is
+        # for: it answers the latest, which _grads relies on here.
+    return out
+
+
+def hf_module(case: dict[str, Any], group: Any, timeout: float) -> dict[str, Any]:
+    """``torch.compile(model, backend="mpmd")`` on a Hugging Face causal LM
+    (transformers 5 wraps forward in wrapper(*args, **kwargs)), the loss
+    outside: logits on every rank, backward through the schedule."""
+    name = case["model"]
+    model = build(name)
+    ref = copy.deepcopy(model)
+    x, y = batch(name)
+    want = F.cross_entropy(ref(input_ids=x, use_cache=False).logits.flatten(0, 1), y.flatten())
+    want.backward()
+    compiled = torch.compile(model, backend="mpmd", options=_options(case, group, timeout))
+    with _logging_ignored():
+        logits = compiled(input_ids=x, use_cache=False).logits
+    loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
+    loss.backward()
+    return dict(loss_diff=_diff(loss.detach(), want.detach(), *TOL),
+                grads=_grads(model, ref, fn=compiled))
+
+
+KINDS["factory"] = factory
+KINDS["hf_module"] = hf_module

@@ -36,7 +36,17 @@ OTHER = [
          schedule="zero_bubble", m=4, mark_dynamic=True),
     dict(id="forward-only", kind="forward_only", model="hf_gpt2", schedule="1f1b", m=4),
 ]
-CASES = TRAIN + OTHER
+# Issue 20: a factory of training functions (Dynamo reuses one graph for
+# several models), a model as an argument, and compiling a Hugging Face
+# module itself with the loss outside.
+DOOR_MODELS = [dict(id=f"factory-{s}", kind="factory", model="skip", schedule=s, m=2)
+               for s in ("1f1b", "zero_bubble")]
+DOOR_MODELS += [dict(id=f"hf-module-{model}-{s}", kind="hf_module", model=model, schedule=s,
+                     m=2)
+                for model in ("hf_gpt2", "hf_llama", "hf_llama_tied", "hf_mistral", "hf_qwen2",
+                              "hf_qwen2_tied")
+                for s in ("1f1b", "zero_bubble")]
+CASES = TRAIN + OTHER + DOOR_MODELS
 _GRID = GridRun(2, "door_worker:grid", CASES, task="door")
 
 
@@ -152,3 +162,26 @@ def test_dynamic_door_with_inductor_programs_trains_like_eager_at_new_sizes(case
     for size in ("b8s8", "b12s6"):  # every parameter has its gradient on some rank
         covered = set().union(*(set(r[size]["with_grad"]) for r in ranks))
         assert covered == set(ranks[0]["all_params"]), size
+
+
+def test_a_factory_of_compiled_steps_trains_each_model_and_a_model_argument_too():
+    bad = []
+    for case in (c for c in DOOR_MODELS if c["kind"] == "factory"):
+        for rank, res in enumerate(_results(case["id"])):
+            for what in ("factory_first", "factory_second", "factory_first_again",
+                         "argument_first", "argument_second"):
+                r = res[what]
+                if not r["loss_diff"]["ok"]:
+                    bad.append(f"{case['id']} rank {rank} {what} loss: {r['loss_diff']}")
+                bad += _bad(rank, r["grads"], f"{case['id']} {what} ")
+    assert not bad, "\n".join(bad)
+
+
+@pytest.mark.parametrize("case_id", [c["id"] for c in DOOR_MODELS if c["kind"] == "hf_module"])
+def test_compiling_a_hugging_face_module_trains_with_the_loss_outside(case_id):
+    bad = []
+    for rank, res in enumerate(_results(case_id)):
+        if not res["loss_diff"]["ok"]:
+            bad.append(f"rank {rank} loss: {res['loss_diff']}")
+        bad += _bad(rank, res["grads"])
+    assert not bad, "\n".join(bad)

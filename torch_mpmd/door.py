@@ -22,6 +22,7 @@ function's arguments, then:
 
 from __future__ import annotations
 
+import collections
 import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -35,8 +36,10 @@ from torch_mpmd.microbatch import first_microbatch
 __all__ = ["Door", "pipeline_of"]
 
 # The latest Door per compiled function (its code object) or module: what
-# pipeline_of() finds. Weak: a door lives as long as Dynamo's cache keeps it.
+# pipeline_of() finds (the door then picks the pipeline of the function's own
+# modules). Weak: a door lives as long as Dynamo's cache keeps it.
 _DOORS: "weakref.WeakValueDictionary[Any, Door]" = weakref.WeakValueDictionary()
+_MODELS_KEPT = 4  # pipelines a door keeps for the models its graph was called with
 
 
 def _door_key(fn: Any) -> Any:
@@ -59,7 +62,7 @@ def pipeline_of(fn: Any) -> Any:
     if door is None:
         raise RuntimeError("no pipeline yet for this function: call it once (the mpmd backend "
                            "builds its pipeline on the first call)")
-    return door.pipeline
+    return door.pipeline_for(fn)
 
 
 def _output_examples(gm: torch.fx.GraphModule) -> list[Any]:
@@ -158,6 +161,13 @@ class Door:
                              and out[0].dim() == 0 and out[0].is_floating_point()
                              and out[0].requires_grad)
         self.pipeline = self._new_pipeline()
+        # Per set of module tensors the graph was called with, its call and
+        # pipeline (NOTE [Another model, the same graph] in frame.py); the
+        # latest few, most recent last. Each holds its tensors, so an id in
+        # a key is not reused while the entry lives.
+        self._key = self.call.tensor_key(example_inputs)
+        self._by_tensors: collections.OrderedDict[tuple[int, ...], tuple[FrameCall, Any]] = \
+            collections.OrderedDict({self._key: (self.call, self.pipeline)})
         _DOORS[_door_key(self.call.fn)] = self
         self._anchor = torch.zeros((), requires_grad=True)  # a loss with no local parameter
         self._generation = 0
@@ -185,11 +195,8 @@ class Door:
 
     # ------------------------------------------------------------ calls
     def __call__(self, *flat: Any) -> tuple:
-        replaced = self.call.replaced_tensors(flat)
-        if replaced:  # a parameter or buffer was replaced: capture the model again
-            for i in replaced:
-                self.call.root_inputs[i] = flat[i]
-            self.pipeline = self._new_pipeline()
+        if self.call.replaced_tensors(flat):
+            self._use_tensors(flat)
         if torch.is_grad_enabled() and self.returns_loss:
             return (self._train(flat),)
         args, kwargs = self.call.arguments(flat)
@@ -199,6 +206,44 @@ class Door:
             params = self._local_trainable(args, kwargs) or [self._anchor]
             return _PipelinedForward.apply(self, *params)
         return tuple(self._run_forward(keep_graph=False))
+
+    def _use_tensors(self, flat: Sequence[Any]) -> None:
+        """Switch to the call and pipeline of the module tensors in ``flat``:
+        a tensor replaced in the first model's modules (``model.w =
+        nn.Parameter(...)``) captures them again; another model's tensors
+        (NOTE [Another model, the same graph]) get a call re-bound to them
+        and a pipeline of their own, kept for when they come back."""
+        key = self.call.tensor_key(flat)
+        cached = self._by_tensors.pop(key, None)
+        if cached is None:
+            if self.call.holds(flat):
+                for i in self.call.replaced_tensors(flat):
+                    self.call.root_inputs[i] = flat[i]
+                call = self.call
+            else:
+                call = self.call.rebound(flat)
+            self.call = call
+            cached = (call, self._new_pipeline())
+        self.call, self.pipeline = cached
+        self._key = key
+        self._by_tensors[key] = cached
+        while len(self._by_tensors) > _MODELS_KEPT:
+            self._by_tensors.popitem(last=False)
+
+    def pipeline_for(self, fn: Any) -> Any:
+        """The pipeline of the modules ``fn`` (a compiled function, the
+        original, or a module) closes over or is, when one was built for
+        them; else the latest."""
+        fn = getattr(fn, "_torchdynamo_orig_callable", fn)
+        fn = getattr(fn, "_orig_mod", fn)
+        modules = [fn] if isinstance(fn, torch.nn.Module) else [
+            c.cell_contents for c in getattr(fn, "__closure__", None) or ()
+            if isinstance(getattr(c, "cell_contents", None), torch.nn.Module)]
+        owned = {id(t) for m in modules for t in [*m.parameters(), *m.buffers()]}
+        for key, (_, pipe) in reversed(self._by_tensors.items()):
+            if owned and owned.issuperset(key):
+                return pipe
+        return self.pipeline
 
     def _local_trainable(self, args: tuple, kwargs: dict) -> list[torch.Tensor]:
         pipe = self.pipeline
@@ -215,7 +260,9 @@ class Door:
         for i in grad_inputs:  # leaves of their own: their gradients land in .grad
             flat[i] = flat[i].detach().requires_grad_(True)
         args, kwargs = self.call.arguments(flat)
-        every = list(dict.fromkeys(pipe.module.parameters()))
+        # The module's parameters, and with sharded data parallel the shards
+        # the user steps: the step's gradients are handed out by backward only.
+        every = list(dict.fromkeys([*pipe.module.parameters(), *pipe.parameters()]))
         stash = [p.grad for p in every]
         for p in every:
             p.grad = None

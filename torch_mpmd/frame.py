@@ -18,6 +18,7 @@ never by placeholder names.
 
 from __future__ import annotations
 
+import copy
 import inspect
 import types
 from collections.abc import Callable, Sequence
@@ -85,8 +86,66 @@ class FrameCall:
 
     def replaced_tensors(self, flat: Sequence[Any]) -> list[int]:
         """Graph inputs that were a parameter or buffer and are another tensor
-        now (``model.w = nn.Parameter(...)`` after compiling)."""
+        now (``model.w = nn.Parameter(...)`` after compiling, or another model)."""
         return [i for i, t in self.root_inputs.items() if flat[i] is not t]
+
+    def tensor_key(self, flat: Sequence[Any]) -> tuple[int, ...]:
+        """Which modules' tensors a call's graph inputs are: the identities of
+        its parameters and buffers (NOTE [Another model, the same graph])."""
+        return tuple(id(flat[i]) for i in self.root_inputs)
+
+    def holds(self, flat: Sequence[Any]) -> bool:
+        """Whether the roots hold every parameter and buffer of ``flat`` now
+        (a tensor replaced in a root, rather than another model)."""
+        held = {id(t) for r in self.roots.values() for t in [*r.parameters(), *r.buffers()]}
+        held |= {id(t) for t in self.tensors.values()}
+        return all(id(flat[i]) in held for i in self.root_inputs)
+
+    def rebound(self, flat: Sequence[Any]) -> "FrameCall":
+        """This call for the modules whose tensors ``flat`` holds.
+
+        NOTE [Another model, the same graph]: Dynamo lifts a module's
+        parameters and buffers into graph inputs and does not guard on the
+        module object, so a function closing over another model of the same
+        kind (a factory of training steps), or called with another module as
+        an argument, reuses the graph and hands the other model's tensors.
+        The door cannot reach that model, only its tensors: the roots are
+        cloned with those tensors in place of the first model's (deepcopy
+        with a memo that maps each to its replacement: the clones' parameters
+        are the other model's own, so its ``.grad`` fill), and the function
+        is re-bound to the clones (closure cells, module-valued globals and
+        arguments)."""
+        memo: dict[int, Any] = {id(old): flat[i] for i, old in self.root_inputs.items()}
+        memo.update({id(flat[i]): flat[i] for i in self.root_inputs})
+
+        def swap(value: Any) -> Any:
+            if isinstance(value, (torch.nn.Module, torch.Tensor)):
+                return copy.deepcopy(value, memo)
+            return value
+
+        roots = {name: swap(r) for name, r in self.roots.items()}
+        if isinstance(self.fn, torch.nn.Module):
+            fn: Callable[..., Any] = swap(self.fn)
+        else:
+            cells = []
+            for cell in self.fn.__closure__ or ():
+                try:
+                    cells.append(types.CellType(swap(cell.cell_contents)))
+                except ValueError:  # an empty cell
+                    cells.append(cell)
+            glob = self.fn.__globals__
+            if any(isinstance(glob.get(n), torch.nn.Module) and glob[n] in self.roots.values()
+                   for n in _code_names(self.fn.__code__)):
+                glob = {k: swap(v) if k in _code_names(self.fn.__code__) else v
+                        for k, v in glob.items()}
+            fn = types.FunctionType(self.fn.__code__, glob, self.fn.__name__,
+                                    self.fn.__defaults__, tuple(cells) or None)
+            fn.__kwdefaults__ = self.fn.__kwdefaults__
+        return FrameCall(fn=fn, name=self.name, template=self.template,
+                         leaf_inputs=dict(self.leaf_inputs),
+                         baked={k: swap(v) for k, v in self.baked.items()}, roots=roots,
+                         tensors={k: swap(v) for k, v in self.tensors.items()},
+                         root_inputs={i: flat[i] for i in self.root_inputs})
 
 
 class FrameModule(torch.nn.Module):
