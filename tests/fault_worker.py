@@ -170,7 +170,8 @@ def timelines_over_steps(steps: int) -> dict[str, Any]:
                          num_microbatches=4, split_points=W.SKIP_SPLITS[2], timeout=60)
     for _ in range(steps):
         pipe.step(x, target=y)
-    return {"programs": pipe.schedule.actions, "rows": pipe.timelines(steps=steps),
+    rows = [[(str(a), s, e) for a, s, e in row] for row in pipe.timelines(steps=steps)]
+    return {"programs": pipe.schedule.action_text, "rows": rows,
             "stage_times": pipe.stage_times(), "local_stages": list(pipe.local_stages)}
 
 

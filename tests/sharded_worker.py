@@ -377,8 +377,9 @@ def _train(case: dict[str, Any]) -> dict[str, Any]:
     res["tied"] = pipe.last_step_stats.get("collectives", {}).get("tied_all_reduce")
     res["tied_bytes"] = sum(p.numel() * p.element_size() for n, p in ref.named_parameters()
                             if n == "wte.weight")
-    actions = list(pipe.schedule.actions[pipe.rank])
-    res["actions"] = actions
+    res["actions"] = pipe.schedule.action_text[pipe.rank]
+    res["action_fields"] = [(a.stage, mpmd.schedules.kind_name(a.kind))
+                            for a in pipe.schedule.actions[pipe.rank]]
     _SEEN[(name, schedule, mode)] = seen
     other = _SEEN.get((name, schedule, "shard" if mode == "replicate" else "replicate"))
     if other is not None:   # replicate vs shard, full tensors

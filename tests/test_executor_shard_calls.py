@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from torch_mpmd import _runtime
-from torch_mpmd.schedules import Schedule
+from torch_mpmd.schedules import ActionKind, Schedule
 
 # Two stages on one rank, reshard after forward: stage 0 is freed while stage 1 runs.
 SHARDED = Schedule.from_actions([["0F0", "1F0", "1B0", "0B0"]]).lower(
@@ -42,18 +42,19 @@ class Sharded(Replicated):
 
 
 def test_sharded_runner_sees_every_action_in_program_order():
-    assert SHARDED.actions[0] == ["0UNSHARD", "0F0", "0RESHARD", "1UNSHARD", "1F0", "1B0",
+    assert SHARDED.action_text[0] == ["0UNSHARD", "0F0", "0RESHARD", "1UNSHARD", "1F0", "1B0",
                                   "1RESHARD", "1REDUCE_GRAD", "0UNSHARD", "0B0", "0RESHARD",
                                   "0REDUCE_GRAD"]
     runner = Sharded()
     _runtime.Executor(SHARDED.to_text(), 0, runner, None).run()
-    assert runner.log == SHARDED.actions[0]
+    assert runner.log == SHARDED.action_text[0]
 
 
 def test_runner_without_unshard_or_reshard_skips_them():
     runner = Replicated()
     _runtime.Executor(SHARDED.to_text(), 0, runner, None).run()
-    assert runner.log == [a for a in SHARDED.actions[0] if "SHARD" not in a]
+    assert runner.log == [str(a) for a in SHARDED.actions[0]
+                          if a.kind not in (ActionKind.UNSHARD, ActionKind.RESHARD)]
 
 
 def test_failing_unshard_is_reported_with_its_action():

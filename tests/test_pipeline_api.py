@@ -189,7 +189,7 @@ def test_step_trace_covers_every_action_and_exports_chrome_json_and_png(tmp_path
     assert all(a[2] <= b[1] for a, b in zip(row, row[1:]))  # one action at a time, in order
     events = json.loads((tmp_path / "env.json").read_text())["traceEvents"]
     spans = [e for e in events if e["ph"] == "X"]
-    assert [e["name"] for e in spans] == pipe.schedule.actions[0]
+    assert [e["name"] for e in spans] == pipe.schedule.action_text[0]
     assert {e["cat"] for e in spans} >= {"F", "I", "W"}
     pipe.save_timeline(tmp_path / "timeline.png")
     assert (tmp_path / "timeline.png").read_bytes()[:4] == b"\x89PNG"
@@ -208,12 +208,14 @@ def test_activation_bytes_follow_the_schedules_live_forwards():
 
 
 def test_bubble_fractions_measure_every_rank_against_the_whole_step():
+    from torch_mpmd.schedules import Action
     from torch_mpmd.trace import bubble_fractions, step_metrics
 
     # Rank 1 starts late and ends early: idle for 3 of the step's 10 s (and in
     # between it waits 1 s on a receive, which counts as bubble too).
-    rows = [[("0F0", 0.0, 4.0), ("0SEND_F0", 4.0, 4.5), ("0B0", 6.0, 10.0)],
-            [("1RECV_F0", 2.0, 4.5), ("1F0", 4.5, 5.5), ("1B0", 5.5, 7.0)]]
+    rows = [[(Action.parse(t), s, e) for t, s, e in row] for row in [
+        [("0F0", 0.0, 4.0), ("0SEND_F0", 4.0, 4.5), ("0B0", 6.0, 10.0)],
+        [("1RECV_F0", 2.0, 4.5), ("1F0", 4.5, 5.5), ("1B0", 5.5, 7.0)]]]
     assert bubble_fractions(rows) == pytest.approx([0.2, 0.75])
     # Against its own span (2..7 s) rank 1 idles for 2.5 of 5 s.
     assert step_metrics(rows[1])["bubble_fraction"] == pytest.approx(0.5)
@@ -242,12 +244,14 @@ def test_zero_bubble_weight_split_with_tied_weights_matches_reference(hooked):
 
 
 def test_transfer_latencies_match_each_send_to_its_receive():
+    from torch_mpmd.schedules import Action
     from torch_mpmd.trace import transfer_latencies
 
-    rows = [[("0F0", 0.0, 1.0), ("0SEND_F0", 1.0, 1.1), ("0RECV_B0", 1.1, 5.0),
-             ("0SEND_F1->2", 5.0, 5.1)],
-            [("1RECV_F0", 0.5, 1.4), ("1F0", 1.4, 2.0), ("1SEND_B0", 3.0, 3.1)],
-            [("2RECV_F1<-0", 6.0, 6.2)]]
+    rows = [[(Action.parse(t), s, e) for t, s, e in row] for row in [
+        [("0F0", 0.0, 1.0), ("0SEND_F0", 1.0, 1.1), ("0RECV_B0", 1.1, 5.0),
+         ("0SEND_F1->2", 5.0, 5.1)],
+        [("1RECV_F0", 0.5, 1.4), ("1F0", 1.4, 2.0), ("1SEND_B0", 3.0, 3.1)],
+        [("2RECV_F1<-0", 6.0, 6.2)]]]
     # F0 0->1: waited since 0.5, sent at 1.0, arrived 1.4; B0 1->0: sent at 3.0,
     # arrived 5.0; F1 0->2: the receiver came late (6.0 > 5.0), not a latency.
     assert sorted(transfer_latencies(rows)) == pytest.approx([0.4, 2.0])

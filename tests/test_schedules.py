@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from torch_mpmd import schedules
-from torch_mpmd.schedules import DeadlockError, Schedule
+from torch_mpmd.schedules import Action, ActionKind, DeadlockError, Schedule, kind_name
 
 DOCUMENTED_NAMES = {"gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "zero_bubble", "zbv",
                     "dualpipev"}
@@ -112,7 +112,7 @@ def test_twenty_thousand_one_line_ranks_load_from_text_and_csv(tmp_path):
     text = "".join(f"{r}: {r}F0 {r}B0\n" for r in range(p))
     s = Schedule.from_text(text)
     assert (s.num_ranks, s.num_stages, s.num_microbatches) == (p, p, 1)
-    assert s.actions[-1] == [f"{p - 1}F0", f"{p - 1}B0"]
+    assert s.action_text[-1] == [f"{p - 1}F0", f"{p - 1}B0"]
     path = tmp_path / "wide.csv"
     s.to_csv(path)
     assert Schedule.from_csv(path).actions == s.actions
@@ -174,7 +174,7 @@ def test_csv_in_torch_format_with_idle_cells_loads(tmp_path):
     path = tmp_path / "torch.csv"
     path.write_text("0F0,0F1,,0B0,,0B1\r\n,1F0,1B0,1F1,1B1\r\n")
     s = Schedule.from_csv(path)
-    assert s.actions == [["0F0", "0F1", "0B0", "0B1"], ["1F0", "1B0", "1F1", "1B1"]]
+    assert s.action_text == [["0F0", "0F1", "0B0", "0B1"], ["1F0", "1B0", "1F1", "1B1"]]
     assert (s.num_ranks, s.num_stages, s.num_microbatches) == (2, 2, 2)
     assert s.simulate().makespan == 3 * (2 + 2 - 1)
 
@@ -211,8 +211,10 @@ def test_with_edges_skip_connection_lowers_to_transfers_with_explicit_peer():
     skip = s.with_edges(s.edges + [(0, 3)])
     assert (0, 3) in skip.edges and (0, 3) not in s.edges
     low = skip.lower()
-    assert "0SEND_F0->3" in low.actions[0]
-    assert "3RECV_F0<-0" in low.actions[3]
+    assert "0SEND_F0->3" in low.action_text[0]
+    assert "3RECV_F0<-0" in low.action_text[3]
+    assert Action(0, ActionKind.SEND_F, 0, 3) in low.actions[0]
+    assert Action(3, ActionKind.RECV_F, 0, 0) in low.actions[3]
     assert Schedule.from_text(skip.to_text()).edges == skip.edges
 
 
@@ -244,8 +246,9 @@ def test_lowering_twice_raises_value_error():
 
 def test_lower_without_grad_reduce_has_no_reduce_actions():
     s = make()
-    assert any("REDUCE_GRAD" in a for row in s.lower().actions for a in row)
-    assert not any("REDUCE_GRAD" in a for row in s.lower(grad_reduce=False).actions for a in row)
+    assert any(a.kind == ActionKind.REDUCE_GRAD for row in s.lower().actions for a in row)
+    assert not any(a.kind == ActionKind.REDUCE_GRAD
+                   for row in s.lower(grad_reduce=False).actions for a in row)
 
 
 @pytest.mark.parametrize("costs,key", [({"F": 1, "X": 2}, "'X'"), ({"B": -1}, "'B'"),
@@ -279,9 +282,56 @@ def test_timeline_covers_every_lowered_action_with_its_cost():
     for row in result.timeline:
         for action, start, end in row:
             assert 0 <= start <= end <= result.makespan
-            compute = re.fullmatch(r"\d+([FB])\d+", action)
-            if compute:
-                assert end - start == {"F": 1, "B": 2}[compute.group(1)]
+            if action.is_compute:
+                assert end - start == {"F": 1, "B": 2}[kind_name(action.kind)]
+
+
+def test_actions_are_typed_values_whose_str_is_the_text_form():
+    low = make("1f1b", p=2, m=2).lower()
+    assert [[str(a) for a in row] for row in low.actions] == low.action_text
+    first = low.actions[0][0]
+    assert isinstance(first, Action) and first == Action(0, ActionKind.FORWARD, 0)
+    assert (first.stage, first.kind, first.microbatch, first.peer_stage) == (
+        0, ActionKind.FORWARD, 0, -1)
+    send = next(a for a in low.actions[0] if a.kind == ActionKind.SEND_F)
+    assert (send.peer_stage, str(send)) == (1, "0SEND_F0")  # the default peer is implied
+    reduce = low.actions[1][-1]
+    assert (reduce.kind, reduce.microbatch, str(reduce)) == (ActionKind.REDUCE_GRAD, -1,
+                                                            "1REDUCE_GRAD")
+    assert Action.parse("0SEND_F2->3") == Action(0, ActionKind.SEND_F, 2, 3)
+    assert len({Action.parse("2F0"), Action(2, ActionKind.FORWARD, 0)}) == 1
+    assert first != "0F0"  # typed: never equal to its text
+
+
+def test_action_values_the_text_form_cannot_spell_are_refused_naming_them():
+    with pytest.raises(ValueError, match=r"Action\(stage=2, kind=REDUCE_GRAD, microbatch=3"):
+        Action(2, ActionKind.REDUCE_GRAD, 3)
+    with pytest.raises(ValueError, match="microbatch index"):
+        Action(0, ActionKind.FORWARD)
+    with pytest.raises(ValueError, match="peer_stage=1"):
+        Action(0, ActionKind.FORWARD, 0, 1)
+    with pytest.raises(ValueError, match="stage 0 has no previous stage"):
+        Action(0, ActionKind.RECV_F, 0)
+
+
+def test_actions_pickle_and_from_actions_takes_them():
+    import pickle
+
+    s = make("zbv", p=2, m=4, spr=2).lower()
+    assert pickle.loads(pickle.dumps(s.actions)) == s.actions
+    back = Schedule.from_actions(make("zbv", p=2, m=4, spr=2).actions, "zbv")
+    assert back.actions == make("zbv", p=2, m=4, spr=2).actions
+
+
+def test_part_keeps_the_actions_of_the_kinds_in_order():
+    low = make("1f1b", p=2, m=2).lower()
+    forward = (ActionKind.FORWARD, ActionKind.SEND_F, ActionKind.RECV_F)
+    part = low.part(forward, name="1f1b-forward")
+    assert part.name == "1f1b-forward" and part.stage_to_rank == low.stage_to_rank
+    assert part.actions == [[a for a in row if a.kind in forward] for row in low.actions]
+    assert part.action_text == [["0F0", "0SEND_F0", "0F1", "0SEND_F1"],
+                                ["1RECV_F0", "1F0", "1RECV_F1", "1F1"]]
+    assert low.actions == make("1f1b", p=2, m=2).lower().actions  # the source is unchanged
 
 
 def test_schedule_is_immutable_and_returns_copies():
@@ -289,8 +339,10 @@ def test_schedule_is_immutable_and_returns_copies():
     with pytest.raises(AttributeError):
         s.name = "x"  # type: ignore[misc]
     s.actions[0].clear()
+    s.action_text[0].clear()
     s.stage_to_rank.append(9)
     assert len(s.actions[0]) == 16 and s.stage_to_rank == [0, 1, 2, 3]
+    assert len(s.action_text[0]) == 16
 
 
 def test_table_and_repr_show_every_rank():
@@ -326,7 +378,7 @@ def test_csv_cells_parse_identically_in_torch_pipelining(name, spr):
             for cell in row:
                 assert str(_Action.from_str(cell)) == cell
     # And torch-printed actions load back into the same schedule.
-    torch_rows = [[str(_Action.from_str(a)) for a in rank] for rank in sched.actions]
+    torch_rows = [[str(_Action.from_str(str(a))) for a in rank] for rank in sched.actions]
     assert Schedule.from_actions(torch_rows).actions == sched.actions
 
 
@@ -335,7 +387,7 @@ def test_csv_cells_parse_identically_in_torch_pipelining(name, spr):
 
 def test_lower_shard_gathers_each_stage_around_its_compute():
     low = make("1f1b", p=2, m=2).lower(shard=True)
-    assert low.actions == [
+    assert low.action_text == [
         ["0UNSHARD", "0F0", "0SEND_F0", "0F1", "0SEND_F1", "0RECV_B0", "0B0", "0RECV_B1", "0B1",
          "0RESHARD", "0REDUCE_GRAD"],
         ["1UNSHARD", "1RECV_F0", "1F0", "1B0", "1SEND_B0", "1RECV_F1", "1F1", "1B1", "1SEND_B1",
@@ -347,11 +399,13 @@ def test_lower_shard_gathers_each_stage_around_its_compute():
     # The interleaved rank prefetches its second stage one compute ahead
     # (prefetch 1) or right before its first compute, above its RECV (0).
     inter = make("interleaved_1f1b", p=2, m=4, spr=2)
-    assert inter.lower(shard=True).actions[0][:4] == ["0UNSHARD", "0F0", "0SEND_F0", "2UNSHARD"]
-    assert inter.lower(shard=True, unshard_prefetch=0).actions[0][4:8] == [
+    assert inter.lower(shard=True).action_text[0][:4] == [
+        "0UNSHARD", "0F0", "0SEND_F0", "2UNSHARD"]
+    assert inter.lower(shard=True, unshard_prefetch=0).action_text[0][4:8] == [
         "0SEND_F1", "2UNSHARD", "2RECV_F0", "2F0"]
     split = make("gpipe", p=2, m=4, spr=2).lower(shard=True, reshard_after_forward=True)
-    assert split.actions[0].count("0UNSHARD") == 2 and split.actions[0].count("2UNSHARD") == 1
+    assert (split.action_text[0].count("0UNSHARD") == 2
+            and split.action_text[0].count("2UNSHARD") == 1)
 
 
 def test_lower_shard_rejects_a_negative_prefetch_and_sharded_input():
@@ -381,7 +435,8 @@ def test_simulate_counts_the_gather_and_overlaps_it_with_earlier_compute():
     one = s.lower(shard=True).simulate(costs, timeline=True)
     assert one.makespan == 11
     assert one.busy == [6]
-    assert one.timeline[0][:3] == [("0UNSHARD", 0, 3), ("1UNSHARD", 3, 6), ("0F0", 3, 4)]
+    assert [(str(a), s, e) for a, s, e in one.timeline[0][:3]] == [
+        ("0UNSHARD", 0, 3), ("1UNSHARD", 3, 6), ("0F0", 3, 4)]
     assert s.lower(shard=True).simulate({"RESHARD": 1}).makespan == 6 + 2
     assert s.lower(shard=True).simulate(stage_costs={1: {"UNSHARD": 5}}).makespan == 10
     # REDUCE_GRAD is asynchronous too: 1REDUCE_GRAD [4,9] beside 0B0 [4,6],
@@ -397,7 +452,7 @@ def test_plot_of_a_sharded_schedule_draws_the_collectives(tmp_path):
     path = tmp_path / "sharded.png"
     save_timeline(low, result, path)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert {"UNSHARD", "RESHARD"} <= set(KIND_COLOURS)
+    assert {ActionKind.UNSHARD, ActionKind.RESHARD} <= set(KIND_COLOURS)
 
 
 @pytest.mark.parametrize("name,spr", [("1f1b", 1), ("interleaved_1f1b", 2)])
@@ -422,7 +477,7 @@ def test_simulate_ends_a_tied_sum_after_its_last_member_posted_it():
     plain = s.simulate(timeline=True)
     tied = s.simulate(cross_rank_reduces=[([0, 3], 5.0)], timeline=True)
     posts = [max(end for action, _, end in plain.timeline[r]
-                 if action in ("0REDUCE_GRAD", "3REDUCE_GRAD")) for r in range(2)]
+                 if str(action) in ("0REDUCE_GRAD", "3REDUCE_GRAD")) for r in range(2)]
     assert tied.makespan == pytest.approx(max(plain.makespan, max(posts) + 5.0))
     assert tied.makespan > plain.makespan
 

@@ -139,9 +139,6 @@ def test_replicate_and_shard_give_the_same_losses_and_gradients(model):
     check_tied_sum(model, got)
 
 
-_ACTION = re.compile(r"^(\d+)([A-Z_]+?)(\d*)$")
-
-
 def gathered_bytes_while_waiting(r: dict) -> tuple[int, int, int, int, int]:
     """(bytes of the rank's first stage's gathered parameters alive while it
     waits for its backward, their full size, the part of them the other
@@ -190,9 +187,8 @@ def test_reshard_after_forward_frees_between_forward_and_backward_and_trains_ali
     check_freed_while_waiting(got)
     for rank, r in enumerate(got):
         assert not r["layout_after"]["bad"], (rank, r["layout_after"]["bad"])
-        parsed = [_ACTION.match(a).groups() for a in r["actions"]]
         for stage in r["local_stages"]:
-            mine = [(i, kind) for i, (s, kind, _) in enumerate(parsed) if int(s) == stage]
+            mine = [(i, kind) for i, (s, kind) in enumerate(r["action_fields"]) if s == stage]
             last_f = max(i for i, k in mine if k == "F")
             first_b = min(i for i, k in mine if k in ("B", "I"))
             between = [k for i, k in mine if last_f < i < first_b]

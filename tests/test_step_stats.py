@@ -4,7 +4,6 @@ over several steps (issue 13 item 11): one process, and two ranks for the gather
 from __future__ import annotations
 
 import json
-import re
 import statistics
 
 import pytest
@@ -14,8 +13,7 @@ import torch.nn.functional as F
 import models
 import torch_mpmd as mpmd
 from dist_harness import run_ranks
-
-COMPUTE = re.compile(r"^(\d+)([FBIW])(\d+)$")  # "1I3": stage, kind, microbatch
+from torch_mpmd.schedules import kind_name
 
 
 def _pipe(schedule: str = "zbv", m: int = 4):
@@ -63,10 +61,9 @@ def test_stage_times_are_medians_per_local_stage_and_kind_over_the_last_steps():
     assert all(t > 0 for kinds in times.values() for t in kinds.values())
     # The medians of the durations the timelines show, for the steps asked for.
     spans: dict[tuple[int, str], list[float]] = {}
-    for token, start, end in pipe.timelines(steps=2)[0]:
-        compute = COMPUTE.match(token)
-        if compute:
-            spans.setdefault((int(compute[1]), compute[2]), []).append(end - start)
+    for action, start, end in pipe.timelines(steps=2)[0]:
+        if action.is_compute:
+            spans.setdefault((action.stage, kind_name(action.kind)), []).append(end - start)
     for stage, kinds in pipe.stage_times(last_n=2).items():
         for kind, median in kinds.items():
             assert len(spans[(stage, kind)]) == 2 * 4  # 2 steps x 4 microbatches
@@ -114,7 +111,7 @@ def test_save_trace_and_timeline_cover_several_steps(tmp_path):
     pipe.save_trace(tmp_path / "t.json", steps=2)
     spans = [e for e in json.loads((tmp_path / "t.json").read_text())["traceEvents"]
              if e["ph"] == "X"]
-    assert [e["name"] for e in spans] == pipe.schedule.actions[0] * 2
+    assert [e["name"] for e in spans] == pipe.schedule.action_text[0] * 2
     assert all(a["ts"] + a["dur"] <= b["ts"] + 1e-3 for a, b in zip(spans, spans[1:]))
     pipe.save_timeline(tmp_path / "t.png", steps=3)
     assert (tmp_path / "t.png").read_bytes()[:4] == b"\x89PNG"

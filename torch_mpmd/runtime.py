@@ -37,8 +37,8 @@ from torch_mpmd.lockstep import PipelineError
 from torch_mpmd.programs import Compiler
 from torch_mpmd.shapes import SymbolicShapes
 from torch_mpmd.runner import EdgeLayout
-from torch_mpmd.trace import action_kind
-from torch_mpmd.schedules import Schedule, get_schedule, names as schedule_names
+from torch_mpmd.schedules import (Action, ActionKind, Schedule, get_schedule, kind_name,
+                                  names as schedule_names)
 from torch_mpmd.stage import SplitModel, StageSignature
 from torch_mpmd.tied import TiedGroup, TiedSums
 
@@ -49,31 +49,33 @@ V_SCHEDULES = ("zbv", "dualpipev")
 # Default least wait for the other ranks' compiled (Inductor) program builds,
 # which can take minutes longer on one rank than another; startup_timeout= sets it.
 _COMPILED_BUILD_TIMEOUT_S = 1800.0
-_FORWARD_KINDS = ("F", "SEND_F", "RECV_F")
-_BACKWARD_KINDS = ("B", "I", "W", "SEND_B", "RECV_B", "REDUCE_GRAD")
+_K = ActionKind
+# The kinds of each part of a step a call runs (kind_of): "forward" and "eval"
+# run the forward part, "backward" (the compile door) the rest, "step" all.
+_PART_KINDS = {
+    "forward": (_K.FORWARD, _K.SEND_F, _K.RECV_F),
+    "backward": (_K.FULL_BACKWARD, _K.BACKWARD_INPUT, _K.BACKWARD_WEIGHT, _K.SEND_B, _K.RECV_B,
+                 _K.REDUCE_GRAD),
+}
+_PART_KINDS["eval"] = _PART_KINDS["forward"]
 _SETTING_CHARS = 300  # of a setting's value, in the start-up mismatch error
 
 
-def _filtered_text(schedule: Schedule, kinds: Sequence[str], name: str) -> str:
-    lines = [f"# schedule {name}"]
-    for edge in schedule.edges:
-        if edge[1] != edge[0] + 1:
-            lines.append(f"# edge {edge[0]} {edge[1]}")
-    for rank, row in enumerate(schedule.actions):
-        lines.append(f"{rank}: " + " ".join(t for t in row if action_kind(t) in kinds))
-    return "\n".join(lines) + "\n"
+def _part(schedule: Schedule, part: str) -> Schedule:
+    """The forward or backward part of a lowered schedule (Schedule.part: a
+    subsequence of a valid program keeps every channel's order, NOTE [Channel
+    order], and forwards depend only on forwards, so it runs too)."""
+    return schedule.part(_PART_KINDS[part], name=f"{schedule.name}-{part}")
 
 
 def forward_only_text(schedule: Schedule) -> str:
-    """The forward part (F, SEND_F, RECV_F) of a lowered schedule, as text. A
-    subsequence of a valid program keeps every channel's order (NOTE [Channel
-    order]) and forwards depend only on forwards, so it is valid too."""
-    return _filtered_text(schedule, _FORWARD_KINDS, f"{schedule.name}-forward")
+    """The forward part (F, SEND_F, RECV_F) of a lowered schedule, as text."""
+    return _part(schedule, "forward").to_text()
 
 
 def backward_only_text(schedule: Schedule) -> str:
     """The backward part of a lowered schedule (see forward_only_text)."""
-    return _filtered_text(schedule, _BACKWARD_KINDS, f"{schedule.name}-backward")
+    return _part(schedule, "backward").to_text()
 
 
 def resolve_schedule(schedule: Any, *, pp_size: int, num_stages: int, num_microbatches: int,
@@ -258,7 +260,7 @@ class RankRuntime:
         # executors (see use_shapes); starts at the capture's own sizes.
         self._shape_key = model.shapes.hint_key() if model.shapes is not None else None
         self._by_shape: dict[tuple[int, ...], list[Any]] = {}
-        self._programs: dict[str, list[list[str]]] = {}
+        self._programs: dict[str, list[list[Action]]] = {}
         self.tied_groups = self._tied_groups()
         _LIVE.add(self)
         self.tied = self._tied_sums()
@@ -272,12 +274,12 @@ class RankRuntime:
 
     # ------------------------------------------------------------ construction
     def _compute_kinds(self) -> dict[int, set[str]]:
-        """Per local stage, the compute kinds (F, B, I, W) this rank's program runs."""
+        """Per local stage, the names of the compute kinds (F, B, I, W) this
+        rank's program runs."""
         kinds: dict[int, set[str]] = {s: set() for s in self.local_stages}
-        for token in self.schedule.actions[self.rank]:
-            kind = action_kind(token)
-            if kind in ("F", "B", "I", "W"):
-                kinds[int(token[:len(token) - len(token.lstrip("0123456789"))])].add(kind)
+        for action in self.schedule.actions[self.rank]:
+            if action.is_compute:
+                kinds[action.stage].add(kind_name(action.kind))
         return kinds
 
     def _transport(self) -> Any:
@@ -475,8 +477,7 @@ class RankRuntime:
 
     def _reduce_order(self, rank: int) -> list[int]:
         """The stages of pipeline rank ``rank``'s REDUCE_GRAD actions, in program order."""
-        return [int(t[:-len("REDUCE_GRAD")]) for t in self.schedule.actions[rank]
-                if t.endswith("REDUCE_GRAD")]
+        return [a.stage for a in self.schedule.actions[rank] if a.kind == ActionKind.REDUCE_GRAD]
 
     def _data_parallel(self) -> DataParallel | ShardedStages:
         order = self._reduce_order(self.rank)
@@ -582,17 +583,12 @@ class RankRuntime:
             return "eval" if getattr(self.runner, "eval_loss", False) else "forward"
         return "backward"
 
-    def programs(self, kind: str) -> list[list[str]]:
-        """Every rank's program (action tokens) for a kind of call (kind_of)."""
+    def programs(self, kind: str) -> list[list[Action]]:
+        """Every rank's program (typed actions) for a kind of call (kind_of)."""
         cached = self._programs.get(kind)
         if cached is None:
-            if kind == "step":
-                cached = [list(row) for row in self.schedule.actions]
-            else:
-                text = (backward_only_text if kind == "backward" else forward_only_text)(
-                    self.schedule)
-                cached = [line.split(":", 1)[1].split() for line in text.splitlines()
-                          if line and not line.startswith("#")]
+            part = self.schedule if kind == "step" else _part(self.schedule, kind)
+            cached = part.actions
             self._programs[kind] = cached
         return cached
 

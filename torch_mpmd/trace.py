@@ -14,13 +14,15 @@ only approximately aligned (at the start of the step).
 A Pipeline keeps a :class:`StepRecord` per completed call (a bounded
 history): per-step statistics, the median F/B/I/W time of each local stage
 over the last steps (:func:`stage_times`), and timelines over several steps.
+
+Actions here are typed (``torch_mpmd.schedules.Action``): a row is
+``(action, start, end)``; ``str(action)`` names a span in a Chrome trace.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -29,22 +31,28 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from torch_mpmd.schedules import Action, ActionKind, kind_name
+
 __all__ = ["rank_timeline", "step_metrics", "bubble_fractions", "transfer_latencies",
            "StepRecord", "stage_times", "gather_timelines", "chrome_trace",
            "simulate_measured", "save_measured_timeline"]
 
-Row = list[tuple[str, float, float]]  # (action, start s, end s)
+Row = list[tuple[Action, float, float]]  # (action, start s, end s)
 
-_COMPUTE = ("F", "B", "I", "W")
+# The compute kinds, in the order stage_times reports them (by kind_name).
+_COMPUTE = (ActionKind.FORWARD, ActionKind.FULL_BACKWARD, ActionKind.BACKWARD_INPUT,
+            ActionKind.BACKWARD_WEIGHT)
+# SEND/RECV kinds -> (direction, is_send), for pairing a send with its receive.
+_TRANSFERS = {ActionKind.SEND_F: ("F", True), ActionKind.RECV_F: ("F", False),
+              ActionKind.SEND_B: ("B", True), ActionKind.RECV_B: ("B", False)}
 
 
-def action_kind(token: str) -> str:
-    """The kind of an action in text form: "F" for "2F0", "SEND_F" for "0SEND_F2->3"."""
-    body = token.split("->")[0].split("<-")[0]
-    return body.strip("0123456789")
+def action_kind(action: Action) -> str:
+    """The text name of an action's kind: "F" for 2F0, "SEND_F" for 0SEND_F2->3."""
+    return kind_name(action.kind)
 
 
-def rank_timeline(program: Sequence[str], trace: Sequence[tuple[int, int, int]],
+def rank_timeline(program: Sequence[Action], trace: Sequence[tuple[int, int, int]],
                   origin_ns: int | None = None) -> Row:
     """``(action, start, end)`` in seconds from ``origin_ns`` (default: the first begin)."""
     if not trace:
@@ -58,7 +66,7 @@ def step_metrics(row: Row) -> dict[str, float]:
     if not row:
         return {"span_s": 0.0, "compute_s": 0.0, "bubble_fraction": 0.0}
     span = row[-1][2] - row[0][1]
-    compute = sum(e - s for t, s, e in row if action_kind(t) in _COMPUTE)
+    compute = sum(e - s for a, s, e in row if a.is_compute)
     return {"span_s": span, "compute_s": compute,
             "bubble_fraction": max(0.0, 1.0 - compute / span) if span > 0 else 0.0}
 
@@ -79,21 +87,12 @@ def bubble_fractions(rows: Sequence[Row]) -> list[float]:
     return [max(0.0, 1.0 - step_metrics(row)["compute_s"] / span) for row in rows]
 
 
-_TRANSFER = re.compile(r"^(\d+)(SEND|RECV)_([FB])(\d+)(?:(?:->|<-)(\d+))?$")
-
-
-def _transfer_key(token: str) -> tuple[str, int, int, int] | None:
-    """(direction, sending stage, receiving stage, microbatch) of a SEND/RECV token."""
-    match = _TRANSFER.match(token)
-    if match is None:
-        return None
-    stage, op, direction, mb, peer = match.groups()
-    stage, mb = int(stage), int(mb)
-    # Without an arrow the peer is the adjacent stage: F flows up, B down.
-    step = 1 if direction == "F" else -1
-    if op == "SEND":
-        return direction, stage, int(peer) if peer else stage + step, mb
-    return direction, int(peer) if peer else stage - step, stage, mb
+def _transfer_key(action: Action) -> tuple[str, int, int, int]:
+    """(direction, sending stage, receiving stage, microbatch) of a SEND/RECV."""
+    direction, is_send = _TRANSFERS[action.kind]
+    if is_send:
+        return direction, action.stage, action.peer_stage, action.microbatch
+    return direction, action.peer_stage, action.stage, action.microbatch
 
 
 def transfer_latencies(rows: Sequence[Row]) -> list[float]:
@@ -104,11 +103,11 @@ def transfer_latencies(rows: Sequence[Row]) -> list[float]:
     sends: dict[tuple[str, int, int, int], float] = {}
     recvs: dict[tuple[str, int, int, int], tuple[float, float]] = {}
     for row in rows:
-        for token, start, end in row:
-            key = _transfer_key(token)
-            if key is None:
+        for action, start, end in row:
+            if action.kind not in _TRANSFERS:
                 continue
-            if "SEND" in token:
+            key = _transfer_key(action)
+            if _TRANSFERS[action.kind][1]:
                 sends[key] = start
             else:
                 recvs[key] = (start, end)
@@ -124,13 +123,13 @@ class StepRecord:
     kind: str                               # "step", "forward", "eval", "backward"
     step: int                               # the pipeline's step counter during the call
     rank: int                               # this rank in the pipeline group
-    programs: Sequence[Sequence[str]]       # every rank's program of this kind of call
+    programs: Sequence[Sequence[Action]]    # every rank's program of this kind of call
     trace: torch.Tensor                     # int64 [actions, 3]: action index, begin, end ns
     counters: dict[str, int]                # the executor's peaks in this call
     peak_activation_bytes: dict[int, int]   # per local stage
 
     @property
-    def program(self) -> Sequence[str]:
+    def program(self) -> Sequence[Action]:
         return self.programs[self.rank]
 
     def row(self, origin_ns: int | None = None) -> Row:
@@ -148,13 +147,6 @@ class StepRecord:
                 **step_metrics(self.row())}
 
 
-def _compute_action(token: str) -> tuple[int, str] | None:
-    kind = action_kind(token)
-    if kind not in _COMPUTE:
-        return None
-    return int(token[:len(token) - len(token.lstrip("0123456789"))]), kind
-
-
 def stage_times(records: Sequence[StepRecord], last_n: int | None = None
                 ) -> dict[int, dict[str, float]]:
     """Per local stage, the median seconds of its F, B, I and W actions (the
@@ -168,11 +160,12 @@ def stage_times(records: Sequence[StepRecord], last_n: int | None = None
     for rec in steps:
         program = rec.program
         for i, b, e in rec.trace.tolist():
-            found = _compute_action(program[i])
-            if found is not None:
-                stage, kind = found
-                times.setdefault(stage, {}).setdefault(kind, []).append((e - b) * 1e-9)
-    return {stage: {k: statistics.median(kinds[k]) for k in _COMPUTE if k in kinds}
+            action = program[i]
+            if action.is_compute:
+                times.setdefault(action.stage, {}).setdefault(
+                    kind_name(action.kind), []).append((e - b) * 1e-9)
+    order = [kind_name(k) for k in _COMPUTE]
+    return {stage: {k: statistics.median(kinds[k]) for k in order if k in kinds}
             for stage, kinds in sorted(times.items())}
 
 
@@ -230,9 +223,9 @@ def chrome_trace(rows: Sequence[Row], *, title: str = "torch_mpmd step") -> dict
     for rank, row in enumerate(rows):
         events.append({"name": "process_name", "ph": "M", "pid": rank,
                        "args": {"name": f"rank {rank}"}})
-        for token, start, end in row:
-            kind = action_kind(token)
-            events.append({"name": token, "cat": kind, "ph": "X", "pid": rank, "tid": 0,
+        for action, start, end in row:
+            events.append({"name": str(action), "cat": action_kind(action), "ph": "X",
+                           "pid": rank, "tid": 0,
                            "ts": start * 1e6, "dur": max(end - start, 0.0) * 1e6})
     return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"title": title}}
 
@@ -250,14 +243,14 @@ def simulate_measured(schedule: Any, rows: Sequence[Row], *,
     ``comm_latency_s`` after it is sent (default: free communication)."""
     by_stage_kind: dict[int, dict[str, list[float]]] = {}
     for row in rows:
-        for t, s, e in row:
-            if action_kind(t) in _COMPUTE:
-                stage = int(t[:len(t) - len(t.lstrip("0123456789"))])
-                by_stage_kind.setdefault(stage, {}).setdefault(action_kind(t), []).append(
+        for a, s, e in row:
+            if a.is_compute:
+                by_stage_kind.setdefault(a.stage, {}).setdefault(action_kind(a), []).append(
                     (e - s) * 1e3)
     stage_costs = {st: {k: statistics.median(v) for k, v in kinds.items()}
                    for st, kinds in by_stage_kind.items()}
-    return schedule.simulate(costs={k: 1e-3 for k in _COMPUTE}, stage_costs=stage_costs,
+    return schedule.simulate(costs={kind_name(k): 1e-3 for k in _COMPUTE},
+                             stage_costs=stage_costs,
                              comm_latency=comm_latency_s * 1e3, timeline=True)
 
 

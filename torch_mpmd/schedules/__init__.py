@@ -6,7 +6,11 @@
     r.makespan, r.bubble_fraction, r.peak_activations
 
 All the work happens in the C++ core (csrc/core); this package is a thin,
-immutable view over it. Errors: ``ValueError`` (``ScheduleError``,
+immutable view over it. Actions are typed values (``Action``: ``stage``,
+``kind`` (an ``ActionKind``), ``microbatch``, ``peer_stage``), built by the
+core; ``str(action)`` is the text form (``"2F0"``, ``"0SEND_F2->3"``) and
+only text a user wrote is parsed, by the core (``Action.parse``,
+``Schedule.from_text``/``from_csv``/``from_actions``). Errors: ``ValueError`` (``ScheduleError``,
 ``ParseError``) for bad parameters or malformed text, naming the values or the
 token; ``DeadlockError`` (a ``RuntimeError``) when ranks wait on each other
 forever. CLI: ``python -m torch_mpmd.schedules show --help``.
@@ -20,19 +24,29 @@ from torch_mpmd import _C
 from torch_mpmd.schedules._schedule import Schedule
 from torch_mpmd.schedules._simulation import SimulationResult
 
+Action = _C.Action
+ActionKind = _C.ActionKind
 DeadlockError = _C.DeadlockError
 ParseError = _C.ParseError
 ScheduleError = _C.ScheduleError
 
 __all__ = [
+    "Action",
+    "ActionKind",
     "DeadlockError",
     "ParseError",
     "Schedule",
     "ScheduleError",
     "SimulationResult",
     "get_schedule",
+    "kind_name",
     "names",
 ]
+
+
+def kind_name(kind: ActionKind) -> str:
+    """The text name of a kind: ``"F"``, ``"SEND_B"``, ``"REDUCE_GRAD"``."""
+    return _C.kind_name(kind)
 
 
 def names() -> list[str]:

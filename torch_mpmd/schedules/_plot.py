@@ -18,21 +18,22 @@ from torch_mpmd import _C
 from torch_mpmd.schedules._schedule import Schedule
 from torch_mpmd.schedules._simulation import SimulationResult
 
-# The usual schedule-diagram palette: forward blue, backward green, input
-# gradient light green, weight gradient orange.
-KIND_COLOURS = {
-    "F": "#5b9bd5",
-    "B": "#70ad47",
-    "I": "#a9d18e",
-    "W": "#f4b183",
-    "REDUCE_GRAD": "#bfbfbf",
-    "UNSHARD": "#b4a7d6",
-    "RESHARD": "#d9d2e9",
+_K = _C.ActionKind
+# The kinds drawn, one row each: (colour, legend label). The usual
+# schedule-diagram palette: forward blue, backward green, input gradient light
+# green, weight gradient orange. Kinds not here (SEND/RECV) are not drawn.
+_DRAWN = {
+    _K.FORWARD: ("#5b9bd5", "forward"),
+    _K.FULL_BACKWARD: ("#70ad47", "backward"),
+    _K.BACKWARD_INPUT: ("#a9d18e", "input grad"),
+    _K.BACKWARD_WEIGHT: ("#f4b183", "weight grad"),
+    _K.REDUCE_GRAD: ("#bfbfbf", "grad reduce"),
+    _K.UNSHARD: ("#b4a7d6", "param gather"),
+    _K.RESHARD: ("#d9d2e9", "param free"),
 }
-_KIND_LABELS = {"F": "forward", "B": "backward", "I": "input grad", "W": "weight grad",
-                "REDUCE_GRAD": "grad reduce", "UNSHARD": "param gather", "RESHARD": "param free"}
+KIND_COLOURS = {kind: colour for kind, (colour, _) in _DRAWN.items()}
 # Box label letters of the stage collectives (no microbatch).
-_COLLECTIVE_LETTERS = {"REDUCE_GRAD": "R", "UNSHARD": "U", "RESHARD": "X"}
+_COLLECTIVE_LETTERS = {_K.REDUCE_GRAD: "R", _K.UNSHARD: "U", _K.RESHARD: "X"}
 
 
 def _import_matplotlib():  # type: ignore[no-untyped-def]
@@ -48,13 +49,13 @@ def _import_matplotlib():  # type: ignore[no-untyped-def]
 
 
 def draw_timeline(ax, rows, makespan: float, points_per_unit: float) -> list:  # type: ignore[no-untyped-def]
-    """Draw per-rank rows of ``(action, start, end)`` on ``ax`` (rank 0 on top);
-    returns the kinds drawn, in first-seen order (for a legend)."""
+    """Draw per-rank rows of ``(action, start, end)`` (typed actions) on
+    ``ax`` (rank 0 on top); returns the kinds drawn, in first-seen order (for
+    a legend)."""
     seen: list = []
     for rank, row in enumerate(rows):
-        for token, start, end in row:
-            action = _C.parse_action(token)
-            kind = _C.kind_name(action.kind)
+        for action, start, end in row:
+            kind = action.kind
             if kind not in KIND_COLOURS or end <= start:
                 continue
             if kind not in seen:
@@ -77,7 +78,7 @@ def add_legend(fig, ax, kinds) -> None:  # type: ignore[no-untyped-def]
     _, _, Patch = _import_matplotlib()
     order = [k for k in KIND_COLOURS if k in kinds]
     ax.legend(
-        handles=[Patch(facecolor=KIND_COLOURS[k], edgecolor="black", label=_KIND_LABELS[k])
+        handles=[Patch(facecolor=_DRAWN[k][0], edgecolor="black", label=_DRAWN[k][1])
                  for k in order],
         loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False,
     )

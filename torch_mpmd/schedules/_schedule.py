@@ -7,10 +7,14 @@ simulation, so a deadlock raises ``DeadlockError``); ``from_text``,
 program that deadlocks still loads and reports its deadlock from
 ``validate()`` or ``simulate()``. Malformed input raises ``ValueError``
 (``ParseError``/``ScheduleError``) naming the token or the values.
+
+Programs are read as typed ``_C.Action`` values (``actions``); their text
+rows (``action_text``) are formatted by the core, never parsed here.
 """
 
 from __future__ import annotations
 
+import copy
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Optional, Union
@@ -29,13 +33,16 @@ class Schedule:
     constructor wraps an already-checked ``_C.Schedule`` and is internal.
     """
 
-    __slots__ = ("_cpp",)
+    __slots__ = ("_cpp", "_programs")
     _cpp: _C.Schedule
+    _programs: tuple[tuple[_C.Action, ...], ...]
 
     def __init__(self, cpp: _C.Schedule) -> None:
         if not isinstance(cpp, _C.Schedule):
             raise TypeError(f"Schedule wraps a torch_mpmd._C.Schedule, got {type(cpp).__name__}")
         object.__setattr__(self, "_cpp", cpp)
+        # The one place actions cross from the core: converted once, kept immutable.
+        object.__setattr__(self, "_programs", tuple(tuple(row) for row in cpp.programs))
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError("Schedule is immutable; with_edges() and lower() return new ones")
@@ -71,9 +78,31 @@ class Schedule:
         return list(self._cpp.edges)
 
     @property
-    def actions(self) -> list[list[str]]:
+    def actions(self) -> list[list[_C.Action]]:
+        """Each rank's program as typed actions (``a.stage``, ``a.kind``,
+        ``a.microbatch``, ``a.peer_stage``); ``str(a)`` is the text form."""
+        return [list(program) for program in self._programs]
+
+    @property
+    def action_text(self) -> list[list[str]]:
         """Each rank's program as action tokens (``"2F0"``, ``"1RECV_B3"``)."""
-        return [[str(a) for a in program] for program in self._cpp.programs]
+        return [[str(a) for a in program] for program in self._programs]
+
+    def part(self, kinds: Iterable[_C.ActionKind], *, name: str) -> "Schedule":
+        """The schedule named ``name`` whose programs keep only the actions of
+        ``kinds``, in order; placement, edges and microbatches unchanged.
+
+        Not validated: a part of a schedule (its forwards) is not a whole
+        step. Of a lowered schedule, the forward kinds (F, SEND_F, RECV_F)
+        or the backward ones keep a valid program: a subsequence keeps every
+        channel's order (NOTE [Channel order]) and forwards depend only on
+        forwards.
+        """
+        keep = set(kinds)
+        out = copy.copy(self._cpp)
+        out.name = name
+        out.programs = [[a for a in program if a.kind in keep] for program in self._programs]
+        return Schedule(out)
 
     @property
     def activation_bound(self) -> list[int]:
@@ -225,18 +254,22 @@ class Schedule:
     @classmethod
     def from_actions(
         cls,
-        actions: Sequence[Sequence[str]],
+        actions: Sequence[Sequence[Union[_C.Action, str]]],
         name: str = "custom",
         *,
         edges: Optional[Iterable[Sequence[int]]] = None,
     ) -> "Schedule":
-        """Build from one list of action tokens per rank (rank = list index)."""
+        """Build from one list per rank (rank = list index) of ``Action``
+        values or action tokens (``"2F0"``, parsed by the core)."""
         programs = []
         for rank, row in enumerate(actions):
             if isinstance(row, str):
-                raise TypeError(f"rank {rank}: expected a list of action strings, got a str")
+                raise TypeError(f"rank {rank}: expected a list of actions, got a str")
             program = []
             for i, token in enumerate(row):
+                if isinstance(token, _C.Action):
+                    program.append(token)
+                    continue
                 try:
                     program.append(_C.parse_action(str(token)))
                 except _C.ParseError as e:
@@ -258,7 +291,7 @@ class Schedule:
             f"schedule {self.name}: {self.num_ranks} ranks, {self.num_stages} stages, "
             f"{self.num_microbatches} microbatches ({kind})"
         ]
-        rows = self.actions
+        rows = self.action_text
         steps = max((len(r) for r in rows), default=0)
         width = max([len(t) for r in rows for t in r] + [len(str(max(steps - 1, 0)))])
         label = max(len("step"), len(f"rank {self.num_ranks - 1}"))
@@ -281,7 +314,7 @@ class Schedule:
         )
 
     def _key(self) -> tuple[Any, ...]:
-        return (self.name, self.stage_to_rank, self.edges, self.num_microbatches, self.actions)
+        return (self.name, self.stage_to_rank, self.edges, self.num_microbatches, self._programs)
 
     def __eq__(self, other: object) -> bool:
         """Equal name, placement, edges, microbatches and programs."""

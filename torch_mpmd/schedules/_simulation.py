@@ -28,7 +28,7 @@ COST_KEYS: dict[str, str] = {
 }
 
 CostDict = Mapping[str, float]
-Timeline = list[list[tuple[str, float, float]]]
+Timeline = list[list[tuple[_C.Action, float, float]]]
 
 
 def _non_negative(what: str, value: object) -> float:
@@ -118,8 +118,9 @@ class SimulationResult:
     """Metrics of one simulated pipeline step (see csrc/core/simulator.h).
 
     ``bubble_fraction``, ``peak_activations`` and ``busy`` are per rank.
-    ``timeline`` is, per rank, ``(action, start, end)`` for every action of
-    the lowered program in order, or ``None`` unless ``timeline=True``.
+    ``timeline`` is, per rank, ``(action, start, end)`` for every action
+    (a typed ``Action``) of the lowered program in order, or ``None`` unless
+    ``timeline=True``.
     """
 
     makespan: float
@@ -132,7 +133,7 @@ class SimulationResult:
 
     @classmethod
     def _from_cpp(
-        cls, raw: _C.SimulationResult, actions: Optional[list[list[str]]]
+        cls, raw: _C.SimulationResult, actions: Optional[list[list[_C.Action]]]
     ) -> "SimulationResult":
         timeline = None
         if actions is not None:
