@@ -10,10 +10,12 @@ immutable view over it. Actions are typed values (``Action``: ``stage``,
 ``kind`` (an ``ActionKind``), ``microbatch``, ``peer_stage``), built by the
 core; ``str(action)`` is the text form (``"2F0"``, ``"0SEND_F2->3"``) and
 only text a user wrote is parsed, by the core (``Action.parse``,
-``Schedule.from_text``/``from_csv``/``from_actions``). Errors: ``ValueError`` (``ScheduleError``,
-``ParseError``) for bad parameters or malformed text, naming the values or the
-token; ``DeadlockError`` (a ``RuntimeError``) when ranks wait on each other
-forever. CLI: ``python -m torch_mpmd.schedules show --help``.
+``Schedule.from_text``/``from_csv``/``from_actions``).
+
+Errors: ``ValueError`` (``ScheduleError``, ``ParseError``) for bad parameters
+or malformed text, naming the values or the token; ``DeadlockError`` (a
+``RuntimeError``) when ranks wait on each other forever. CLI:
+``python -m torch_mpmd.schedules show --help``.
 """
 
 from __future__ import annotations
