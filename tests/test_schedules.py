@@ -332,6 +332,7 @@ def test_part_keeps_the_actions_of_the_kinds_in_order():
     assert part.action_text == [["0F0", "0SEND_F0", "0F1", "0SEND_F1"],
                                 ["1RECV_F0", "1F0", "1RECV_F1", "1F1"]]
     assert low.actions == make("1f1b", p=2, m=2).lower().actions  # the source is unchanged
+    assert not low.splits_backward and make("zero_bubble", p=2, m=4).splits_backward
 
 
 def test_schedule_is_immutable_and_returns_copies():

@@ -110,6 +110,11 @@ class Schedule:
         return list(self._cpp.activation_bound)
 
     @property
+    def splits_backward(self) -> bool:
+        """True when the programs split backwards into I and W (zero bubble)."""
+        return self._cpp.splits_backward
+
+    @property
     def is_lowered(self) -> bool:
         """True when the programs hold any action besides F/B/I/W: SEND/RECV,
         REDUCE_GRAD, UNSHARD or RESHARD."""
