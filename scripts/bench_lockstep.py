@@ -82,7 +82,7 @@ def main() -> None:
     record = []
     for _ in range(args.rounds):
         t0 = time.perf_counter()
-        pipe._record_stats(rt, rt.executor)
+        pipe.calls.record(rt, rt.executor)
         record.append(time.perf_counter() - t0)
 
     if dist.get_rank() == 0:

@@ -129,3 +129,27 @@ def test_timelines_over_several_steps_on_two_ranks_line_up_per_step():
         assert min(row[0][1] for row in rows) == 0.0
         assert set(res["stage_times"]) == {str(s) for s in res["local_stages"]}
     assert run.results[0]["rows"] == run.results[1]["rows"]  # the same picture on each rank
+
+
+def test_compile_door_calls_record_their_own_stats_forward_then_backward():
+    # The door's forward part and backward part go through the same step as
+    # pipe.step (step.py): each completed call is what last_step_stats and
+    # the history describe, the backward part as kind "backward".
+    torch.manual_seed(0)
+    model = models.MLP(d=8, depth=4, markers=False)
+    compiled = torch.compile(model, backend="mpmd", options=dict(
+        schedule="gpipe", num_microbatches=4, split_points=["blocks.2"]))
+    x, y = _batch()
+    out = compiled(x)
+    pipe = mpmd.pipeline_of(compiled)
+    forward = dict(pipe.last_step_stats)
+    F.mse_loss(out, y).backward()
+    backward = dict(pipe.last_step_stats)
+    assert forward["kind"] == "forward" and backward["kind"] == "backward", (forward, backward)
+    assert backward["step"] == forward["step"]          # one training step: both parts
+    assert backward["actions"] > 0 and forward["actions"] > 0
+    assert [r.kind for r in pipe.calls.records] == ["forward", "backward"]
+    assert all(p.grad is not None for p in model.parameters())
+    # The next training call counts a new step.
+    compiled(x)
+    assert pipe.last_step_stats["step"] == forward["step"] + 1

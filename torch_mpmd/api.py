@@ -12,8 +12,6 @@ DESIGN.md example) still covers this rank's (the others never get gradients).
 
 from __future__ import annotations
 
-import collections
-import contextlib
 import datetime
 import hashlib
 import inspect
@@ -37,6 +35,7 @@ from torch_mpmd.microbatch import (check_target_batch, first_microbatch, merge_m
 from torch_mpmd.runtime import V_SCHEDULES, PipelineError, RankRuntime, StagedModel
 from torch_mpmd.schedules import Schedule, get_schedule, names as schedule_names
 from torch_mpmd.stage import _set_path, split_model
+from torch_mpmd.step import EVAL, FORWARD, STEP, CallHistory, run_step
 
 __all__ = ["pipeline", "Pipeline", "PipelineError"]
 
@@ -74,7 +73,6 @@ def _positive_int(name: str, value: Any, *, optional: bool = False) -> int | Non
 
 
 _OUTPUT_TAG = 0x6D6F  # p2p tag of outputs sent to one rank (the executor's transfers use 0)
-_STATS_WINDOW = 20  # completed calls a Pipeline keeps the trace of (Pipeline.stats_window)
 _MAX_TIMEOUT_S = 1e7  # ~115 days; larger overflows the executor's clock arithmetic
 
 
@@ -172,11 +170,9 @@ class Pipeline(torch.nn.Module):
         # one per class of sizes its guards admit (see _unfit).
         self._mpmd_captures: dict[tuple, list[tuple[RankRuntime, Any]]] = {}
         self._mpmd_input_signature: tuple | None = None
-        self._mpmd_step = 0
-        self._mpmd_last: tuple[Any, dict[int, int]] | None = None
+        self.calls = CallHistory()  # what this rank's calls did (step.py)
         self._mpmd_all_modules: list[torch.nn.Module] | None = None
         self._mpmd_all_params: list[torch.Tensor] = []  # the module's, for NOTE [Freezing]
-        self._mpmd_last_stats: dict[str, Any] | None = None
         if self._mpmd_meta:  # now, so that an optimizer built before the first step
             # holds the Parameters that this rank later materializes in place
             meta_init.replace_with_standins(module, self.device)
@@ -485,27 +481,12 @@ class Pipeline(torch.nn.Module):
         targets = split_tree(target, m, "target") if target is not None else [None] * m
         rt = self._ensure_built(args0, kwargs0)
         inputs = self._mpmd_split.named_microbatches(args, kwargs, m)
-        rt.use_shapes(inputs[0])
+        rt.use_shapes(inputs[0])  # (before building: the programs' sizes)
         rt.prepare_programs(inputs, targets, self._mpmd_loss_fn)
-        rng = _RngState(self.device)
-        rt.runner.begin_step(inputs, targets, self._mpmd_loss_fn, rt.seed,
-                             self._mpmd_step, training=True)
-        rt.begin_reductions()
-        try:
-            # Functional programs need no autograd graph: one grad-mode switch
-            # for the whole step instead of one per action.
-            with torch.no_grad() if rt.runner.functional else contextlib.nullcontext():
-                rt.run(rt.executor)
-        except BaseException:
-            self._forget_last_step()  # its executor's trace is partial now
-            raise
-        finally:
-            rng.restore()
-        rt.end_reductions()
+        run_step(rt, STEP, self.calls, self.device, inputs=inputs, targets=targets,
+                 loss_fn=self._mpmd_loss_fn)
         loss = training.mean_loss(rt, rt.runner.losses, m, self.device)
         rt.runner.end_step()
-        self.__dict__["_mpmd_step"] += 1  # (nn.Module.__setattr__ costs ~10 us)
-        self._record_stats(rt, rt.executor)
         if os.environ.get("MPMD_TRACE"):
             self.save_trace(os.environ["MPMD_TRACE"])
         return loss
@@ -516,43 +497,21 @@ class Pipeline(torch.nn.Module):
         """How many completed calls (steps, forwards, evals) this rank keeps the
         trace and peaks of, for :meth:`stage_times` and ``timelines(steps=)``
         (default 20; a bounded history: older calls are dropped)."""
-        return self.__dict__.get("_mpmd_stats_window", _STATS_WINDOW)
+        return self.calls.window
 
     @stats_window.setter
     def stats_window(self, value: int) -> None:
         _positive_int("stats_window", value)
-        self.__dict__["_mpmd_stats_window"] = value
-        self.__dict__["_mpmd_history"] = collections.deque(self._history(), maxlen=value)
+        self.calls.window = value
 
-    def _history(self) -> "collections.deque[trace.StepRecord]":
-        history = self.__dict__.get("_mpmd_history")
-        if history is None:
-            history = self.__dict__["_mpmd_history"] = collections.deque(
-                maxlen=self.stats_window)
-        return history
+    @property
+    def _mpmd_step(self) -> int:
+        """The training steps taken (checkpoints save and restore it)."""
+        return self.calls.step
 
-    def _record_stats(self, rt: RankRuntime, executor: Any) -> None:
-        # The call's record: a copy of the executor's trace (one tensor) and
-        # peaks, which its next run overwrites; the metrics are derived when
-        # asked for (a Python walk over every action would cost each step as
-        # much as ~100 actions). Plain attributes set per step: straight into
-        # __dict__, past nn.Module.__setattr__'s checks for parameters.
-        kind = rt.kind_of(executor)
-        record = trace.StepRecord(kind, int(rt.runner.step), rt.rank, rt.programs(kind),
-                                  executor.trace_array, executor.counters,
-                                  dict(rt.runner.peak_bytes))
-        self._history().append(record)
-        self.__dict__["_mpmd_last"] = record
-        self.__dict__["_mpmd_last_stats"] = None
-        collectives = (rt.dp.report() if self._mpmd_shards is not None and rt.dp is not None
-                       else {})
-        if rt.tied is not None and kind == "step":
-            collectives["tied_all_reduce"] = rt.tied.report()
-        self.__dict__["_mpmd_last_collectives"] = collectives or None
-
-    def _forget_last_step(self) -> None:
-        self.__dict__["_mpmd_last"] = None
-        self.__dict__["_mpmd_last_stats"] = None
+    @_mpmd_step.setter
+    def _mpmd_step(self, value: int) -> None:
+        self.calls.step = value
 
     @property
     def last_step_stats(self) -> dict[str, Any]:
@@ -573,14 +532,7 @@ class Pipeline(torch.nn.Module):
         REDUCE_GRAD actions that posted them, each group's global ranks:
         ``TiedSums.report`` in tied.py). Empty before the first call and after
         a call that failed."""
-        if self._mpmd_last is None:
-            return {}
-        if self._mpmd_last_stats is None:
-            self._mpmd_last_stats = self._mpmd_last.stats()
-            collectives = self.__dict__.get("_mpmd_last_collectives")
-            if collectives is not None:
-                self._mpmd_last_stats["collectives"] = collectives
-        return self._mpmd_last_stats
+        return self.calls.last_stats()
 
     def stage_times(self, last_n: int | None = None) -> dict[int, dict[str, float]]:
         """Per local stage, the median seconds of its F, B, I and W actions (the
@@ -590,7 +542,7 @@ class Pipeline(torch.nn.Module):
         communication); a RuntimeError before the first completed step."""
         if last_n is not None:
             _positive_int("last_n", last_n)
-        steps = [r for r in self._history() if r.kind == "step"]
+        steps = [r for r in self.calls.records if r.kind == "step"]
         if not steps:
             raise RuntimeError("no completed step: stage_times() measures training steps; call "
                                "step() first")
@@ -603,7 +555,7 @@ class Pipeline(torch.nn.Module):
         call it on every rank."""
         _positive_int("steps", steps)
         rt = self._runtime()
-        history = list(self._history())
+        history = list(self.calls.records)
         if not history:
             raise RuntimeError("no completed step: call step() or the pipeline first (a step that "
                                "failed leaves no timeline)")
@@ -718,18 +670,8 @@ class Pipeline(torch.nn.Module):
         m = self.num_microbatches
         rt = self._ensure_built(*first_microbatch(args, kwargs, m))
         inputs = self._mpmd_split.named_microbatches(args, kwargs, m)
-        rt.use_shapes(inputs[0])
-        rng = _RngState(self.device)
-        rt.runner.begin_step(inputs, targets, self._mpmd_loss_fn if eval_loss else None,
-                             rt.seed, self._mpmd_step, training=False, eval_loss=eval_loss)
-        try:
-            rt.run(rt.forward_executor)
-        except BaseException:
-            self._forget_last_step()  # its executor's trace is partial now
-            raise
-        finally:
-            rng.restore()
-        self._record_stats(rt, rt.forward_executor)
+        run_step(rt, EVAL if eval_loss else FORWARD, self.calls, self.device, inputs=inputs,
+                 targets=targets, loss_fn=self._mpmd_loss_fn if eval_loss else None)
         return rt, inputs
 
     def _deliver_outputs(self, rt: RankRuntime, flat: tuple | None,
@@ -769,21 +711,6 @@ class Pipeline(torch.nn.Module):
         else:
             work = dist.irecv(t, group=rt.group, group_src=rt.last_rank, tag=_OUTPUT_TAG)
         rt.wait(work, f"model output {i} from rank {rt.last_rank} to rank {output_rank}")
-
-
-class _RngState:
-    """The RNG state to put back after a step: stages reseed per (stage,
-    microbatch), which must not change the user's random stream."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.cpu = torch.get_rng_state()
-        self.cuda = (torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
-        self.device = device
-
-    def restore(self) -> None:
-        torch.set_rng_state(self.cpu)
-        if self.cuda is not None:
-            torch.cuda.set_rng_state(self.cuda, self.device)
 
 
 def _unfit(runtime: RankRuntime, split: Any, args0: tuple, kwargs0: dict) -> str | None:

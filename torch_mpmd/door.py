@@ -32,6 +32,7 @@ import torch.fx
 
 from torch_mpmd.frame import FrameCall, FrameModule, frame_call
 from torch_mpmd.microbatch import first_microbatch
+from torch_mpmd.step import BACKWARD, FORWARD_KEEPING_GRAPH, run_step
 
 __all__ = ["Door", "pipeline_of"]
 
@@ -330,24 +331,13 @@ class Door:
         return self._merge(per_mb)
 
     def _forward_keeping_graph(self, args: tuple, kwargs: dict) -> Any:
-        from torch_mpmd.api import _RngState
-
         pipe = self.pipeline
         m = pipe.num_microbatches
         rt = pipe._ensure_built(*first_microbatch(args, kwargs, m))
         inputs = pipe.split.named_microbatches(args, kwargs, m)
-        rt.use_shapes(inputs[0])
         rt.runner.end_step()  # a forward never backpropagated leaves state behind
-        rng = _RngState(pipe.device)
-        rt.runner.begin_step(inputs, [], None, rt.seed, pipe._mpmd_step, training=True,
-                             outputs_as_roots=True)
-        pipe.__dict__["_mpmd_step"] += 1
         self._generation += 1
-        try:
-            with torch.enable_grad():
-                rt.run(rt.forward_executor)
-        finally:
-            rng.restore()
+        run_step(rt, FORWARD_KEEPING_GRAPH, pipe.calls, pipe.device, inputs=inputs)
         return rt
 
     def _merge(self, per_mb: list[tuple]) -> list[torch.Tensor]:
@@ -385,8 +375,6 @@ class Door:
             else:
                 chunks.append(list(g.chunk(m)))
         rt.runner.output_grads = [[c[k] for c in chunks] for k in range(m)]
-        rt.begin_reductions()
         self._generation += 1  # a second backward through the same output is refused too
-        rt.run(rt.backward_executor)
-        rt.end_reductions()
+        run_step(rt, BACKWARD, self.pipeline.calls, self.pipeline.device)
         rt.runner.end_step()
