@@ -149,17 +149,26 @@ def never_calls(timeout: float) -> dict[str, Any]:
     if rank == 1:
         time.sleep(300)
         return {"rank": rank}
+    return _first_step_raises(timeout, 2, "rank 1 never called")
+
+
+def _first_step_raises(timeout: float, stages: int, why: str) -> dict[str, Any]:
+    """The first step of a 1f1b pipeline of ``stages`` stages must raise
+    PipelineError (``why`` it cannot complete): records when and what (a
+    partial result), then lets it escape so the process exits."""
+    rank = dist.get_rank()
     x, y = W.make_batch("skip")
     pipe = mpmd.pipeline(W.build_model("skip"), loss_fn=F.mse_loss, schedule="1f1b",
-                         num_microbatches=2, split_points=W.SKIP_SPLITS[2], timeout=timeout)
+                         num_microbatches=stages, split_points=W.SKIP_SPLITS[stages],
+                         timeout=timeout)
     start = time.monotonic()
     try:
         pipe.step(x, target=y)
     except mpmd.PipelineError as e:
         partial_result({"rank": rank, "raised_after": time.monotonic() - start,
-                        "raised_at": time.time(), "message": str(e)[:4000]})
+                        "raised_at": time.time(), "message": str(e)[:4000], "peer": e.peer})
         raise
-    return {"rank": rank, "error": "the step returned although rank 1 never called"}
+    return {"rank": rank, "error": f"the step returned although {why}"}
 
 
 def timelines_over_steps(steps: int) -> dict[str, Any]:
@@ -181,23 +190,12 @@ def die_mid_pipeline(dying_rank: int, timeout: float) -> dict[str, Any]:
     raised (partial result), then lets it escape so its process exits."""
     rank = dist.get_rank()
     if rank == dying_rank:
-        forward = ProgramRunner.forward
 
         def dying_forward(self, stage, mb, inputs):
             os._exit(3)
 
         ProgramRunner.forward = dying_forward
-    x, y = W.make_batch("skip")
-    pipe = mpmd.pipeline(W.build_model("skip"), loss_fn=F.mse_loss, schedule="1f1b",
-                         num_microbatches=4, split_points=W.SKIP_SPLITS[4], timeout=timeout)
-    start = time.monotonic()
-    try:
-        pipe.step(x, target=y)
-    except mpmd.PipelineError as e:
-        partial_result({"rank": rank, "raised_after": time.monotonic() - start,
-                        "message": str(e)[:4000], "peer": e.peer})
-        raise
-    return {"rank": rank, "error": "the step returned although a peer died"}
+    return _first_step_raises(timeout, 4, "a peer died")
 
 
 def leaves_early(timeout: float) -> dict[str, Any]:
@@ -208,14 +206,4 @@ def leaves_early(timeout: float) -> dict[str, Any]:
     if rank == 1:   # the script ends here: exit code 0, without destroy_process_group
         partial_result({"rank": rank, "left_at": time.time()})
         sys.exit(0)
-    x, y = W.make_batch("skip")
-    pipe = mpmd.pipeline(W.build_model("skip"), loss_fn=F.mse_loss, schedule="1f1b",
-                         num_microbatches=2, split_points=W.SKIP_SPLITS[2], timeout=timeout)
-    start = time.monotonic()
-    try:
-        pipe.step(x, target=y)
-    except mpmd.PipelineError as e:
-        partial_result({"rank": rank, "raised_after": time.monotonic() - start,
-                        "message": str(e)[:4000]})
-        raise
-    return {"rank": rank, "error": "the step returned although rank 1 left"}
+    return _first_step_raises(timeout, 2, "rank 1 left")

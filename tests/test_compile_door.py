@@ -108,8 +108,13 @@ def test_autograd_grad_scaled_losses_and_the_sum_reduction():
 @pytest.mark.parametrize("case_id", ["batch-change", "batch-change-dynamic",
                                      "batch-change-mark-dynamic"])
 def test_a_new_batch_size_mid_run_captures_again_on_every_rank(case_id):
+    _check_sizes(_results(case_id))
+
+
+def _check_sizes(ranks: list[dict]) -> None:
+    """Every size's loss and gradients (results keyed by size) on every rank."""
     bad = []
-    for rank, res in enumerate(_results(case_id)):
+    for rank, res in enumerate(ranks):
         for size, r in res.items():
             if not isinstance(r, dict) or "loss" not in r:
                 continue
@@ -150,15 +155,7 @@ _DYNAMIC_GRID = GridRun(2, "door_worker:grid", DYNAMIC_COMPILED, task="door")
 @pytest.mark.parametrize("case_id", [c["id"] for c in DYNAMIC_COMPILED])
 def test_dynamic_door_with_inductor_programs_trains_like_eager_at_new_sizes(case_id):
     ranks = _DYNAMIC_GRID.results(case_id)
-    bad = []
-    for rank, res in enumerate(ranks):
-        for size, r in res.items():
-            if not isinstance(r, dict) or "loss" not in r:
-                continue
-            if not r["loss"]["ok"]:
-                bad.append(f"rank {rank} {size} loss: {r['loss']}")
-            bad += _bad(rank, r["grads"], f"{size} ")
-    assert not bad, "\n".join(bad)
+    _check_sizes(ranks)
     for size in ("b8s8", "b12s6"):  # every parameter has its gradient on some rank
         covered = set().union(*(set(r[size]["with_grad"]) for r in ranks))
         assert covered == set(ranks[0]["all_params"]), size

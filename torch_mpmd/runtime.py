@@ -246,7 +246,7 @@ class RankRuntime:
         self.runner = ProgramRunner({s: model.stages[s] for s in self.local_stages},
                                     model.signatures, self.layout, producers, consumers,
                                     model.rebuild_output,
-                                    split_backward=self.schedule._cpp.splits_backward,
+                                    split_backward=self.schedule.splits_backward,
                                     compiler=compiler, rank=self.rank, device=device,
                                     kinds=self._compute_kinds())
         self.runner.shapes = model.shapes
