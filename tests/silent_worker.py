@@ -167,6 +167,12 @@ def errors(case: dict[str, Any]) -> dict[str, Any]:
     pipe = _pipe(MLP_seeded(), F.mse_loss)
     out["target_rows"] = _outcome(lambda: pipe.step(x, target=y[:4]))
     out["target_missing"] = _outcome(lambda: pipe.step(x))
+    # A loss of the user's own may ignore its target: it runs, and when it
+    # fails on target=None the error (on every rank) says the target is missing.
+    out["target_missing_custom"] = _outcome(
+        lambda: _pipe(MLP_seeded(), lambda o, t: F.mse_loss(o, t)).step(x))
+    out["no_target_needed"] = _outcome(
+        lambda: _pipe(MLP_seeded(), lambda o, t: o.pow(2).mean()).step(x))
     out["eval_target_rows"] = _outcome(lambda: pipe.eval_step(x, target=y[:4]))
     out["then_a_step"] = _outcome(lambda: pipe.step(x, target=y))
     out["reference"] = float(F.mse_loss(MLP_seeded()(x), y))

@@ -41,11 +41,12 @@ OTHER = [
 # module itself with the loss outside.
 DOOR_MODELS = [dict(id=f"factory-{s}", kind="factory", model="skip", schedule=s, m=2)
                for s in ("1f1b", "zero_bubble")]
+# Each model once, the schedules alternating (1F1B, ZB-H1 with its I/W split).
 DOOR_MODELS += [dict(id=f"hf-module-{model}-{s}", kind="hf_module", model=model, schedule=s,
                      m=2)
-                for model in ("hf_gpt2", "hf_llama", "hf_llama_tied", "hf_mistral", "hf_qwen2",
-                              "hf_qwen2_tied")
-                for s in ("1f1b", "zero_bubble")]
+                for model, s in (("hf_gpt2", "1f1b"), ("hf_llama", "zero_bubble"),
+                                 ("hf_llama_tied", "1f1b"), ("hf_mistral", "zero_bubble"),
+                                 ("hf_qwen2", "zero_bubble"), ("hf_qwen2_tied", "1f1b"))]
 CASES = TRAIN + OTHER + DOOR_MODELS
 _GRID = GridRun(2, "door_worker:grid", CASES, task="door")
 

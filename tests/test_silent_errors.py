@@ -75,6 +75,9 @@ def test_a_target_of_another_batch_size_is_a_value_error_before_any_transfer():
         assert r["target_missing"]["type"] == "ValueError", (rank, r["target_missing"])
         assert "target is missing" in r["target_missing"]["message"]
         assert "mse_loss" in r["target_missing"]["message"]
+        custom = r["target_missing_custom"]
+        assert not custom["ok"] and "target is missing" in custom["message"], (rank, custom)
+        assert r["no_target_needed"]["ok"], (rank, r["no_target_needed"])
         # The ranks stayed in step: the same pipeline then trains.
         assert r["then_a_step"]["ok"], (rank, r["then_a_step"])
         assert r["then_a_step"]["value"] == pytest.approx(r["reference"], rel=1e-5)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import datetime
 import hashlib
-import inspect
 import logging
 import math
 import os
@@ -645,11 +644,10 @@ class Pipeline(torch.nn.Module):
                              "comes from the model's output and the target would be ignored; "
                              "pass pipeline(loss_fn=...), or give the labels to the model as "
                              "an argument (e.g. labels=y)")
-        if target is None and loss_fn is not None and not _target_optional(loss_fn):
+        if target is None and loss_fn is not None and _needs_target(loss_fn):
             raise ValueError(f"target is missing: pipeline(loss_fn={training.callable_name(loss_fn)}) "
                              "computes loss_fn(output, target) on each microbatch, but no "
-                             "target= was given; pass step(..., target=y) (or give loss_fn's "
-                             "second parameter a default if it needs no target)")
+                             "target= was given; pass step(..., target=y)")
         if target is not None:  # after the inputs' own checks (first_microbatch)
             first_microbatch(args, kwargs, self.num_microbatches)
             check_target_batch(args, kwargs, target)
@@ -764,18 +762,20 @@ def _code_digest(code: Any) -> str:
     return h.hexdigest()[:12]
 
 
-def _target_optional(loss_fn: Callable[..., Any]) -> bool:
-    """Whether ``loss_fn(output)`` is a valid call (its second parameter has a
-    default, or it takes *args): then a step may go without target."""
-    fn = loss_fn.forward if isinstance(loss_fn, torch.nn.Module) else loss_fn
-    try:
-        params = list(inspect.signature(fn).parameters.values())
-    except (TypeError, ValueError):  # no signature to read (a builtin): trust the call
-        return True
-    P = inspect.Parameter
-    positional = [p for p in params if p.kind in (P.POSITIONAL_ONLY, P.POSITIONAL_OR_KEYWORD)]
-    return (any(p.kind == P.VAR_POSITIONAL for p in params) or len(positional) < 2 or
-            positional[1].default is not P.empty)
+def _needs_target(loss_fn: Callable[..., Any]) -> bool:
+    """Whether ``loss_fn`` is known to read its target before it runs: one of
+    torch's losses (a ``torch.nn`` loss module, a ``torch.nn.functional``
+    function, or a partial of either; every one of them takes a target).
+    Another callable may ignore it: without a target it is called with None,
+    and an error it raises then says the target is missing
+    (training.microbatch_loss)."""
+    fn = loss_fn
+    while isinstance(getattr(fn, "func", None), Callable):  # functools.partial
+        fn = fn.func
+    if isinstance(fn, torch.nn.Module):
+        return isinstance(fn, torch.nn.modules.loss._Loss)
+    return getattr(fn, "__module__", None) == "torch.nn.functional" and \
+        getattr(fn, "__name__", "").endswith(("_loss", "cross_entropy", "nll_loss"))
 
 
 def _compile_label(compile: Any) -> str:

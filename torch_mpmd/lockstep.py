@@ -560,39 +560,51 @@ class RanksLeft(RuntimeError):
     """Ranks of the pipeline exited before joining it (NOTE [Ranks that left])."""
 
 
+_LEFT_COUNT = "torch_mpmd/left_count"
+
+
 def announce_exit() -> None:
     """Record in the job's store that this rank's process is exiting
     (NOTE [Ranks that left]); best effort, silent."""
     try:
         if dist.is_initialized():
-            _store().set(f"{_LEFT_KEY}{dist.get_rank()}", f"{time.time():.6f}")
+            store = _store()
+            store.set(f"{_LEFT_KEY}{dist.get_rank()}", f"{time.time():.6f}")
+            store.add(_LEFT_COUNT, 1)
     except Exception:  # noqa: BLE001  (the store may be gone already)
         pass
 
 
 def _await_arrivals(ranks: tuple[int, ...], timeout_s: float) -> None:
+    # Two store round trips a poll whatever the number of ranks: a counter of
+    # arrivals, and the job's count of departures (which ranks left is read
+    # only once that count says some did).
     store = _store()
     if store is None or len(ranks) < 2:
         return
     gen = _ARRIVALS[ranks] = _ARRIVALS.get(ranks, 0) + 1
     tag = hashlib.sha256(repr(ranks).encode()).hexdigest()[:16]
-    key = f"torch_mpmd/arrived/{tag}/{gen}/".__add__
+    arrived = f"torch_mpmd/arrived/{tag}/{gen}"
     try:
-        store.set(key(str(dist.get_rank())), "1")
+        count = store.add(arrived, 1)
     except Exception:  # noqa: BLE001  (no store to poll: the group's rendezvous decides)
         return
-    waiting = [r for r in ranks if r != dist.get_rank()]
+    me = dist.get_rank()
     deadline = time.monotonic() + timeout_s
-    while waiting and time.monotonic() < deadline:
-        waiting = [r for r in waiting if not store.check([key(str(r))])]
-        gone = [r for r in waiting if store.check([f"{_LEFT_KEY}{r}"])]
+    while count < len(ranks) and time.monotonic() < deadline:
+        gone = []
+        if store.add(_LEFT_COUNT, 0) > 0:
+            gone = [r for r in ranks if r != me and store.check([f"{_LEFT_KEY}{r}"])]
         if gone:
             raise RanksLeft(
                 f"rank{'s' if len(gone) > 1 else ''} {', '.join(map(str, gone))} left the job "
                 "(the process exited) before joining the pipeline: every rank must make the "
                 "same pipeline calls")
-        if waiting:
-            time.sleep(_POLL_S)
+        time.sleep(_POLL_S)
+        count = store.add(arrived, 0)
+    if count < len(ranks):  # the group's rendezvous would only wait as long again
+        raise RuntimeError(f"wait timeout after {timeout_s:g} s: {count} of the {len(ranks)} "
+                           "ranks arrived")
 
 
 def ledger_for(replicas: Sequence[Sequence[int]] | None, group: Any,

@@ -102,14 +102,17 @@ def microbatch_loss(loss_fn: Callable[..., torch.Tensor] | None, output: Any,
         what = f"loss_fn {callable_name(loss_fn)}"
         try:
             loss = loss_fn(output, target)
-        except Exception as e:
-            if isinstance(output, torch.Tensor) or not isinstance(e, (TypeError, AttributeError,
-                                                                      ValueError)):
-                raise
-            # The user's loss failed on an output it did not expect: say what
-            # the last stage produced, not only what broke inside the loss.
-            raise type(e)(f"{what} failed on the last stage's output, which is "
-                          f"{_describe(output)}: {e}") from e
+        except (TypeError, AttributeError, ValueError) as e:
+            # Say what the loss was given when it is not what a loss expects:
+            # no target, or an output that is not a tensor (not only what
+            # broke inside the user's loss).
+            if target is None:
+                raise type(e)(f"target is missing: {what} raised with target=None (pass "
+                              f"step(..., target=y)): {e}") from e
+            if not isinstance(output, torch.Tensor):
+                raise type(e)(f"{what} failed on the last stage's output, which is "
+                              f"{_describe(output)}: {e}") from e
+            raise
         if not (isinstance(loss, torch.Tensor) and loss.numel() == 1):
             raise ValueError(f"loss_fn must return a one-element tensor, it returned "
                              f"{_describe(loss)}")
