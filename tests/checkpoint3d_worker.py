@@ -25,7 +25,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 import models
 import torch_mpmd as mpmd
 from dist_harness import error_text as _error_text, partial_result, run_grid
-from optim_replay import AdamWReplay
+from optim_replay import AdamWReplay, step_both
 from tp_worker import (EPS, LR, PLAN, VOCAB, SEQ, _mine, _pipeline, batch,
                        full, gpt_loss, make_mesh, max_diff, worst)
 
@@ -98,20 +98,12 @@ def _saving_run(directory: str, layout: dict[str, Any], out: dict[str, Any]
     opt = torch.optim.AdamW(pipe.parameters(), lr=LR, eps=EPS)
     ropt = torch.optim.AdamW(ref.parameters(), lr=LR, eps=EPS)
     replay = AdamWReplay(ref, lr=LR, eps=EPS)
-    want = dict(ref.named_parameters(remove_duplicate=False))
     out["grads_vs_ref"] = []
 
     def train_step(seed: int) -> float:
-        x, y = batch(seed)
-        loss = float(pipe.step(x[mine], target=y[mine]))
-        gpt_loss(ref(x), y).backward()
-        out["grads_vs_ref"].append(max(max_diff(full(p.grad), want[n].grad)
-                                       for n, p in pipe.named_parameters()))
-        replay.step(pipe, all_ranks=True)   # the states compared are every rank's
-        for o in (opt, ropt):
-            o.step()
-            o.zero_grad()
-        return loss
+        loss, worst = step_both(pipe, opt, ref, ropt, replay, *batch(seed), mine, gpt_loss)
+        out["grads_vs_ref"].append(worst)
+        return float(loss)
 
     for seed in (1, 2):
         train_step(seed)

@@ -75,3 +75,36 @@ class AdamWReplay:
     def named_parameters(self, remove_duplicate: bool = False
                          ) -> Iterator[tuple[str, nn.Parameter]]:
         return iter(self._params.items())
+
+
+def step_both(pipe: Any, opt: Any, ref: nn.Module, ropt: Any, replay: AdamWReplay,
+              x: torch.Tensor, y: torch.Tensor, rows: Any,
+              loss_fn: Any) -> tuple[torch.Tensor, float]:
+    """One training step of ``pipe`` on its ``rows`` of the batch and of the
+    reference on all of it: returns (the pipeline's loss, the worst gradient
+    difference over this rank's parameters, max |a - b| / (ATOL + RTOL |b|)
+    of the full gradients); then each optimizer steps and the replay steps
+    on every rank's gradients (collective over the world)."""
+    loss = pipe.step(x[rows], target=y[rows])
+    loss_fn(ref(x), y).backward()
+    want = dict(ref.named_parameters(remove_duplicate=False))
+    worst = max(max_diff(full(p.grad), want[n].grad) for n, p in pipe.named_parameters())
+    replay.step(pipe, all_ranks=True)
+    for o in (opt, ropt):
+        o.step()
+        o.zero_grad()
+    return loss, worst
+
+
+RTOL, ATOL = 1e-4, 1e-5   # fp32, a few layers deep
+
+
+def max_diff(a: torch.Tensor | None, b: torch.Tensor | None) -> float:
+    """max |a - b|, scaled so that <= 1 means within (RTOL, ATOL); inf when
+    one is missing or the shapes differ."""
+    if a is None or b is None or a.shape != b.shape:
+        return float("inf")
+    if a.numel() == 0:
+        return 0.0
+    a, b = a.detach().double(), b.detach().double()
+    return float(((a - b).abs() / (ATOL + RTOL * b.abs())).max())

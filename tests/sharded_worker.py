@@ -29,7 +29,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 import models
 import torch_mpmd as mpmd
 from dist_harness import error_text as _error_text, partial_result, run_grid
-from optim_replay import AdamWReplay, full
+from optim_replay import AdamWReplay, full, max_diff, step_both
 
 RTOL, ATOL = 1e-4, 1e-5
 BATCH = 8   # the global batch
@@ -109,17 +109,6 @@ def deterministic_init(mod: nn.Module) -> None:
 
 def make_mesh(dp: int, pp: int) -> Any:
     return init_device_mesh("cpu", (dp, pp), mesh_dim_names=("dp", "pp"))
-
-
-def max_diff(a: torch.Tensor | None, b: torch.Tensor | None) -> float:
-    """max |a - b|, scaled so that <= 1 means within (RTOL, ATOL); inf when
-    one is missing or the shapes differ."""
-    if a is None or b is None or a.shape != b.shape:
-        return float("inf")
-    if a.numel() == 0:
-        return 0.0
-    a, b = a.detach().double(), b.detach().double()
-    return float(((a - b).abs() / (ATOL + RTOL * b.abs())).max())
 
 
 def ref_params(ref: nn.Module) -> dict[str, nn.Parameter]:
@@ -597,13 +586,8 @@ def checkpoints(directory: str) -> dict[str, Any]:
     out["grads_vs_ref"] = []
 
     def train_step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        loss = pipe.step(x[mine], target=y[mine])
-        gpt_loss(ref(x), y).backward()
-        out["grads_vs_ref"].append(worst(compare_grads(pipe, ref))[1])
-        replay.step(pipe, all_ranks=True)   # the states compared are every rank's
-        for o in (opt, ropt):
-            o.step()
-            o.zero_grad()
+        loss, worst_diff = step_both(pipe, opt, ref, ropt, replay, x, y, mine, gpt_loss)
+        out["grads_vs_ref"].append(worst_diff)
         return loss
 
     for seed in (1, 2):
