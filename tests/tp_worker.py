@@ -347,10 +347,14 @@ def door(case: dict[str, Any]) -> dict[str, Any]:
         ref_loss = gpt_loss(ref(x), y)
         ref_loss.backward()
         res["loss"].append(max_diff(loss.detach().reshape(()), ref_loss.detach()))
-        # Parameters of other ranks' stages get no gradient here.
-        res["grads"].append(worst({n: max_diff(full(p.grad), want[n].grad)
-                                   for n, p in model.named_parameters() if p.grad is not None}))
-        local = {n for n, p in model.named_parameters() if p.grad is not None}
+        # Every parameter this rank's pipeline holds has the reference's
+        # gradient (a missing one is inf); the others have none.
+        local = {n for n, _ in mpmd.pipeline_of(train_loss).named_parameters()}
+        diffs = {n: max_diff(full(p.grad), want[n].grad)
+                 for n, p in model.named_parameters() if n in local}
+        diffs.update({n: float("inf") for n, p in model.named_parameters()
+                      if n not in local and p.grad is not None})
+        res["grads"].append(worst(diffs))
         res["with_grad"] = len(local)
         replay.step(model)
         opt.step()

@@ -474,9 +474,11 @@ class Pipeline(torch.nn.Module):
                                "called under torch.no_grad() or inference_mode(); use "
                                "eval_step() for the loss without backward, or the pipeline "
                                "call for outputs")
-        self._check_target(args, kwargs, target)
+        self._check_target(target)
         m = self.num_microbatches
         args0, kwargs0 = first_microbatch(args, kwargs, m)
+        if target is not None:  # split alike, or it would broadcast silently
+            check_target_batch(args, kwargs, target)
         targets = split_tree(target, m, "target") if target is not None else [None] * m
         rt = self._ensure_built(args0, kwargs0)
         inputs = self._mpmd_split.named_microbatches(args, kwargs, m)
@@ -610,8 +612,10 @@ class Pipeline(torch.nn.Module):
         ``loss_fn=None``. It runs in the module's current train/eval mode:
         call ``pipe.eval()`` before (and ``pipe.train()`` after) to turn
         dropout off; each mode keeps its own capture."""
-        self._check_target(args, kwargs, target)
+        self._check_target(target)
         m = self.num_microbatches
+        if target is not None:
+            check_target_batch(args, kwargs, target)
         targets = split_tree(target, m, "target") if target is not None else [None] * m
         with torch.no_grad():
             rt, _ = self._forward_only(args, kwargs, targets, eval_loss=True)
@@ -634,10 +638,10 @@ class Pipeline(torch.nn.Module):
                                         norm_type, foreach, error_if_nonfinite)
 
     # ------------------------------------------------------------ forward-only runs
-    def _check_target(self, args: tuple, kwargs: dict, target: Any) -> None:
+    def _check_target(self, target: Any) -> None:
         """The target as the loss contract needs it, before capture or any
-        communication: given exactly when loss_fn reads it, and of the
-        inputs' batch size (split alike, or it would broadcast silently)."""
+        communication: none without loss_fn, there for torch's losses (its
+        batch size is checked by check_target_batch, after the inputs')."""
         loss_fn = self._mpmd_loss_fn
         if target is not None and loss_fn is None:
             raise ValueError("target= was given, but the pipeline has loss_fn=None: the loss "
@@ -645,12 +649,10 @@ class Pipeline(torch.nn.Module):
                              "pass pipeline(loss_fn=...), or give the labels to the model as "
                              "an argument (e.g. labels=y)")
         if target is None and loss_fn is not None and _needs_target(loss_fn):
-            raise ValueError(f"target is missing: pipeline(loss_fn={training.callable_name(loss_fn)}) "
-                             "computes loss_fn(output, target) on each microbatch, but no "
+            raise ValueError(f"target is missing: pipeline(loss_fn="
+                             f"{training.callable_name(loss_fn)}) computes loss_fn(output, "
+                             "target) on each microbatch, but no "
                              "target= was given; pass step(..., target=y)")
-        if target is not None:  # after the inputs' own checks (first_microbatch)
-            first_microbatch(args, kwargs, self.num_microbatches)
-            check_target_batch(args, kwargs, target)
 
     def _check_output_rank(self, output_rank: Any) -> None:
         if output_rank is None:
@@ -743,9 +745,7 @@ def _loss_label(loss_fn: Callable[..., Any] | None) -> str:
     edited on one rank only, differ), never an address."""
     if loss_fn is None:
         return "None (the model's output)"
-    fn = loss_fn
-    while isinstance(getattr(fn, "func", None), Callable):  # functools.partial
-        fn = fn.func
+    fn = training.unwrap_partial(loss_fn)
     if isinstance(fn, torch.nn.Module):
         fn = type(fn).forward
     code = getattr(fn, "__code__", None)
@@ -769,9 +769,7 @@ def _needs_target(loss_fn: Callable[..., Any]) -> bool:
     Another callable may ignore it: without a target it is called with None,
     and an error it raises then says the target is missing
     (training.microbatch_loss)."""
-    fn = loss_fn
-    while isinstance(getattr(fn, "func", None), Callable):  # functools.partial
-        fn = fn.func
+    fn = training.unwrap_partial(loss_fn)
     if isinstance(fn, torch.nn.Module):
         return isinstance(fn, torch.nn.modules.loss._Loss)
     return getattr(fn, "__module__", None) == "torch.nn.functional" and \

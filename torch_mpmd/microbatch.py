@@ -14,7 +14,8 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-__all__ = ["Replicate", "split_microbatches", "first_microbatch", "split_tree", "check_target_batch",
+__all__ = ["Replicate", "split_microbatches", "first_microbatch", "split_tree",
+           "check_target_batch",
            "merge_microbatches"]
 
 

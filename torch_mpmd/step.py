@@ -140,6 +140,10 @@ FORWARD_KEEPING_GRAPH = Part("forward", training=True, outputs_as_roots=True, co
 BACKWARD = Part("backward", training=True, begins=False, reduces=True)
 
 
+_EXECUTORS = {"step": "executor", "forward": "forward_executor",
+              "backward": "backward_executor"}
+
+
 def run_step(rt: "RankRuntime", part: Part, history: CallHistory, device: torch.device, *,
              inputs: Sequence[Mapping[str, Any]] = (), targets: Sequence[Any] = (),
              loss_fn: Callable[..., Any] | None = None) -> None:
@@ -151,8 +155,8 @@ def run_step(rt: "RankRuntime", part: Part, history: CallHistory, device: torch.
     putting back the RNG state and forgetting the last record; the runner's
     state of a failed call is ended by RankRuntime.run. The caller ends the
     runner's step where it reads its outputs or losses first."""
-    executor = {"step": rt.executor, "forward": rt.forward_executor,
-                "backward": rt.backward_executor}[part.executor]
+    # By name: the forward and backward executors are built on first use only.
+    executor = getattr(rt, _EXECUTORS[part.executor])
     rng = None
     if part.begins:
         rt.use_shapes(inputs[0])

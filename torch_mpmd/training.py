@@ -38,7 +38,8 @@ from torch_mpmd.sharding import local_grad
 if TYPE_CHECKING:
     from torch_mpmd.runtime import RankRuntime
 
-__all__ = ["microbatch_loss", "loss_from_output", "callable_name", "clip_grad_norm_", "counted_parameters",
+__all__ = ["microbatch_loss", "loss_from_output", "callable_name", "unwrap_partial",
+           "clip_grad_norm_", "counted_parameters",
            "mean_loss"]
 
 
@@ -76,13 +77,20 @@ def loss_from_output(output: Any) -> torch.Tensor:
     return loss if loss.dim() == 0 else loss.reshape(())
 
 
+def unwrap_partial(fn: Any) -> Any:
+    """The function a (nested) functools.partial calls; ``fn`` otherwise."""
+    while callable(getattr(fn, "func", None)):
+        fn = fn.func
+    return fn
+
+
 def callable_name(fn: Any) -> str:
     """A loss function (or any callable) as messages name it: its qualified
     name, a module instance's type, a partial's function."""
     if isinstance(fn, torch.nn.Module):
         return f"{type(fn).__module__}.{type(fn).__qualname__}"
-    inner = getattr(fn, "func", None)  # functools.partial
-    if inner is not None and callable(inner):
+    inner = unwrap_partial(fn)
+    if inner is not fn:
         return f"functools.partial({callable_name(inner)}, ...)"
     qualname = getattr(fn, "__qualname__", None) or type(fn).__qualname__
     return f"{getattr(fn, '__module__', None) or ''}.{qualname}".lstrip(".")
