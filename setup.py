@@ -65,5 +65,5 @@ setup(
     cmdclass={"build_ext": CMakeBuild},
     python_requires=">=3.10",
     install_requires=["torch==2.13.0"],
-    entry_points={"torch_dynamo_backends": ["mpmd = torch_mpmd.backend:mpmd_backend"]},
+    entry_points={"torch_dynamo_backends": ["mpmd = torch_mpmd.compile.backend:mpmd_backend"]},
 )

@@ -64,9 +64,9 @@ def main() -> None:
     print(f"\nlowered program of {args.show}:")
     print(shown.table())
     if args.png:
-        from torch_mpmd.schedules import _plot
+        from torch_mpmd.schedules import plot
 
-        _plot.save_timeline(shown, shown.simulate(timeline=True), args.png)
+        plot.save_timeline(shown, shown.simulate(timeline=True), args.png)
         print(f"timeline written to {args.png}")
 
 

@@ -28,7 +28,7 @@ from torch.utils.checkpoint import checkpoint
 import pipeline_worker
 import torch_mpmd as mpmd
 from pipeline_worker import _compare_grads, _diff, _error_text, _rank_world
-from torch_mpmd.runner import _seed_rng, stage_seed
+from torch_mpmd.runtime.runner import _seed_rng, stage_seed
 
 M = 4
 SEED = 1234
@@ -144,14 +144,14 @@ def run_case(case: dict[str, Any], group: Any, timeout: float) -> dict[str, Any]
                              num_microbatches=M, split_points=split, group=group,
                              timeout=timeout, compile=compile_, seed=SEED)
         loss = pipe.step(x, target=y)
-        runner = pipe._mpmd_runtime.runner
-        res["functional"] = runner.fallback_reason
+        view = pipe.inspect()
+        res["functional"] = view.fallback_reason
         res["loss"] = float(loss)
         res["loss_diff"] = _diff(loss.reshape(()), ref_loss.detach(), *tol)
         res.update(_compare_grads(pipe.named_parameters(), model, ref, tol))
         res["all_params"] = sorted(n for n, _ in model.named_parameters())
         res["programs"] = {str(s): {k: program_ops(gm) for k, gm in prog.graphs.items()}
-                           for s, prog in (runner.programs or {}).items()}
+                           for s, prog in view.programs.items()}
     except Exception:
         res["error"] = _error_text()
     return res

@@ -293,7 +293,7 @@ def meta_init(case: dict[str, Any]) -> dict[str, Any]:
         x, y = batch(seed)
         loss = pipe.step(x[mine], target=y[mine])
         if seed == 1:
-            from torch_mpmd.meta_init import is_standin
+            from torch_mpmd.parallel.meta_init import is_standin
 
             locals_ = [p.to_local() if isinstance(p, DTensor) else p
                        for p in pipe.parameters()]

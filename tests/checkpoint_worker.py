@@ -69,7 +69,7 @@ def _values(pipe: Any, opt: Any) -> dict[str, list]:
 
 def _save(pipe: Any, opt: Any, sched: Any, data: dict[str, int], directory: str) -> str:
     return mpmd.checkpoint.save(pipe, opt, directory,
-                                extra={"step": pipe._mpmd_step, "lr_scheduler": sched,
+                                extra={"step": pipe.step_count, "lr_scheduler": sched,
                                        "data": dict(data)},
                                 extra_per_rank={"rng": mpmd.checkpoint.RNGState(),
                                                 "rank": dist.get_rank()})

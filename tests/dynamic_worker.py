@@ -78,10 +78,10 @@ def run_case(case: dict[str, Any], group: Any, timeout: float) -> dict[str, Any]
             want.backward()
             loss = pipe.step(x, target=y)
             step = dict(loss=_diff(loss.reshape(()), want.detach(), *tol),
-                        functional=pipe._mpmd_runtime.runner.fallback_reason)
+                        functional=pipe.inspect().fallback_reason)
             step.update(_compare_grads(pipe.named_parameters(), model, ref, tol))
             res["steps"][f"{batch}x{t}"] = step
-        res["captures"] = sum(len(v) for v in pipe._mpmd_captures.values())
+        res["captures"] = pipe.inspect().captures
         res["compilations"] = counter.calls
         res["local_stages"] = list(pipe.local_stages)
     except Exception:

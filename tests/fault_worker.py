@@ -18,8 +18,8 @@ import torch.nn.functional as F
 import pipeline_worker as W
 import torch_mpmd as mpmd
 from dist_harness import partial_result
-from torch_mpmd.program_runner import ProgramRunner
-from torch_mpmd.runner import StageRunner
+from torch_mpmd.runtime.program_runner import ProgramRunner
+from torch_mpmd.runtime.runner import StageRunner
 
 
 def _outcome(fn: Callable[[], Any]) -> dict[str, Any]:

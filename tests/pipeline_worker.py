@@ -210,12 +210,12 @@ def run_case(case: dict[str, Any], group, timeout: float) -> dict[str, Any]:
         res["loss_meta"] = dict(dim=loss.dim(), requires_grad=loss.requires_grad)
         res["loss_diff"] = _diff(loss.reshape(()), ref_loss.detach(), *tol)
         res.update(_compare_grads(pipe.named_parameters(), model, ref, tol))
-        runner = pipe._mpmd_runtime.runner
-        res["functional"] = runner.fallback_reason is None
+        view = pipe.inspect()
+        res["functional"] = view.uses_programs
         if res["functional"]:
             res["memory"] = dict(
                 peak_bytes=pipe.last_step_stats["peak_activation_bytes"],
-                saved_bytes={s: p.saved_bytes for s, p in runner.programs.items()},
+                saved_bytes={s: p.saved_bytes for s, p in view.programs.items()},
                 simulated_peak_forwards=pipe.schedule.simulate().peak_activations[pipe.rank])
         res["layout"] = dict(rank=pipe.rank, pp_size=pipe.pp_size, num_stages=pipe.num_stages,
                              local_stages=list(pipe.local_stages))
@@ -437,7 +437,7 @@ def die_in_loss_fn(schedule: str, dying_rank: int, timeout: float) -> str:
     stage (where the loss is computed); the others must raise PipelineError,
     which this function lets escape so the rank exits non-zero. (The loss is
     part of the last stage's program, so the rank dies in the runner.)"""
-    from torch_mpmd.program_runner import ProgramRunner
+    from torch_mpmd.runtime.program_runner import ProgramRunner
 
     rank, p = _rank_world()
     if rank == dying_rank:

@@ -13,10 +13,10 @@ from typing import Any, Callable
 
 import torch
 
-from torch_mpmd.program_runner import ProgramRunner
-from torch_mpmd.runner import EdgeLayout
-from torch_mpmd.runtime import StagedModel
-from torch_mpmd.stage import split_model
+from torch_mpmd.runtime.program_runner import ProgramRunner
+from torch_mpmd.runtime.runner import EdgeLayout
+from torch_mpmd.runtime.rank import StagedModel
+from torch_mpmd.graph.stage import split_model
 
 
 def make_runner(model: torch.nn.Module, x: torch.Tensor, m: int, *, split: bool,

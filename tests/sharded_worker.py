@@ -192,8 +192,8 @@ def _pipeline(model: nn.Module, name: str, schedule: str, mesh: Any, pp: int, mo
 def stages_under_autograd() -> Any:
     """Every stage built meanwhile runs on the runner's autograd path (its
     fallback for stages that cannot become programs), forced."""
-    from torch_mpmd import program_runner
-    from torch_mpmd.programs import ProgramsUnsupported
+    from torch_mpmd.runtime import program_runner
+    from torch_mpmd.programs.stage_programs import ProgramsUnsupported
 
     build = program_runner.build_stage_programs
 
@@ -224,10 +224,10 @@ class GatheredProbe:
     those points; ``after_reshard[s]``: s's bytes right after each RESHARD."""
 
     def __init__(self, pipe: Any) -> None:
-        rt = pipe._mpmd_runtime
-        self.runner = rt.runner
-        self.params = {s: [getattr(p, "_local_tensor", p) for p in rt.model.stages[s].parameters()]
-                       for s in rt.local_stages}
+        view = pipe.inspect()
+        self.runner = view.runner
+        self.params = {s: [getattr(p, "_local_tensor", p) for p in stage.parameters()]
+                       for s, stage in view.stages.items()}
         self.full_bytes = {s: sum(t.numel() * t.element_size() for t in ts)
                            for s, ts in self.params.items()}
         # Bytes of s's parameters that another local stage reads too (tied weights).
@@ -358,7 +358,7 @@ def _train(case: dict[str, Any]) -> dict[str, Any]:
         res["optimizer_state_types"] = sorted(
             {type(v).__name__ for p in pipe.parameters() for k, v in opt.state[p].items()
              if k != "step"})
-    res["functional"] = pipe._mpmd_runtime.runner.fallback_reason is None
+    res["functional"] = pipe.inspect().uses_programs
     if probe is not None:
         res["probe"] = probe.report()
         res["gathered_peak_bytes"] = pipe.last_step_stats["collectives"]["gathered_peak_bytes"]
@@ -414,10 +414,10 @@ def train_tp(case: dict[str, Any]) -> dict[str, Any]:
         ropt.zero_grad()
     res["params"] = worst(T.compare_params(pipe, replay))
     res["local_stages"] = list(pipe.local_stages)
-    res["functional"] = pipe._mpmd_runtime.runner.fallback_reason is None
-    rt = pipe._mpmd_runtime
-    res["dtensor_compute"] = sum(isinstance(p, DTensor) for s in rt.local_stages
-                                 for p in rt.model.stages[s].parameters())
+    view = pipe.inspect()
+    res["functional"] = view.uses_programs
+    res["dtensor_compute"] = sum(isinstance(p, DTensor) for stage in view.stages.values()
+                                 for p in stage.parameters())
     res["probe"] = probe.report()
     res["gathered_peak_bytes"] = pipe.last_step_stats["collectives"]["gathered_peak_bytes"]
     return res
@@ -495,7 +495,7 @@ def meta_init(case: dict[str, Any]) -> dict[str, Any]:
         x, y = batch(name, seed)
         loss = pipe.step(x[mine], target=y[mine])
         if seed == 1:
-            from torch_mpmd.meta_init import is_standin
+            from torch_mpmd.parallel.meta_init import is_standin
 
             res["local_bytes"] = sum(
                 p.to_local().numel() * p.to_local().element_size()
@@ -702,7 +702,7 @@ def die_in_all_gather(timeout: float) -> dict[str, Any]:
     """pp2 x dp2 shard, 1f1b: a first step; at the second, global rank 3
     (dp 1, pp 1) exits as it is about to post its stage's all-gather. The
     others' outcome: the exception's type and message, and how long it took."""
-    from torch_mpmd.sharding import ShardedStages
+    from torch_mpmd.parallel.sharding import ShardedStages
 
     rank = dist.get_rank()
     mesh = make_mesh(2, 2)

@@ -9,7 +9,7 @@ import torch.nn as nn
 from torch.testing import assert_close
 
 import models
-from torch_mpmd.backend import BACKEND_OPTIONS, check_stage_count, mpmd_backend
+from torch_mpmd.compile.backend import BACKEND_OPTIONS, check_stage_count, mpmd_backend
 
 TOL = dict(rtol=1e-6, atol=1e-6)
 
@@ -52,7 +52,7 @@ def test_mpmd_backend_is_registered_through_the_entry_point():
     from importlib.metadata import entry_points
 
     (ep,) = [e for e in entry_points(group="torch_dynamo_backends") if e.name == "mpmd"]
-    assert ep.value == "torch_mpmd.backend:mpmd_backend"
+    assert ep.value == "torch_mpmd.compile.backend:mpmd_backend"
     assert "mpmd" in torch._dynamo.list_backends()
     assert torch._dynamo.lookup_backend("mpmd") is mpmd_backend
 

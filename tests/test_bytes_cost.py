@@ -11,7 +11,7 @@ from torch.testing import assert_close
 import models
 import torch_mpmd as mpmd
 from torch_mpmd import _C
-from torch_mpmd.backend import mpmd_backend
+from torch_mpmd.compile.backend import mpmd_backend
 
 BATCH, NARROW, WIDE = 8, 32, 1024
 
@@ -88,6 +88,6 @@ def test_bytes_cost_that_is_not_a_finite_non_negative_number_is_an_error_naming_
 
 
 def test_bytes_cost_is_an_option_of_the_mpmd_backend():
-    from torch_mpmd.backend import BACKEND_OPTIONS
+    from torch_mpmd.compile.backend import BACKEND_OPTIONS
 
     assert "bytes_cost" in BACKEND_OPTIONS

@@ -1,4 +1,4 @@
-"""Capture (torch_mpmd.capture) and FX -> IR (torch_mpmd.fx_to_ir), single process."""
+"""Capture (torch_mpmd.graph.capture) and FX -> IR (torch_mpmd.graph.fx_to_ir), single process."""
 
 import inspect
 import pathlib
@@ -10,9 +10,9 @@ import torch.nn as nn
 import models
 import torch_mpmd as mpmd
 from torch_mpmd import _C
-from torch_mpmd.capture import CaptureError, capture
-from torch_mpmd.fx_to_ir import module_path_to_fqn, order_mutations, resolve_split_points, to_ir
-from torch_mpmd.markers import STAGE_BOUNDARY_OP
+from torch_mpmd.graph.capture import CaptureError, capture
+from torch_mpmd.graph.fx_to_ir import module_path_to_fqn, order_mutations, resolve_split_points, to_ir
+from torch_mpmd.graph.markers import STAGE_BOUNDARY_OP
 
 K = _C.NodeKind
 

@@ -57,7 +57,7 @@ def test_interrupted_save_leaves_the_previous_checkpoint_current(tmp_path, monke
     mpmd.checkpoint.load(fresh, fresh_opt, tmp_path)
     for k, v in fresh.state_dict().items():
         assert torch.equal(v, saved[k]), k
-    assert fresh._mpmd_step == 1
+    assert fresh.step_count == 1
     assert fresh_opt.state_dict()["state"]  # AdamW moments came back
 
 
@@ -75,7 +75,7 @@ def test_saving_an_existing_step_writes_a_new_directory_and_keep_last_prunes_old
     first = mpmd.checkpoint.save(pipe, opt, tmp_path)
     files = {f: (tmp_path / "step_1" / f).read_bytes() for f in os.listdir(first)}
     step(pipe, opt)
-    pipe._mpmd_step = 1   # a second run reaching the same step
+    pipe.step_count = 1   # a second run reaching the same step
     second = mpmd.checkpoint.save(pipe, opt, tmp_path)
     assert os.path.basename(first) == "step_1" and os.path.basename(second) == "step_1.1"
     assert mpmd.checkpoint.latest(tmp_path) == second

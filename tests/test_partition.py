@@ -11,7 +11,7 @@ from torch.testing import assert_close
 import models
 import torch_mpmd as mpmd
 from torch_mpmd import _C
-from torch_mpmd.stage import StageSignature, partition
+from torch_mpmd.graph.stage import StageSignature, partition
 
 TOL = dict(rtol=1e-6, atol=1e-6)
 

@@ -239,7 +239,7 @@ def test_zero_bubble_weight_split_with_tied_weights_matches_reference(hooked):
     for n, p in pipe.named_parameters():
         assert_close(p.grad, grads[n], rtol=1e-5, atol=1e-6, msg=n)
     assert len(calls) == (4 if hooked else 0)
-    stage = pipe._runtime().runner.stages[0]
+    stage = pipe.inspect().runner.stages[0]
     assert stage.wplan is not None and any(w.shared for w in stage.wplan.nodes)
 
 
@@ -272,14 +272,14 @@ def test_only_stages_that_draw_random_numbers_are_reseeded():
 
     a, b = pipe_of(model), pipe_of(model)
     a.step(x, target=y)   # step 0
-    b._mpmd_step = 1      # b starts at step 1
+    b.step_count = 1      # b starts at step 1
     losses = [float(p.step(x, target=y)) for p in (a, b)]
     assert losses[0] == losses[1]
-    assert {s: p.draws_rng for s, p in a._runtime().runner.programs.items()} == {0: True, 1: True}
+    assert {s: p.draws_rng for s, p in a.inspect().programs.items()} == {0: True, 1: True}
     gpt, gx, gy = gpt_and_batch()
     g = mpmd.pipeline(gpt, loss_fn=lm_loss, num_microbatches=4)
     g.step(gx, target=gy)
-    assert {s: p.draws_rng for s, p in g._runtime().runner.programs.items()} == {0: False}
+    assert {s: p.draws_rng for s, p in g.inspect().programs.items()} == {0: False}
 
 
 def test_compute_actions_carry_profiler_labels():

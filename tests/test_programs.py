@@ -20,7 +20,7 @@ from torch.testing import assert_close
 
 import models
 from program_driver import make_runner, train_step
-from torch_mpmd.programs import program_ops
+from torch_mpmd.programs.stage_programs import program_ops
 
 
 def gpt_loss(logits, targets):
@@ -192,7 +192,7 @@ def test_a_users_compiler_gets_every_program_and_its_result_runs():
 
 
 def test_inductor_programs_match_the_autograd_runner():
-    from torch_mpmd.programs import resolve_compiler
+    from torch_mpmd.programs.stage_programs import resolve_compiler
 
     model, x, y, loss_fn, kw = _case("bn_cnn")
     ref = copy.deepcopy(model)
@@ -235,7 +235,7 @@ def test_dropout_programs_are_deterministic_per_stage_and_microbatch():
 def test_inductor_dropout_is_the_same_under_b_and_under_i_and_w():
     # Compiled random ops draw from the generator seeded per (step, stage,
     # microbatch) before each F: the same masks whatever the backward split.
-    from torch_mpmd.programs import resolve_compiler
+    from torch_mpmd.programs.stage_programs import resolve_compiler
 
     torch.manual_seed(0)
     model = models.DropoutMLP(d=16)
@@ -267,10 +267,10 @@ def test_pipelining_a_torch_compiled_module_compiles_its_stage_programs():
     pipe = mpmd.pipeline(torch.compile(model), loss_fn=F.mse_loss, schedule="interleaved_1f1b",
                          num_microbatches=2, split_points=["2"])
     loss = pipe.step(x, target=y)
-    runner = pipe._mpmd_runtime.runner
-    assert runner.fallback_reason is None
-    assert pipe._mpmd_compile == "inductor"
-    for prog in runner.programs.values():  # compiled callables, not the FX graphs' forward
+    view = pipe.inspect()
+    assert view.uses_programs
+    assert pipe.config.compile == "inductor"
+    for prog in view.programs.values():  # compiled callables, not the FX graphs' forward
         assert prog.forward is not prog.graphs["F"].forward
     want = sum(F.mse_loss(ref(xs), ys) for xs, ys in zip(x.chunk(2), y.chunk(2))) / 2
     want.backward()

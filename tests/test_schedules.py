@@ -446,7 +446,7 @@ def test_simulate_counts_the_gather_and_overlaps_it_with_earlier_compute():
 
 
 def test_plot_of_a_sharded_schedule_draws_the_collectives(tmp_path):
-    from torch_mpmd.schedules._plot import KIND_COLOURS, save_timeline
+    from torch_mpmd.schedules.plot import KIND_COLOURS, save_timeline
 
     low = make("interleaved_1f1b", p=2, m=4, spr=2).lower(shard=True, reshard_after_forward=True)
     result = low.simulate({"UNSHARD": 0.5, "RESHARD": 0.1, "REDUCE_GRAD": 1}, timeline=True)

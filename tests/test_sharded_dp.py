@@ -364,5 +364,5 @@ def test_a_stage_mixing_fp32_and_bf16_parameters_reduces_each_in_its_own_dtype(m
 def test_the_backend_for_a_device_is_read_from_the_groups_backend_name(backend, device, want):
     """What decides host staging of the sharded collectives (gloo or none for
     the parameters' device: buffers on the host)."""
-    from torch_mpmd.sharding import backend_for
+    from torch_mpmd.parallel.sharding import backend_for
     assert backend_for(backend, device) == want

@@ -10,8 +10,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.testing import assert_close
 
-from torch_mpmd.stage import split_model
-from torch_mpmd.weight_grad import WeightGradPlan
+from torch_mpmd.graph.stage import split_model
+from torch_mpmd.programs.weight_grad import WeightGradPlan
 
 _ENGINE = torch.autograd.Variable._execution_engine
 

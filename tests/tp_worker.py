@@ -143,11 +143,9 @@ def _pipeline(model: nn.Module, mesh: Any, schedule: str, variant: str = "blocks
 def transfers(pipe: Any) -> dict[str, Any]:
     """What crosses each stage edge per microbatch: the transport's tensor
     shapes ("0->1", gradients "1->0 grad") and the plan's bytes per value."""
-    rt = pipe._mpmd_runtime
-    shapes = {f"{c}->{p} grad" if grad else f"{p}->{c}": [list(t.shape) for t in specs]
-              for (p, c, grad), specs in rt.layout.specs().items() if specs}
+    shapes = {edge: [list(s) for s in specs] for edge, specs in pipe.inspect().transfers.items()}
     return {"shapes": shapes,
-            "bytes": [v.bytes for v in pipe._mpmd_split.plan.cross_stage_values]}
+            "bytes": [v.bytes for v in pipe.split.plan.cross_stage_values]}
 
 
 def _mine(mesh: Any) -> slice:
@@ -196,8 +194,8 @@ def train(case: dict[str, Any]) -> dict[str, Any]:
     res["params"] = worst(compare_params(pipe, replay))
     res["names"] = sorted(n for n, _ in pipe.named_parameters())
     res["all_names"] = sorted(n for n, _ in ref.named_parameters())
-    res["fallback"] = pipe._mpmd_runtime.runner.fallback_reason
-    res["replicas"] = pipe._mpmd_replicas
+    res["fallback"] = pipe.inspect().fallback_reason
+    res["replicas"] = pipe.replicas
     res["transfers"] = transfers(pipe)
     res["tied"] = pipe.last_step_stats.get("collectives", {}).get("tied_all_reduce")
     res["local_stages"] = list(pipe.local_stages)
@@ -305,8 +303,8 @@ def local_costs(case: dict[str, Any]) -> dict[str, Any]:
     """The cost model sees this rank's local shapes (NOTE [Local shapes] in
     fx_to_ir.py): bytes of every linear's output in the captured TP model,
     by the module that computes it."""
-    from torch_mpmd.capture import capture
-    from torch_mpmd.fx_to_ir import _meta_value, value_bytes
+    from torch_mpmd.graph.capture import capture
+    from torch_mpmd.graph.fx_to_ir import _meta_value, value_bytes
 
     model, _ = build(make_mesh({}))
     captured = capture(model, (batch(1)[0],), {})

@@ -254,7 +254,7 @@ def model_loss(group: Any, kind: str) -> dict[str, Any]:
     want.backward()
     return {"loss": max_diff(loss, want), "grads": grad_diff(pipe, ref),
             "eval": max_diff(pipe.eval_step(x, labels=labels), want),
-            "functional": pipe._mpmd_runtime.runner.fallback_reason is None}
+            "functional": pipe.inspect().uses_programs}
 
 
 # ------------------------------------------------------------------ optimizers, inputs
@@ -333,7 +333,7 @@ def in_place_input(group: Any, autograd: bool) -> dict[str, Any]:
     ref_loss = F.mse_loss(ref(x.clone()), y)
     ref_loss.backward()
     return {"loss": max_diff(loss, ref_loss), "grads": grad_diff(pipe, ref),
-            "functional": pipe._mpmd_runtime.runner.fallback_reason is None}
+            "functional": pipe.inspect().uses_programs}
 
 
 # ------------------------------------------------------------------ launches

@@ -2,7 +2,7 @@
 
 Importing the package does not import torch; ``torch_mpmd.schedules`` needs
 only the compiled ``torch_mpmd._C`` extension. The torch-dependent names
-(``pipeline``, ``Pipeline``, ``PipelineError``, ``Replicate``, ``pipeline_of``,
+(``pipeline``, ``Pipeline``, ``PipelineConfig``, ``PipelineError``, ``Replicate``, ``pipeline_of``,
 ``stage_boundary``, ``split_model``, ``SplitModel``, ``CaptureError``) are
 imported on first access.
 """
@@ -20,18 +20,19 @@ __version__ = "0.1.0"
 _SUBMODULES = ("checkpoint", "trace")  # imported on first access (they need torch)
 
 _LAZY = {
-    "stage_boundary": "torch_mpmd.markers",
-    "split_model": "torch_mpmd.stage",
-    "SplitModel": "torch_mpmd.stage",
-    "CaptureError": "torch_mpmd.capture",
+    "stage_boundary": "torch_mpmd.graph.markers",
+    "split_model": "torch_mpmd.graph.stage",
+    "SplitModel": "torch_mpmd.graph.stage",
+    "CaptureError": "torch_mpmd.graph.capture",
     "pipeline": "torch_mpmd.api",
     "Pipeline": "torch_mpmd.api",
-    "PipelineError": "torch_mpmd.runtime",
+    "PipelineConfig": "torch_mpmd.config",
+    "PipelineError": "torch_mpmd.parallel.lockstep",
     "Replicate": "torch_mpmd.microbatch",
-    "pipeline_of": "torch_mpmd.door",
+    "pipeline_of": "torch_mpmd.compile.door",
 }
 
-__all__ = ["__version__", "schedules", "checkpoint", "trace", "pipeline", "Pipeline", "PipelineError",
+__all__ = ["__version__", "schedules", "checkpoint", "trace", "pipeline", "Pipeline", "PipelineConfig", "PipelineError",
            "Replicate", "pipeline_of",
            "stage_boundary", "split_model", "SplitModel", "CaptureError"]
 
@@ -59,7 +60,7 @@ def _announce_exit() -> None:
     here for it: a process without it has nothing to tell)."""
     dist = sys.modules.get("torch.distributed")
     if dist is not None and dist.is_available() and dist.is_initialized():
-        importlib.import_module("torch_mpmd.lockstep").announce_exit()
+        importlib.import_module("torch_mpmd.parallel.lockstep").announce_exit()
 
 
 atexit.register(_announce_exit)

@@ -12,92 +12,40 @@ DESIGN.md example) still covers this rank's (the others never get gradients).
 
 from __future__ import annotations
 
-import datetime
-import hashlib
+import dataclasses
+import inspect
 import logging
-import math
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 
-from torch_mpmd import meta_init, trace, training
-from torch_mpmd.data_parallel import mesh_groups
-from torch_mpmd.sharding import DATA_PARALLEL_MODES, ParamShards
-from torch_mpmd.lockstep import pipeline_call
-from torch_mpmd.programs import resolve_compiler
+from torch_mpmd import training
+from torch_mpmd.config import (PipelineConfig, Resolved, check_stage_count, positive_int,
+                               settings_signature)
+from torch_mpmd.graph.stage import set_path, split_model
 from torch_mpmd.microbatch import (check_target_batch, first_microbatch, merge_microbatches,
                                    split_tree)
-from torch_mpmd.runtime import V_SCHEDULES, PipelineError, RankRuntime, StagedModel
-from torch_mpmd.schedules import Schedule, get_schedule, names as schedule_names
-from torch_mpmd.stage import _set_path, split_model
-from torch_mpmd.step import EVAL, FORWARD, STEP, CallHistory, run_step
+from torch_mpmd.parallel import meta_init
+from torch_mpmd.parallel.lockstep import PipelineError, pipeline_call
+from torch_mpmd.parallel.sharding import ParamShards
+from torch_mpmd.programs.loss import callable_name, needs_target
+from torch_mpmd.programs.stage_programs import resolve_compiler
+from torch_mpmd.runtime import trace
+from torch_mpmd.runtime.rank import RankRuntime, StagedModel
+from torch_mpmd.runtime.view import RankView
+from torch_mpmd.runtime.step import EVAL, FORWARD, STEP, CallHistory, run_step
+from torch_mpmd.schedules import Schedule
 
-__all__ = ["pipeline", "Pipeline", "PipelineError"]
+__all__ = ["pipeline", "Pipeline", "PipelineError", "PipelineConfig"]
 
 _log = logging.getLogger("torch_mpmd")
 
 
-def check_stage_count(num_stages: int, pp_size: int, stages_per_rank: int | None = None,
-                      *, source: str = "the markers or split points") -> int:
-    """Stages per rank for ``num_stages`` stages over ``pp_size`` pipeline ranks.
-
-    The stage count must be a multiple of the pipeline size, and an explicit
-    ``stages_per_rank`` must agree with it; otherwise a ValueError names the
-    numbers. Checked before any rank communicates.
-    """
-    if pp_size < 1:
-        raise ValueError(f"pp_size={pp_size} must be >= 1")
-    if num_stages % pp_size:
-        raise ValueError(f"{source} define {num_stages} stages, which is not a multiple of "
-                         f"the pipeline size pp_size={pp_size}; add or remove boundaries so "
-                         f"every rank holds the same number of stages")
-    per_rank = num_stages // pp_size
-    if stages_per_rank is not None and stages_per_rank != per_rank:
-        raise ValueError(f"stages_per_rank={stages_per_rank} disagrees with the {num_stages} "
-                         f"stages {source} define on pp_size={pp_size} ranks "
-                         f"({per_rank} per rank)")
-    return per_rank
-
-
-def _positive_int(name: str, value: Any, *, optional: bool = False) -> int | None:
-    if value is None and optional:
-        return None
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name}={value!r} must be a positive int")
-    return value
-
-
 _OUTPUT_TAG = 0x6D6F  # p2p tag of outputs sent to one rank (the executor's transfers use 0)
-_MAX_TIMEOUT_S = 1e7  # ~115 days; larger overflows the executor's clock arithmetic
-
-
-def _timeout(value: Any, name: str = "timeout") -> datetime.timedelta:
-    if isinstance(value, datetime.timedelta):
-        td = value
-    elif isinstance(value, (int, float)) and not isinstance(value, bool):
-        # nan, inf and huge numbers: timedelta() would fail without naming the setting
-        if (isinstance(value, float) and not math.isfinite(value)) or value > _MAX_TIMEOUT_S:
-            raise ValueError(f"{name}={value!r} must be a finite number of seconds, positive "
-                             f"and at most {_MAX_TIMEOUT_S:g}")
-        td = datetime.timedelta(seconds=value)
-    else:
-        raise ValueError(f"{name}={value!r} must be seconds (a number) or a datetime.timedelta")
-    if not 0 < td.total_seconds() <= _MAX_TIMEOUT_S:
-        raise ValueError(f"{name}={value!r} must be positive and at most {_MAX_TIMEOUT_S:g} "
-                         "seconds")
-    return td
-
-
-def _pp_group(group: Any) -> Any:
-    if group is not None:
-        return group
-    if dist.is_available() and dist.is_initialized():
-        return dist.group.WORLD
-    return None
 
 
 def _tensor_signature(args: Sequence[Any], kwargs: Mapping[str, Any],
@@ -121,46 +69,27 @@ def _masked_shape(t: torch.Tensor, dynamic: bool) -> tuple:
 class Pipeline(torch.nn.Module):
     """A model split into pipeline stages, this rank's part of it (see :func:`pipeline`)."""
 
-    def __init__(self, module: torch.nn.Module, *, loss_fn: Callable[..., torch.Tensor] | None,
-                 schedule: Any, num_microbatches: int, stages_per_rank: int | None,
-                 split_points: Sequence[str] | None, num_stages: int | None, group: Any,
-                 device: Any, timeout: datetime.timedelta, seed: int | None,
-                 lookahead: int, dp_group: Any = None,
-                 replicas: list[list[int]] | None = None,
-                 init_fn: Callable[[torch.nn.Module], None] | None = None,
-                 compile: Any = False,
-                 bytes_cost: float | None = None,
-                 startup_timeout: datetime.timedelta | None = None,
-                 dynamic: bool = False, dp_mesh: Any = None, mesh: Any = None,
-                 data_parallel: str = "replicate",
-                 reshard_after_forward: bool = False) -> None:
+    def __init__(self, module: torch.nn.Module, config: PipelineConfig,
+                 resolved: Resolved) -> None:
+        """Use :func:`pipeline`, which checks ``config`` and resolves its groups."""
         super().__init__()
         # Not registered as a submodule: parameters() must list this rank's only.
         object.__setattr__(self, "_mpmd_module", module)
-        self._mpmd_loss_fn = loss_fn
-        self._mpmd_schedule = schedule
-        self.num_microbatches = num_microbatches
-        self._mpmd_stages_per_rank = stages_per_rank
-        self._mpmd_split_points = list(split_points) if split_points is not None else None
-        self._mpmd_num_stages = num_stages
-        self._mpmd_group = _pp_group(group)
-        self.pp_size = dist.get_world_size(self._mpmd_group) if self._mpmd_group else 1
+        self.config = config
+        self.num_microbatches = config.num_microbatches
+        self._mpmd_group = resolved.group
+        self.pp_size = resolved.pp_size
         self.rank = dist.get_rank(self._mpmd_group) if self._mpmd_group else 0
-        self.device = torch.device(device) if device is not None else _default_device(module)
+        self.device = (torch.device(config.device) if config.device is not None
+                       else _default_device(module))
         if self.device.type == "meta":
             self.device = torch.device("cpu")
-        self.timeout = timeout
-        self.startup_timeout = startup_timeout  # None: timeout (see pipeline())
-        self._mpmd_seed = seed
-        self._mpmd_lookahead = lookahead
-        self._mpmd_dp_group = dp_group
-        self._mpmd_replicas = replicas
-        self.dp_size = dist.get_world_size(dp_group) if dp_group is not None else 1
-        self._mpmd_init_fn = init_fn
-        self._mpmd_compile = compile
-        self._mpmd_bytes_cost = bytes_cost  # None: the partitioner's default
-        self._mpmd_dynamic = dynamic
-        self._mpmd_compiler = resolve_compiler(compile)
+        self.timeout = resolved.timeout
+        self.startup_timeout = resolved.startup_timeout  # None: timeout (see pipeline())
+        self._mpmd_dp_group = resolved.dp_group
+        self._mpmd_replicas = resolved.replicas
+        self.dp_size = dist.get_world_size(resolved.dp_group) if resolved.dp_group is not None else 1
+        self._mpmd_compiler = resolve_compiler(config.compile)
         self._mpmd_meta = meta_init.has_meta_tensors(module)
         self.parameter_bytes = 0  # this rank's materialized bytes (meta-device models)
         self._mpmd_runtime: RankRuntime | None = None
@@ -175,8 +104,8 @@ class Pipeline(torch.nn.Module):
         if self._mpmd_meta:  # now, so that an optimizer built before the first step
             # holds the Parameters that this rank later materializes in place
             meta_init.replace_with_standins(module, self.device)
-        self.data_parallel = data_parallel
-        self._mpmd_reshard_after_forward = reshard_after_forward
+        self.data_parallel = config.data_parallel
+        mesh, dp_mesh = config.mesh, resolved.dp_mesh
         # Sharded data parallel: the user's parameters are DTensor shards from
         # now on, so an optimizer built before the first step holds them.
         names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
@@ -184,7 +113,7 @@ class Pipeline(torch.nn.Module):
         self._mpmd_tp_group = (mesh.get_group("tp") if "tp" in names and
                                mesh.size(names.index("tp")) > 1 else None)
         self._mpmd_shards = (ParamShards(module, dp_mesh, root=mesh)
-                             if data_parallel == "shard" and dp_mesh is not None else None)
+                             if config.data_parallel == "shard" and dp_mesh is not None else None)
         if self._mpmd_shards is not None:
             self._mirror_shards()
             return
@@ -199,11 +128,11 @@ class Pipeline(torch.nn.Module):
         parameter replaced by its shard."""
         module, shards = self._mpmd_module, self._mpmd_shards
         for fqn, p in module.named_parameters(remove_duplicate=False):
-            _set_path(self, fqn, shards.shard_of(p), "parameter")
+            set_path(self, fqn, shards.shard_of(p), "parameter")
         for name, mod in module.named_modules():
             for leaf, b in mod._buffers.items():
                 if b is not None:
-                    _set_path(self, f"{name}.{leaf}" if name else leaf, b, "buffer",
+                    set_path(self, f"{name}.{leaf}" if name else leaf, b, "buffer",
                               persistent=leaf not in mod._non_persistent_buffers_set)
 
     # ------------------------------------------------------------ properties
@@ -234,6 +163,21 @@ class Pipeline(torch.nn.Module):
     def schedule(self) -> Schedule:
         """The lowered schedule every rank runs (this rank's row is its program)."""
         return self._runtime().schedule
+
+    @property
+    def replicas(self) -> list[list[int]] | None:
+        """With a mesh's "dp" dimension: the global ranks of each data-parallel
+        replica's pipeline (None without one)."""
+        return self._mpmd_replicas
+
+    def inspect(self) -> RankView:
+        """What this rank runs now (a :class:`torch_mpmd.runtime.view.RankView`):
+        its stages and their modules, its programs as typed actions per kind of
+        call, its stage programs (or why the autograd runner runs instead), the
+        activation bytes held, the shapes crossing each stage edge, and how many
+        captures were made. Local; a RuntimeError before the first call."""
+        return RankView.of(self._runtime(),
+                           captures=sum(len(v) for v in self._mpmd_captures.values()))
 
     @property
     def split(self) -> Any:
@@ -269,7 +213,7 @@ class Pipeline(torch.nn.Module):
         if self._mpmd_all_modules is None:  # walked once: the capture fixed the modules
             self._mpmd_all_modules = list(self._mpmd_module.modules())
             self._mpmd_all_params = list(self._mpmd_module.parameters())
-        sig = (_tensor_signature(args0, kwargs0, self._mpmd_dynamic),
+        sig = (_tensor_signature(args0, kwargs0, self.config.dynamic),
                tuple(mod.training for mod in self._mpmd_all_modules),
                tuple(p.requires_grad for p in self._mpmd_all_params))
         unfit = None  # why a dynamic capture cannot serve these sizes
@@ -294,31 +238,29 @@ class Pipeline(torch.nn.Module):
                    f"{_describe_key(self._mpmd_input_signature)} to {_describe_key(sig)}")
             _log.warning("torch_mpmd: capturing%s again: %s",
                          " and compiling" if self._mpmd_compiler else "", why)
-        spr = self._mpmd_stages_per_rank
-        schedule = self._mpmd_schedule
-        if spr is None:
-            spr = 2 if isinstance(schedule, str) and schedule in V_SCHEDULES else 1
+        spr = self.config.stages_per_rank_default
+        schedule = self.config.schedule
         # Under grad mode whatever the caller's: which values carry gradients
         # across stages is read from the capture (the runner sets the mode).
         with torch.enable_grad():
             split = split_model(self._mpmd_module, *args0,
-                                split_points=self._mpmd_split_points,
-                                num_stages=self._mpmd_num_stages,
+                                split_points=self.config.split_points,
+                                num_stages=self.config.num_stages,
                                 default_num_stages=self.pp_size * spr,
-                                bytes_cost=self._mpmd_bytes_cost,
-                                dynamic=self._mpmd_dynamic, **kwargs0)
-        check_stage_count(split.num_stages, self.pp_size, self._mpmd_stages_per_rank,
+                                bytes_cost=self.config.bytes_cost,
+                                dynamic=self.config.dynamic, **kwargs0)
+        check_stage_count(split.num_stages, self.pp_size, self.config.stages_per_rank,
                           source="the stage_boundary() markers or split points"
-                          if (split.ir.num_markers or self._mpmd_split_points) else
+                          if (split.ir.num_markers or self.config.split_points) else
                           "num_stages")
         settings = self._shared_settings(split, sig)
         runtime = RankRuntime(StagedModel.from_split(split), schedule=schedule, num_microbatches=self.num_microbatches,
                               group=self._mpmd_group, device=self.device, timeout=self.timeout,
-                              lookahead=self._mpmd_lookahead, settings=settings,
-                              seed=self._mpmd_seed, dp_group=self._mpmd_dp_group,
+                              lookahead=self.config.lookahead, settings=settings,
+                              seed=self.config.seed, dp_group=self._mpmd_dp_group,
                               replicas=self._mpmd_replicas, compiler=self._mpmd_compiler,
                               startup_timeout=self.startup_timeout, shards=self._mpmd_shards,
-                              reshard_after_forward=self._mpmd_reshard_after_forward)
+                              reshard_after_forward=self.config.reshard_after_forward)
         if previous is not None:
             old = sorted(n for n, _ in self.named_parameters(remove_duplicate=False))
             new = sorted(self._local_tensors(runtime, split)[0])
@@ -341,7 +283,7 @@ class Pipeline(torch.nn.Module):
                          .values())
             if self._mpmd_meta:
                 self.parameter_bytes = meta_init.materialize(
-                    self._mpmd_module, local, self._mpmd_init_fn, self.device)
+                    self._mpmd_module, local, self.config.init_fn, self.device)
                 tied = [(pg, [shards.compute[id(p)] for p in ps] if shards is not None else ps)
                         for pg, ps in runtime.tied_groups]
                 meta_init.synchronize(tied, runtime.dp_group, local, runtime,
@@ -359,17 +301,8 @@ class Pipeline(torch.nn.Module):
     def _shared_settings(self, split: Any, sig: tuple) -> dict[str, str]:
         """The settings every rank must share, by name: the start-up handshake
         compares them and names the one that differs, with its values."""
-        schedule = self._mpmd_schedule
-        return {"model": type(self._mpmd_module).__name__,
-                "num_microbatches": str(self.num_microbatches),
-                "schedule": schedule if isinstance(schedule, str) else type(schedule).__name__,
-                "num_stages": str(split.num_stages),
-                "microbatch inputs": _describe_key(sig),
-                "loss_fn": _loss_label(self._mpmd_loss_fn),
-                "compile": _compile_label(self._mpmd_compile),
-                "bytes_cost": str(self._mpmd_bytes_cost),
-                "data_parallel": self.data_parallel,
-                "reshard_after_forward": str(self._mpmd_reshard_after_forward)}
+        return {"model": type(self._mpmd_module).__name__, **self.config.shared_settings(),
+                "num_stages": str(split.num_stages), "microbatch inputs": _describe_key(sig)}
 
     def _local_tensors(self, runtime: RankRuntime, split: Any, *, user: bool = True
                        ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], set[str]]:
@@ -418,9 +351,9 @@ class Pipeline(torch.nn.Module):
         self._buffers = {}
         self._non_persistent_buffers_set = set()
         for fqn, p in params.items():
-            _set_path(self, fqn, p, "parameter")
+            set_path(self, fqn, p, "parameter")
         for fqn, b in buffers.items():
-            _set_path(self, fqn, b, "buffer", persistent=fqn not in non_persistent)
+            set_path(self, fqn, b, "buffer", persistent=fqn not in non_persistent)
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True,
                         assign: bool = False) -> Any:
@@ -483,9 +416,9 @@ class Pipeline(torch.nn.Module):
         rt = self._ensure_built(args0, kwargs0)
         inputs = self._mpmd_split.named_microbatches(args, kwargs, m)
         rt.use_shapes(inputs[0])  # (before building: the programs' sizes)
-        rt.prepare_programs(inputs, targets, self._mpmd_loss_fn)
+        rt.prepare_programs(inputs, targets, self.config.loss_fn)
         run_step(rt, STEP, self.calls, self.device, inputs=inputs, targets=targets,
-                 loss_fn=self._mpmd_loss_fn)
+                 loss_fn=self.config.loss_fn)
         loss = training.mean_loss(rt, rt.runner.losses, m, self.device)
         rt.runner.end_step()
         if os.environ.get("MPMD_TRACE"):
@@ -502,16 +435,20 @@ class Pipeline(torch.nn.Module):
 
     @stats_window.setter
     def stats_window(self, value: int) -> None:
-        _positive_int("stats_window", value)
+        positive_int("stats_window", value)
         self.calls.window = value
 
     @property
-    def _mpmd_step(self) -> int:
-        """The training steps taken (checkpoints save and restore it)."""
+    def step_count(self) -> int:
+        """The training steps taken: the step index that seeds each stage's
+        random numbers (checkpoints save and restore it; set it to resume a run
+        at a step)."""
         return self.calls.step
 
-    @_mpmd_step.setter
-    def _mpmd_step(self, value: int) -> None:
+    @step_count.setter
+    def step_count(self, value: int) -> None:
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"step_count={value!r} must be an int >= 0")
         self.calls.step = value
 
     @property
@@ -542,7 +479,7 @@ class Pipeline(torch.nn.Module):
         to rebalance stages. Forward and eval calls are not counted. Local (no
         communication); a RuntimeError before the first completed step."""
         if last_n is not None:
-            _positive_int("last_n", last_n)
+            positive_int("last_n", last_n)
         steps = [r for r in self.calls.records if r.kind == "step"]
         if not steps:
             raise RuntimeError("no completed step: stage_times() measures training steps; call "
@@ -554,7 +491,7 @@ class Pipeline(torch.nn.Module):
         completed calls (steps, forwards or evals; at most ``stats_window``), on
         every rank, on one clock (seconds from the earliest begin). Collective:
         call it on every rank."""
-        _positive_int("steps", steps)
+        positive_int("steps", steps)
         rt = self._runtime()
         history = list(self.calls.records)
         if not history:
@@ -642,15 +579,15 @@ class Pipeline(torch.nn.Module):
         """The target as the loss contract needs it, before capture or any
         communication: none without loss_fn, there for torch's losses (its
         batch size is checked by check_target_batch, after the inputs')."""
-        loss_fn = self._mpmd_loss_fn
+        loss_fn = self.config.loss_fn
         if target is not None and loss_fn is None:
             raise ValueError("target= was given, but the pipeline has loss_fn=None: the loss "
                              "comes from the model's output and the target would be ignored; "
                              "pass pipeline(loss_fn=...), or give the labels to the model as "
                              "an argument (e.g. labels=y)")
-        if target is None and loss_fn is not None and _needs_target(loss_fn):
+        if target is None and loss_fn is not None and needs_target(loss_fn):
             raise ValueError(f"target is missing: pipeline(loss_fn="
-                             f"{training.callable_name(loss_fn)}) computes loss_fn(output, "
+                             f"{callable_name(loss_fn)}) computes loss_fn(output, "
                              "target) on each microbatch, but no "
                              "target= was given; pass step(..., target=y)")
 
@@ -671,7 +608,7 @@ class Pipeline(torch.nn.Module):
         rt = self._ensure_built(*first_microbatch(args, kwargs, m))
         inputs = self._mpmd_split.named_microbatches(args, kwargs, m)
         run_step(rt, EVAL if eval_loss else FORWARD, self.calls, self.device, inputs=inputs,
-                 targets=targets, loss_fn=self._mpmd_loss_fn if eval_loss else None)
+                 targets=targets, loss_fn=self.config.loss_fn if eval_loss else None)
         return rt, inputs
 
     def _deliver_outputs(self, rt: RankRuntime, flat: tuple | None,
@@ -739,50 +676,6 @@ def _describe_key(sig: tuple | None) -> str:
             f"{f', {frozen} of {len(trainable)} parameters frozen' if frozen else ''})")
 
 
-def _loss_label(loss_fn: Callable[..., Any] | None) -> str:
-    """The loss function as the start-up handshake compares it across ranks:
-    its qualified name and a digest of its code (two lambdas, or a function
-    edited on one rank only, differ), never an address."""
-    if loss_fn is None:
-        return "None (the model's output)"
-    fn = training.unwrap_partial(loss_fn)
-    if isinstance(fn, torch.nn.Module):
-        fn = type(fn).forward
-    code = getattr(fn, "__code__", None)
-    if code is None:  # a builtin or C function: its name says it all
-        return training.callable_name(loss_fn)
-    return f"{training.callable_name(loss_fn)} (code {_code_digest(code)})"
-
-
-def _code_digest(code: Any) -> str:
-    h = hashlib.sha256(code.co_code)
-    for const in code.co_consts:  # nested functions by their code, not their repr's address
-        h.update((_code_digest(const) if hasattr(const, "co_code") else repr(const)).encode())
-    h.update(repr(code.co_names).encode())
-    return h.hexdigest()[:12]
-
-
-def _needs_target(loss_fn: Callable[..., Any]) -> bool:
-    """Whether ``loss_fn`` is known to read its target before it runs: one of
-    torch's losses (a ``torch.nn`` loss module, a ``torch.nn.functional``
-    function, or a partial of either; every one of them takes a target).
-    Another callable may ignore it: without a target it is called with None,
-    and an error it raises then says the target is missing
-    (training.microbatch_loss)."""
-    fn = training.unwrap_partial(loss_fn)
-    if isinstance(fn, torch.nn.Module):
-        return isinstance(fn, torch.nn.modules.loss._Loss)
-    return getattr(fn, "__module__", None) == "torch.nn.functional" and \
-        getattr(fn, "__name__", "").endswith(("_loss", "cross_entropy", "nll_loss"))
-
-
-def _compile_label(compile: Any) -> str:
-    """The compile setting as every rank spells it (a callable by its name)."""
-    if callable(compile) and not isinstance(compile, bool):
-        return f"{getattr(compile, '__module__', '')}.{getattr(compile, '__qualname__', '')}"
-    return repr(compile)
-
-
 def _default_device(module: torch.nn.Module) -> torch.device:
     for t in module.parameters():
         if t.device.type != "meta":
@@ -790,18 +683,8 @@ def _default_device(module: torch.nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
-def pipeline(module: torch.nn.Module, *, loss_fn: Callable[..., torch.Tensor] | None = None,
-             schedule: str | Schedule = "1f1b", num_microbatches: int,
-             stages_per_rank: int | None = None, split_points: Sequence[str] | None = None,
-             num_stages: int | None = None, group: Any = None, mesh: Any = None,
-             device: Any = None, timeout: float | datetime.timedelta = 60.0,
-             seed: int | None = None, lookahead: int = 2,
-             init_fn: Callable[[torch.nn.Module], None] | None = None,
-             compile: Any = False,
-             bytes_cost: float | None = None,
-             startup_timeout: float | datetime.timedelta | None = None,
-             dynamic: bool = False, data_parallel: str = "replicate",
-             reshard_after_forward: bool = False) -> Pipeline:
+def pipeline(module: torch.nn.Module, config: PipelineConfig | None = None,
+             **settings: Any) -> Pipeline:
     """Wrap ``module`` for pipeline-parallel training over ``group`` (default: the
     default process group; none initialized means one rank).
 
@@ -881,130 +764,24 @@ def pipeline(module: torch.nn.Module, *, loss_fn: Callable[..., torch.Tensor] | 
     programs, compiled ones included, with every transfer sized per step
     from the inputs; sizes the capture cannot serve (a guard it recorded
     fails, a static dim changed) capture again, with a log line saying why.
-    Arguments are checked here, before any communication; capture happens on
-    the first call.
+    Settings are the fields of :class:`torch_mpmd.PipelineConfig` (the
+    signature lists them): pass them as keywords, or a config (and keywords
+    that change it: ``pipeline(model, config, num_microbatches=8)``).
+    ``pipe.config`` is the config the pipeline runs with. Settings are checked
+    here, before any communication; capture happens on the first call.
     """
+    config = PipelineConfig.from_settings(config, **settings)
     orig = getattr(module, "_orig_mod", None)
     if isinstance(orig, torch.nn.Module) and type(module).__name__ == "OptimizedModule":
         # pipeline(torch.compile(model)): pipeline the model, compile its stages.
         module = orig
-        if compile is False:
-            compile = "inductor"
+        if config.compile is False:
+            config = dataclasses.replace(config, compile="inductor")
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"pipeline() takes an nn.Module, got {type(module).__name__}")
-    settings = check_settings(schedule=schedule, num_microbatches=num_microbatches,
-                              stages_per_rank=stages_per_rank, split_points=split_points,
-                              num_stages=num_stages, group=group, mesh=mesh, timeout=timeout,
-                              lookahead=lookahead, compile=compile,
-                              bytes_cost=bytes_cost, data_parallel=data_parallel,
-                              reshard_after_forward=reshard_after_forward)
-    grp, td, dp_group, replicas = (settings["group"], settings["timeout"], settings["dp_group"],
-                                   settings["replicas"])
-    return Pipeline(module, loss_fn=loss_fn, schedule=schedule,
-                    num_microbatches=num_microbatches, stages_per_rank=stages_per_rank,
-                    split_points=split_points, num_stages=num_stages, group=grp, device=device,
-                    timeout=td, seed=seed, lookahead=lookahead, dp_group=dp_group,
-                    replicas=replicas, init_fn=init_fn, compile=compile,
-                    bytes_cost=bytes_cost,
-                    startup_timeout=(_timeout(startup_timeout, "startup_timeout")
-                                     if startup_timeout is not None else None),
-                    dynamic=_check_dynamic(dynamic), dp_mesh=settings["dp_mesh"], mesh=mesh,
-                    data_parallel=data_parallel, reshard_after_forward=reshard_after_forward)
+    return Pipeline(module, config, config.resolve())
 
 
-def _check_dynamic(dynamic: Any) -> bool:
-    if not isinstance(dynamic, bool):
-        raise ValueError(f"dynamic={dynamic!r} must be True or False")
-    return dynamic
-
-
-def _check_bytes_cost(bytes_cost: Any) -> None:
-    """``bytes_cost`` is None (the partitioner's default) or a finite number
-    >= 0: cost units per byte crossing a cut of a balanced split (NOTE [Bytes
-    cost] in csrc/core/partition.h)."""
-    if bytes_cost is None:
-        return
-    if (isinstance(bytes_cost, bool) or not isinstance(bytes_cost, (int, float))
-            or not math.isfinite(bytes_cost) or bytes_cost < 0):
-        raise ValueError(f"bytes_cost={bytes_cost!r} must be None (the default) or a finite "
-                         "number >= 0: cost units per byte crossing a stage boundary")
-
-
-def check_settings(*, schedule: Any, num_microbatches: Any, stages_per_rank: Any = None,
-                   split_points: Any = None, num_stages: Any = None, group: Any = None,
-                   mesh: Any = None, timeout: Any = 60.0, lookahead: Any = 2,
-                   compile: Any = False, bytes_cost: Any = None,
-                   data_parallel: Any = "replicate",
-                   reshard_after_forward: Any = False) -> dict[str, Any]:
-    """Check the settings of pipeline() (and of the mpmd backend's options, which
-    are the same) before any rank communicates; a ValueError names the values.
-    Returns the pipeline group, the dp group and replicas (from ``mesh``) and
-    the timeout as a timedelta."""
-    resolve_compiler(compile)
-    _positive_int("num_microbatches", num_microbatches)
-    _positive_int("stages_per_rank", stages_per_rank, optional=True)
-    _positive_int("num_stages", num_stages, optional=True)
-    _positive_int("lookahead", lookahead)
-    _check_bytes_cost(bytes_cost)
-    td = _timeout(timeout)
-    dp_group, replicas = None, None
-    if mesh is not None:
-        if group is not None:
-            raise ValueError("pass either mesh= (dimensions from 'dp', 'pp', 'tp') or group=, "
-                             "not both")
-        groups = mesh_groups(mesh)
-        group, dp_group, replicas = groups.pp, groups.dp, groups.replicas
-    if not isinstance(data_parallel, str) or data_parallel not in DATA_PARALLEL_MODES:
-        raise ValueError(f"data_parallel={data_parallel!r} must be one of "
-                         f"{', '.join(map(repr, DATA_PARALLEL_MODES))}")
-    if data_parallel == "shard" and (mesh is None or "dp" not in (mesh.mesh_dim_names or ())):
-        raise ValueError("data_parallel='shard' shards over the mesh's 'dp' dimension: pass "
-                         "mesh=init_device_mesh(..., mesh_dim_names=('dp', 'pp'))")
-    if not isinstance(reshard_after_forward, bool):
-        raise ValueError(f"reshard_after_forward={reshard_after_forward!r} must be True or False")
-    if isinstance(schedule, str) and schedule not in schedule_names():
-        import os
-
-        if not os.path.isfile(schedule):
-            raise ValueError(f"unknown schedule {schedule!r}: use one of "
-                             f"{', '.join(schedule_names())}, a Schedule, or a text/CSV file")
-    if isinstance(schedule, str) and schedule in V_SCHEDULES and stages_per_rank not in (None, 2):
-        raise ValueError(f"schedule {schedule!r} places 2 stages per rank; got "
-                         f"stages_per_rank={stages_per_rank}")
-    if split_points is not None and (isinstance(split_points, str) or
-                                     not isinstance(split_points, Sequence)):
-        raise ValueError(f"split_points={split_points!r} must be a list of module FQNs")
-    grp = _pp_group(group)
-    pp = dist.get_world_size(grp) if grp is not None else 1
-    # What can be checked before capture is checked here, before any rank
-    # communicates: stage counts known from the arguments, and the schedule's
-    # own constraints (microbatches per rank, stages per rank).
-    known_stages, source = num_stages, "num_stages"
-    if split_points is not None:
-        known_stages, source = len(split_points) + 1, f"split_points={list(split_points)!r}"
-    if num_stages is not None and split_points is not None and num_stages != known_stages:
-        raise ValueError(f"num_stages={num_stages} disagrees with {source}, which give "
-                         f"{known_stages} stages")
-    spr = stages_per_rank
-    if known_stages is not None:
-        spr = check_stage_count(known_stages, pp, stages_per_rank, source=source)
-    elif spr is None and isinstance(schedule, str) and schedule in V_SCHEDULES:
-        spr = 2
-    if spr is not None and isinstance(schedule, str) and schedule in schedule_names():
-        if schedule in V_SCHEDULES and spr != 2:
-            raise ValueError(f"schedule {schedule!r} places 2 stages per rank; {source} give "
-                             f"{known_stages} stages on pp_size={pp} ranks ({spr} per rank)")
-        try:
-            get_schedule(schedule, num_ranks=pp, num_microbatches=num_microbatches,
-                         stages_per_rank=spr)
-        except ValueError as e:
-            where = (f" ({source} give {known_stages} stages on pp_size={pp} ranks)"
-                     if known_stages is not None else "")
-            raise ValueError(f"schedule {schedule!r}{where}: {e}") from None
-    if isinstance(schedule, Schedule) and schedule.num_ranks != pp:
-        raise ValueError(f"schedule '{schedule.name}' has {schedule.num_ranks} ranks, the "
-                         f"pipeline group has pp_size={pp}")
-    # A dp dimension of size 1 shards nothing: the stages run replicated.
-    dp_mesh = mesh["dp"] if data_parallel == "shard" and dp_group is not None else None
-    return {"group": grp, "timeout": td, "dp_group": dp_group, "replicas": replicas,
-            "dp_mesh": dp_mesh}
+pipeline.__signature__ = settings_signature(  # type: ignore[attr-defined]
+    inspect.Parameter("module", inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                      annotation="torch.nn.Module"))

@@ -237,7 +237,7 @@ def _state(module: torch.nn.Module, optimizer: Any) -> dict[str, Any]:
     state: dict[str, Any] = {"model": module.state_dict()}
     if optimizer is not None:
         state["optim"] = get_optimizer_state_dict(module, optimizer, options=_OPTIM)
-    state["pipeline"] = {"step": torch.tensor(getattr(module, "_mpmd_step", 0))}
+    state["pipeline"] = {"step": torch.tensor(getattr(module, "step_count", 0))}
     return state
 
 
@@ -736,7 +736,7 @@ def save(module: torch.nn.Module, optimizer: Any, path: str | os.PathLike, *,
         raise ValueError(f"keep_last={keep_last!r} must be a positive int or None")
     root = os.fspath(path)
     rank = _rank()
-    step = int(getattr(module, "_mpmd_step", 0))
+    step = int(getattr(module, "step_count", 0))
     world = dist.get_world_size() if _distributed() else 1
     manifest: dict[str, Any] = {"format": _FORMAT, "version": _VERSION, "rank": rank,
                                 "world_size": world, "step": step}
@@ -1114,8 +1114,8 @@ def load(module: torch.nn.Module, optimizer: Any, path: str | os.PathLike, *,
     module.load_state_dict(state["model"])
     if optimizer is not None:
         set_optimizer_state_dict(module, optimizer, state["optim"], options=_OPTIM)
-    if hasattr(module, "_mpmd_step"):
-        module._mpmd_step = int(state["pipeline"]["step"])
+    if hasattr(module, "step_count"):
+        module.step_count = int(state["pipeline"]["step"])
     for obj, encoded in restore:
         obj.load_state_dict(_decode(encoded, extra_tensors))
     return {"directory": target, "step": int(state["pipeline"]["step"]),

@@ -1,15 +1,6 @@
-"""What a training loop needs around ``Pipeline.step``: the loss contract, the
-global gradient norm, and the mean loss every rank returns.
-
-The loss contract (``pipeline(loss_fn=...)``): on the last stage, for each
-microbatch ``k``, ``loss_fn(output_k, target_k)`` is called with the model's
-output of that microbatch and its chunk of ``target`` and must return a
-one-element tensor. With ``loss_fn=None`` the model's output carries the loss
-itself: a one-element tensor, or a mapping, dataclass or named tuple with a
-field ``loss`` (a Hugging Face ``ModelOutput`` called with ``labels=``). A
-step returns the mean of the microbatches' losses and accumulates the gradient
-of that mean: for a mean-reduced loss and equal microbatches, the full batch's
-loss and gradient.
+"""What a training loop needs around ``Pipeline.step`` over a whole rank: the
+global gradient norm, and the mean loss every rank returns (the loss of one
+microbatch is :mod:`torch_mpmd.programs.loss`).
 
 Gradient clipping over a pipeline (:func:`clip_grad_norm_`): each rank holds
 its stages' gradients only, so the norm of all of them is reduced over the
@@ -23,122 +14,20 @@ shard once (NOTE [Norm over tensor parallel]).
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-import torch.utils._pytree as pytree
 from torch.distributed.tensor import DTensor
 
-from torch_mpmd.sharding import local_grad
+from torch_mpmd.parallel.sharding import local_grad
 
 if TYPE_CHECKING:
-    from torch_mpmd.runtime import RankRuntime
+    from torch_mpmd.runtime.rank import RankRuntime
 
-__all__ = ["microbatch_loss", "loss_from_output", "callable_name", "unwrap_partial",
-           "clip_grad_norm_", "counted_parameters",
-           "mean_loss"]
-
-
-# ------------------------------------------------------------------ the loss
-
-
-def _loss_field(output: Any) -> Any:
-    """The ``loss`` entry of a mapping, dataclass or named tuple; None when absent."""
-    if isinstance(output, Mapping):  # a dict, or a Hugging Face ModelOutput
-        return output.get("loss")
-    if dataclasses.is_dataclass(output) and not isinstance(output, type):
-        return getattr(output, "loss", None)
-    if isinstance(output, tuple) and "loss" in getattr(output, "_fields", ()):
-        return output.loss
-    return None
-
-
-def _describe(value: Any) -> str:
-    if isinstance(value, torch.Tensor):
-        return f"a tensor of shape {tuple(value.shape)}"
-    return f"a value of type {type(value).__name__}"
-
-
-def loss_from_output(output: Any) -> torch.Tensor:
-    """The loss a model returned itself (``loss_fn=None``): the output when it is
-    a one-element tensor, else its field ``loss``. ValueError otherwise."""
-    loss = output if isinstance(output, torch.Tensor) else _loss_field(output)
-    if not (isinstance(loss, torch.Tensor) and loss.numel() == 1):
-        found = (f"; its field 'loss' is {_describe(loss)}"
-                 if loss is not None and loss is not output else "")
-        raise ValueError(
-            "pipeline(loss_fn=None) needs the model to return its loss as a scalar tensor, or "
-            "a dict, dataclass or Hugging Face ModelOutput with a field 'loss' (e.g. called "
-            f"with labels=); it returned {_describe(output)}{found}; pass loss_fn=")
-    return loss if loss.dim() == 0 else loss.reshape(())
-
-
-def unwrap_partial(fn: Any) -> Any:
-    """The function a (nested) functools.partial calls; ``fn`` otherwise."""
-    while callable(getattr(fn, "func", None)):
-        fn = fn.func
-    return fn
-
-
-def callable_name(fn: Any) -> str:
-    """A loss function (or any callable) as messages name it: its qualified
-    name, a module instance's type, a partial's function."""
-    if isinstance(fn, torch.nn.Module):
-        return f"{type(fn).__module__}.{type(fn).__qualname__}"
-    inner = unwrap_partial(fn)
-    if inner is not fn:
-        return f"functools.partial({callable_name(inner)}, ...)"
-    qualname = getattr(fn, "__qualname__", None) or type(fn).__qualname__
-    return f"{getattr(fn, '__module__', None) or ''}.{qualname}".lstrip(".")
-
-
-def microbatch_loss(loss_fn: Callable[..., torch.Tensor] | None, output: Any,
-                    target: Any, *, needs_grad: bool = False) -> torch.Tensor:
-    """One microbatch's loss on the last stage, a 0-dim tensor (the loss
-    contract in the module docstring). ``needs_grad`` (a training step, under
-    grad mode): a loss that does not require grad is a ValueError naming
-    ``loss_fn`` and what it returned, where eager ``backward()`` would raise
-    too (a detached loss would train on zero gradients)."""
-    if loss_fn is None:
-        loss = loss_from_output(output)
-        what = "the model's output (loss_fn=None)"
-    else:
-        what = f"loss_fn {callable_name(loss_fn)}"
-        try:
-            loss = loss_fn(output, target)
-        except (TypeError, AttributeError, ValueError) as e:
-            # Say what the loss was given when it is not what a loss expects:
-            # no target, or an output that is not a tensor (not only what
-            # broke inside the user's loss).
-            if target is None:
-                raise type(e)(f"target is missing: {what} raised with target=None (pass "
-                              f"step(..., target=y)): {e}") from e
-            if not isinstance(output, torch.Tensor):
-                raise type(e)(f"{what} failed on the last stage's output, which is "
-                              f"{_describe(output)}: {e}") from e
-            raise
-        if not (isinstance(loss, torch.Tensor) and loss.numel() == 1):
-            raise ValueError(f"loss_fn must return a one-element tensor, it returned "
-                             f"{_describe(loss)}")
-    if needs_grad and not loss.requires_grad:
-        raise ValueError(
-            f"{what} returned a loss that does not require grad ({_describe(loss)}, "
-            f"dtype {str(loss.dtype).replace('torch.', '')}, requires_grad=False), so the step "
-            "would train on zero gradients; return a loss computed from the model's output "
-            "without .detach(), .item(), torch.tensor(...) or torch.no_grad()"
-            + ("" if _requires_grad_anywhere(output) else
-               "; the model's output does not require grad either (is every parameter "
-               "frozen?)"))
-    return loss if loss.dim() == 0 else loss.reshape(())
-
-
-def _requires_grad_anywhere(value: Any) -> bool:
-    return any(isinstance(t, torch.Tensor) and t.requires_grad
-               for t in pytree.tree_leaves(value))
+__all__ = ["clip_grad_norm_", "counted_parameters", "mean_loss"]
 
 
 def mean_loss(rt: "RankRuntime", losses: Mapping[int, torch.Tensor], num_microbatches: int,

@@ -39,11 +39,23 @@ __all__ = [
     "ParseError",
     "Schedule",
     "ScheduleError",
+    "V_SCHEDULES",
+    "default_stages_per_rank",
     "SimulationResult",
     "get_schedule",
     "kind_name",
     "names",
 ]
+
+
+# V placements hold exactly two stages per rank (stage r and 2p-1-r on rank
+# r); every other schedule starts from one, the library default.
+V_SCHEDULES = ("zbv", "dualpipev")
+
+
+def default_stages_per_rank(name: object) -> int:
+    """Stages per rank a schedule called ``name`` places when nothing else says."""
+    return 2 if isinstance(name, str) and name in V_SCHEDULES else 1
 
 
 def kind_name(kind: ActionKind) -> str:

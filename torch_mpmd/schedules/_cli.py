@@ -16,7 +16,8 @@ import sys
 from pathlib import Path
 from typing import NoReturn, Optional, Sequence
 
-from torch_mpmd.schedules import Schedule, SimulationResult, get_schedule, names
+from torch_mpmd.schedules import (Schedule, SimulationResult, default_stages_per_rank,
+                                  get_schedule, names)
 from torch_mpmd.schedules._simulation import COST_KEYS
 
 PROG = "python -m torch_mpmd.schedules"
@@ -92,18 +93,9 @@ def _load(args: argparse.Namespace) -> Schedule:
         args.name,
         num_ranks=args.ranks,
         num_microbatches=args.microbatches,
-        stages_per_rank=_default_stages_per_rank(args.name) if args.stages_per_rank is None
+        stages_per_rank=default_stages_per_rank(args.name) if args.stages_per_rank is None
         else args.stages_per_rank,
     )
-
-
-# V placements hold exactly two stages per rank; every other schedule starts
-# from one, the library default.
-_V_SCHEDULES = ("zbv", "dualpipev")
-
-
-def _default_stages_per_rank(name: str) -> int:
-    return 2 if name in _V_SCHEDULES else 1
 
 
 def _metrics(result: SimulationResult) -> str:
@@ -123,9 +115,9 @@ def _metrics(result: SimulationResult) -> str:
 
 def _show(args: argparse.Namespace) -> None:
     if args.png is not None:
-        from torch_mpmd.schedules._plot import _import_matplotlib
+        from torch_mpmd.schedules.plot import import_matplotlib
 
-        _import_matplotlib()  # fail before printing anything when it is missing
+        import_matplotlib()  # fail before printing anything when it is missing
     schedule = _load(args)
     if args.shard:
         if schedule.is_lowered:
@@ -139,7 +131,7 @@ def _show(args: argparse.Namespace) -> None:
     print()
     print(_metrics(result))
     if args.png is not None:
-        from torch_mpmd.schedules._plot import save_timeline
+        from torch_mpmd.schedules.plot import save_timeline
 
         save_timeline(schedule, result, args.png)
         print(f"wrote {args.png}")

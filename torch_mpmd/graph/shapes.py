@@ -46,7 +46,7 @@ class SymbolicShapes:
 
     def hint_key(self) -> tuple[int, ...]:
         """The sizes the capture was made with."""
-        from torch_mpmd.capture import size_hint
+        from torch_mpmd.graph.capture import size_hint
 
         return tuple(size_hint(s) for s in self._symints)
 
@@ -89,7 +89,7 @@ class SymbolicShapes:
         dim is the input's), else static: the programs then relate the
         target to the inputs as the loss does. :meth:`expected` gives the
         shape a step's target must have."""
-        from torch_mpmd.capture import size_hint
+        from torch_mpmd.graph.capture import size_hint
 
         by_hint: dict[int, torch.SymInt] = {}
         for s in self._symints:

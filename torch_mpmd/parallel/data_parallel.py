@@ -29,8 +29,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from torch_mpmd import lockstep
-from torch_mpmd.sharding import local_grad, set_local_grad
+from torch_mpmd.parallel import lockstep
+from torch_mpmd.parallel.sharding import local_grad, set_local_grad
 
 __all__ = ["DataParallel", "MESH_DIMS", "MeshGroups", "flat_increments", "local_part",
            "mesh_groups", "new_replica_group", "new_tied_group"]

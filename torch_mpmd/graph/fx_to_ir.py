@@ -30,8 +30,8 @@ import torch.fx
 import torch.utils._pytree as pytree
 
 from torch_mpmd import _C
-from torch_mpmd.capture import CaptureError, PlaceholderInfo, size_hint
-from torch_mpmd.markers import is_stage_boundary
+from torch_mpmd.graph.capture import CaptureError, PlaceholderInfo, size_hint
+from torch_mpmd.graph.markers import is_stage_boundary
 
 __all__ = [
     "GraphIR",
@@ -129,7 +129,7 @@ _VIEW_NAMES = {"view", "view_as", "reshape", "reshape_as", "getitem", "__getitem
                "after", "setitem"}  # this module's helpers return their first argument
 
 
-def _mutated_arg(node: torch.fx.Node) -> torch.fx.Node | None:
+def mutated_arg(node: torch.fx.Node) -> torch.fx.Node | None:
     """The tensor an in-place node writes to (its first argument), or None."""
     if node.op not in ("call_function", "call_method") or not node.args:
         return None
@@ -213,7 +213,7 @@ def order_mutations(graph: torch.fx.Graph) -> int:
     inserted = 0
     next_id = 1 + max((n.meta[_WRITE_ID] for n in graph.nodes if _WRITE_ID in n.meta), default=-1)
     for m in list(graph.nodes):
-        v = _mutated_arg(m)
+        v = mutated_arg(m)
         if v is None:
             continue
         if m.op == "call_function" and m.target is operator.setitem:

@@ -37,9 +37,9 @@ from typing import Any
 
 import torch
 
-from torch_mpmd import lockstep
-from torch_mpmd.data_parallel import flat_increments, local_part
-from torch_mpmd.sharding import ParamShards, ShardedStages, local_grad, set_local_grad, shard_rows
+from torch_mpmd.parallel import lockstep
+from torch_mpmd.parallel.data_parallel import flat_increments, local_part
+from torch_mpmd.parallel.sharding import ParamShards, ShardedStages, local_grad, set_local_grad, shard_rows
 
 __all__ = ["TiedGroup", "TiedSums"]
 

@@ -5,8 +5,8 @@ Dynamo graph of ``fn`` (a function such as forward + loss, or a module's
 forward). ``options`` takes pipeline()'s settings (``schedule``,
 ``num_microbatches``, ``split_points``, ``stages_per_rank``, ``num_stages``,
 ``mesh``/``group``, ``timeout``, ``seed``, ``lookahead``, ``compile``,
-``bytes_cost``, ...),
-checked by the same code (api.check_settings), plus ``reduction`` ("mean",
+``bytes_cost``, ...: every field of :class:`torch_mpmd.PipelineConfig` but
+``loss_fn``), checked by the same code (the config's), plus ``reduction`` ("mean",
 the default, or "sum": how the training call combines the microbatches'
 losses). The backend returns a :class:`torch_mpmd.door.Door`, which pipelines
 ``fn`` itself through pipeline()'s capture, split, stage programs and runtime
@@ -17,24 +17,19 @@ losses). The backend returns a :class:`torch_mpmd.door.Door`, which pipelines
 
 from __future__ import annotations
 
-import inspect
+import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.fx
 
-from torch_mpmd.api import check_settings, check_stage_count, pipeline
-from torch_mpmd.capture import CaptureError
+from torch_mpmd.config import BACKEND_OPTIONS, PipelineConfig, check_stage_count
+from torch_mpmd.graph.capture import CaptureError
 
+# BACKEND_OPTIONS: the keys ``options`` may hold (the config's fields but
+# ``loss_fn``, and ``reduction``); any other key is a ValueError naming it.
 __all__ = ["mpmd_backend", "BACKEND_OPTIONS", "check_stage_count"]
-
-_NOT_OPTIONS = ("module", "loss_fn")
-BACKEND_OPTIONS = tuple(
-    [name for name, p in inspect.signature(pipeline).parameters.items()
-     if p.kind is p.KEYWORD_ONLY and name not in _NOT_OPTIONS] + ["reduction"])
-"""Keys ``options`` may hold (pipeline()'s keyword arguments but ``loss_fn``,
-and ``reduction``); any other key is a ValueError naming it."""
 
 def _skip_logging_calls() -> None:
     """Let Dynamo drop logging.Logger calls from traced code instead of breaking
@@ -42,20 +37,16 @@ def _skip_logging_calls() -> None:
     (transformers' ``warning_once`` in its losses), and the door needs one
     graph. Done when this backend is looked up, before Dynamo traces, so it
     applies to every torch.compile in the process (documented in README)."""
-    from torch_mpmd.capture import _logging_functions
+    from torch_mpmd.graph.capture import logging_functions
 
-    torch._dynamo.config.ignore_logging_functions = _logging_functions()
+    torch._dynamo.config.ignore_logging_functions = logging_functions()
 
 
 _skip_logging_calls()
 
-# The options check_settings checks, from its signature: a setting added to
-# pipeline() and check_settings is checked here too (bytes_cost, ...).
-_CHECKED = tuple(inspect.signature(check_settings).parameters)
-
-
-def _check_options(options: Mapping[str, Any] | None) -> tuple[dict[str, Any], str]:
-    """pipeline() keyword arguments and the reduction from ``options``."""
+def _check_options(options: Mapping[str, Any] | None) -> tuple[PipelineConfig, str]:
+    """The pipeline's config and the reduction from ``options`` (checked
+    whole: the config's own checks and those that need the groups)."""
     if options is None:
         options = {}
     if not isinstance(options, Mapping):
@@ -77,8 +68,9 @@ def _check_options(options: Mapping[str, Any] | None) -> tuple[dict[str, Any], s
     # Without a schedule: interleaved 1F1B, which is 1F1B at one stage per rank
     # and also runs the several stages per rank that markers may define.
     opts.setdefault("schedule", "interleaved_1f1b")
-    check_settings(**{k: opts[k] for k in _CHECKED if k in opts})
-    return opts, reduction
+    config = PipelineConfig(**opts)
+    config.resolve()
+    return config, reduction
 
 
 def _check_whole_graph(gm: torch.fx.GraphModule) -> None:
@@ -105,9 +97,14 @@ def mpmd_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
     the graph (a graph break is a CaptureError naming the source line).
     Nothing is captured or communicated until the first call.
     """
-    from torch_mpmd.door import Door
+    from torch_mpmd.compile.door import Door
 
-    settings, reduction = _check_options(options)
+    config, reduction = _check_options(options)
+    if "dynamic" not in (options or {}) and any(isinstance(v, torch.SymInt)
+                                                 for v in example_inputs):
+        # Dynamo traced with symbolic sizes (dynamic=True, mark_dynamic, or a
+        # recompile after a shape change): the pipeline's capture is symbolic too.
+        config = dataclasses.replace(config, dynamic=True)
     _skip_logging_calls()  # for the next traces, if a library added Logger methods since
     _check_whole_graph(gm)
-    return Door(gm, example_inputs, settings, reduction)
+    return Door(gm, example_inputs, config, reduction)

@@ -85,8 +85,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from torch_mpmd import lockstep
-from torch_mpmd.meta_init import is_standin
+from torch_mpmd.parallel import lockstep
+from torch_mpmd.parallel.meta_init import is_standin
 
 __all__ = ["ParamShards", "ShardedStages", "DATA_PARALLEL_MODES", "local_grad",
            "set_local_grad", "shard_rows"]

@@ -38,7 +38,7 @@ import torch.fx
 import torch.utils._pytree as pytree
 
 from torch_mpmd import _C
-from torch_mpmd.training import microbatch_loss
+from torch_mpmd.programs.loss import microbatch_loss
 
 __all__ = ["ProgramsUnsupported", "StagePrograms", "build_stage_programs", "resolve_compiler",
            "program_ops"]
@@ -200,7 +200,7 @@ def _nbytes(t: Any) -> int:
     """Bytes of a tensor (its size hint when symbolic; no guards); 0 for a size."""
     if not isinstance(t, torch.Tensor):
         return 0
-    from torch_mpmd.capture import size_hint
+    from torch_mpmd.graph.capture import size_hint
 
     return math.prod(size_hint(d) for d in t.shape) * t.element_size()
 

@@ -24,10 +24,10 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from torch_mpmd import trace
+from torch_mpmd.runtime import trace
 
 if TYPE_CHECKING:
-    from torch_mpmd.runtime import RankRuntime
+    from torch_mpmd.runtime.rank import RankRuntime
 
 __all__ = ["run_step", "CallHistory", "RngState", "Part", "STEP", "EVAL", "FORWARD",
            "FORWARD_KEEPING_GRAPH", "BACKWARD", "STATS_WINDOW"]

@@ -29,23 +29,24 @@ import torch
 import torch.distributed as dist
 import torch.fx
 
-from torch_mpmd import _runtime, lockstep
-from torch_mpmd.data_parallel import DataParallel, new_replica_group, new_tied_group
-from torch_mpmd.sharding import ParamShards, ShardedStages
-from torch_mpmd.program_runner import ProgramRunner
-from torch_mpmd.lockstep import PipelineError
-from torch_mpmd.programs import Compiler
-from torch_mpmd.shapes import SymbolicShapes
-from torch_mpmd.runner import EdgeLayout
-from torch_mpmd.schedules import (Action, ActionKind, Schedule, get_schedule, kind_name,
-                                  names as schedule_names)
-from torch_mpmd.stage import SplitModel, StageSignature
-from torch_mpmd.tied import TiedGroup, TiedSums
+from torch_mpmd import _runtime
+from torch_mpmd.parallel import lockstep
+from torch_mpmd.parallel.data_parallel import DataParallel, new_replica_group, new_tied_group
+from torch_mpmd.parallel.sharding import ParamShards, ShardedStages
+from torch_mpmd.runtime.program_runner import ProgramRunner
+from torch_mpmd.parallel.lockstep import PipelineError
+from torch_mpmd.programs.stage_programs import Compiler
+from torch_mpmd.graph.shapes import SymbolicShapes
+from torch_mpmd.runtime.runner import EdgeLayout
+from torch_mpmd.schedules import (V_SCHEDULES, Action, ActionKind, Schedule, get_schedule,
+                                  kind_name, names as schedule_names)
+from torch_mpmd.graph.stage import SplitModel, StageSignature
+from torch_mpmd.parallel.tied import TiedGroup, TiedSums
 
 __all__ = ["PipelineError", "RankRuntime", "StagedModel", "resolve_schedule",
-           "forward_only_text", "backward_only_text", "V_SCHEDULES"]
+           "forward_only_text", "backward_only_text"]
 
-V_SCHEDULES = ("zbv", "dualpipev")
+
 # Default least wait for the other ranks' compiled (Inductor) program builds,
 # which can take minutes longer on one rank than another; startup_timeout= sets it.
 _COMPILED_BUILD_TIMEOUT_S = 1800.0

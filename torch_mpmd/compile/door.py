@@ -24,15 +24,16 @@ from __future__ import annotations
 
 import collections
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.fx
 
-from torch_mpmd.frame import FrameCall, FrameModule, frame_call
+from torch_mpmd.config import PipelineConfig
+from torch_mpmd.compile.frame import FrameCall, FrameModule, frame_call
 from torch_mpmd.microbatch import first_microbatch
-from torch_mpmd.step import BACKWARD, FORWARD_KEEPING_GRAPH, run_step
+from torch_mpmd.runtime.step import BACKWARD, FORWARD_KEEPING_GRAPH, run_step
 
 __all__ = ["Door", "pipeline_of"]
 
@@ -76,7 +77,7 @@ def _output_examples(gm: torch.fx.GraphModule) -> list[Any]:
 def _lockstep(pipe: Any, kind: str, fn: Any, *args: Any) -> Any:
     """``fn(*args)`` as a call of ``pipe`` in lockstep with the other ranks
     (lockstep.pipeline_call): a failure before its exchanges reaches them."""
-    from torch_mpmd.lockstep import pipeline_call
+    from torch_mpmd.parallel.lockstep import pipeline_call
 
     return pipeline_call(kind)(lambda _pipe, *a: fn(*a))(pipe, *args)
 
@@ -147,14 +148,9 @@ class Door:
     module docstring). ``pipeline`` is the Pipeline it runs."""
 
     def __init__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
-                 settings: Mapping[str, Any], reduction: str = "mean") -> None:
+                 config: PipelineConfig, reduction: str = "mean") -> None:
         self.call: FrameCall = frame_call(example_inputs)
-        self.settings = dict(settings)
-        if "dynamic" not in self.settings and any(
-                isinstance(v, torch.SymInt) for v in example_inputs):
-            # Dynamo traced with symbolic sizes (dynamic=True, mark_dynamic, or a
-            # recompile after a shape change): the pipeline's capture is symbolic too.
-            self.settings["dynamic"] = True
+        self.config = config
         self.reduction = reduction
         self.outputs = _output_examples(gm)
         out = self.outputs
@@ -179,7 +175,7 @@ class Door:
 
         fn = self.call.fn
         module = fn if isinstance(fn, torch.nn.Module) else FrameModule(self.call)
-        return pipeline(module, loss_fn=None, **self.settings)
+        return pipeline(module, self.config, loss_fn=None)
 
     # ------------------------------------------------------------ what tests read
     @property

@@ -24,9 +24,9 @@ import torch
 import torch.utils._pytree as pytree
 from torch.distributed.tensor import DTensor
 
-from torch_mpmd.programs import (Compiler, ProgramsUnsupported, StagePrograms,
+from torch_mpmd.programs.stage_programs import (Compiler, ProgramsUnsupported, StagePrograms,
                                  build_stage_programs, flatten_target, loss_tail)
-from torch_mpmd.runner import EdgeLayout, StageRunner, _label, _seed_rng, stage_seed
+from torch_mpmd.runtime.runner import EdgeLayout, StageRunner, _label, _seed_rng, stage_seed
 
 __all__ = ["ProgramRunner"]
 

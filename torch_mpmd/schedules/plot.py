@@ -36,7 +36,7 @@ KIND_COLOURS = {kind: colour for kind, (colour, _) in _DRAWN.items()}
 _COLLECTIVE_LETTERS = {_K.REDUCE_GRAD: "R", _K.UNSHARD: "U", _K.RESHARD: "X"}
 
 
-def _import_matplotlib():  # type: ignore[no-untyped-def]
+def import_matplotlib():  # type: ignore[no-untyped-def]
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
@@ -75,7 +75,7 @@ def draw_timeline(ax, rows, makespan: float, points_per_unit: float) -> list:  #
 
 
 def add_legend(fig, ax, kinds) -> None:  # type: ignore[no-untyped-def]
-    _, _, Patch = _import_matplotlib()
+    _, _, Patch = import_matplotlib()
     order = [k for k in KIND_COLOURS if k in kinds]
     ax.legend(
         handles=[Patch(facecolor=_DRAWN[k][0], edgecolor="black", label=_DRAWN[k][1])
@@ -90,7 +90,7 @@ def save_timeline(
     """Draw ``result.timeline`` of ``schedule`` into the PNG file ``path``."""
     if result.timeline is None:
         raise ValueError("the result has no timeline; simulate with timeline=True")
-    Figure, FigureCanvasAgg, _ = _import_matplotlib()
+    Figure, FigureCanvasAgg, _ = import_matplotlib()
     makespan = max(result.makespan, 1e-9)
     ranks = len(result.timeline)
     width_in = min(40.0, max(8.0, 0.35 * makespan + 1.5))

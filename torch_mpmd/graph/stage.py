@@ -26,10 +26,10 @@ import torch
 import torch.fx
 
 from torch_mpmd import _C
-from torch_mpmd.capture import CapturedGraph, PlaceholderInfo, capture
-from torch_mpmd.capture import flatten_inputs
-from torch_mpmd.fx_to_ir import GraphIR, _dtensor_type, grad_mode_setting, order_mutations
-from torch_mpmd.fx_to_ir import resolve_split_points, to_ir
+from torch_mpmd.graph.capture import CapturedGraph, PlaceholderInfo, capture
+from torch_mpmd.graph.capture import flatten_inputs
+from torch_mpmd.graph.fx_to_ir import GraphIR, _dtensor_type, grad_mode_setting, order_mutations
+from torch_mpmd.graph.fx_to_ir import resolve_split_points, to_ir
 from torch_mpmd.microbatch import Replicate, split_microbatches
 
 __all__ = [
@@ -135,7 +135,7 @@ def partition(ir: GraphIR, *, split_points: Sequence[str] | None = None,
 # ------------------------------------------------------------------ stage modules
 
 
-def _set_path(root: torch.nn.Module, fqn: str, value: Any, kind: str,
+def set_path(root: torch.nn.Module, fqn: str, value: Any, kind: str,
               persistent: bool = True) -> None:
     *prefix, leaf = fqn.split(".")
     mod = root
@@ -411,7 +411,7 @@ def build_stages(gm: torch.fx.GraphModule, ir: GraphIR, plan: Any,
             if s not in p.stages:
                 continue
             info = ph_info[nodes[node_id]]
-            _set_path(root, info.name, tensors[info.name], info.kind, info.persistent)
+            set_path(root, info.name, tensors[info.name], info.kind, info.persistent)
             (params if info.kind == "parameter" else buffers).append(info.name)
             env[nodes[node_id]] = graph.get_attr(info.name)
 
@@ -440,7 +440,7 @@ def build_stages(gm: torch.fx.GraphModule, ir: GraphIR, plan: Any,
                 continue
             if node.op == "get_attr":
                 target = str(node.target)
-                _set_path(root, target, operator.attrgetter(target)(gm), "attr")
+                set_path(root, target, operator.attrgetter(target)(gm), "attr")
             switch_mode(desired[i])
             try:
                 env[node] = graph.node_copy(node, lambda n: env[n])

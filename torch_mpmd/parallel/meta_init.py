@@ -165,7 +165,7 @@ def synchronize(tied_groups: Iterable[tuple[Any, list[torch.Tensor]]], dp_group:
     With the ``runtime`` (a RankRuntime) each broadcast is bounded by its
     timeout and waited for by ``runtime.wait`` (NOTE [Bounded collectives] in
     lockstep.py); without, they block for the process group's timeout."""
-    from torch_mpmd import lockstep
+    from torch_mpmd.parallel import lockstep
 
     local = list(local)
 

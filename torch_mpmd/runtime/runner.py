@@ -18,9 +18,9 @@ from typing import Any
 import torch
 import torch.fx
 
-from torch_mpmd.stage import StageSignature, StageValue, transferred_value
-from torch_mpmd.training import microbatch_loss
-from torch_mpmd.weight_grad import WeightGradPlan
+from torch_mpmd.graph.stage import StageSignature, StageValue, transferred_value
+from torch_mpmd.programs.loss import microbatch_loss
+from torch_mpmd.programs.weight_grad import WeightGradPlan
 
 __all__ = ["EdgeLayout", "StageRunner", "stage_seed"]
 
@@ -121,7 +121,7 @@ def _mutated_placeholders(gm: torch.fx.GraphModule) -> set[str]:
     """Placeholders the stage graph writes in place (directly or through a view):
     they are fed a clone, since a leaf requiring grad cannot be written and a
     locally handed-off tensor belongs to the producing stage."""
-    from torch_mpmd.fx_to_ir import _mutated_arg
+    from torch_mpmd.graph.fx_to_ir import mutated_arg
 
     family: dict[torch.fx.Node, str] = {}
     mutated: set[str] = set()
@@ -129,7 +129,7 @@ def _mutated_placeholders(gm: torch.fx.GraphModule) -> set[str]:
         if node.op == "placeholder":
             family[node] = node.name
             continue
-        written = _mutated_arg(node)
+        written = mutated_arg(node)
         if written is not None and written in family:
             mutated.add(family[written])
         args = [a for a in node.all_input_nodes if a in family]

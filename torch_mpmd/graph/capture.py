@@ -30,7 +30,7 @@ import torch
 import torch.fx
 import torch.utils._pytree as pytree
 
-import torch_mpmd.markers  # noqa: F401  (registers the marker op before any capture)
+import torch_mpmd.graph.markers  # noqa: F401  (registers the marker op before any capture)
 
 __all__ = [
     "CaptureError",
@@ -317,7 +317,7 @@ def _opaque_inputs_as_constants(gm: torch.fx.GraphModule, example_inputs: list) 
     return kept
 
 
-def _logging_functions() -> set:
+def logging_functions() -> set:
     """Dynamo's ignore set plus every logging.Logger method (including ones
     libraries add, like transformers' ``warning_once``): a log call in forward
     is dropped from the graph instead of breaking it."""
@@ -425,7 +425,7 @@ def capture(module: torch.nn.Module, args: Sequence[Any], kwargs: Mapping[str, A
         # Static unless marked, whatever an enclosing torch.compile(dynamic=True)
         # set (the compile door captures inside one): Python floats stay
         # constants, only the marked dims are symbolic.
-        with torch._dynamo.config.patch(ignore_logging_functions=_logging_functions(),
+        with torch._dynamo.config.patch(ignore_logging_functions=logging_functions(),
                                         assume_static_by_default=True,
                                         automatic_dynamic_shapes=False,
                                         specialize_float=True):

@@ -1,0 +1,325 @@
+"""The pipeline's settings, one frozen object: :class:`PipelineConfig`.
+
+Its fields are, by construction, three lists at once:
+
+- ``pipeline(module, **settings)``'s keyword arguments (``pipeline`` takes a
+  ``PipelineConfig`` too, and its signature is built from the fields);
+- the keys of ``torch.compile(fn, backend="mpmd", options={...})``: every
+  field but ``loss_fn`` (the compiled function computes its loss), plus the
+  backend's own ``reduction`` (:data:`BACKEND_OPTIONS`);
+- the settings every rank must share, compared at start-up by the handshake
+  that names the one differing (fields whose metadata has a ``shared``
+  formatter; :meth:`PipelineConfig.shared_settings`).
+
+Validation lives here and only here: a value wrong on its own is a
+ValueError when the config is made (``__post_init__``); what depends on the
+process groups (the pipeline size, the mesh's groups, a schedule's own
+constraints at that size) is checked by :meth:`PipelineConfig.resolve`, which
+``pipeline()`` and the backend both call before any rank communicates.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import inspect
+import math
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch.distributed as dist
+
+from torch_mpmd.parallel.data_parallel import mesh_groups
+from torch_mpmd.parallel.sharding import DATA_PARALLEL_MODES
+from torch_mpmd.programs.loss import loss_label
+from torch_mpmd.programs.stage_programs import resolve_compiler
+from torch_mpmd.schedules import (V_SCHEDULES, Schedule, default_stages_per_rank, get_schedule,
+                                  names as schedule_names)
+
+__all__ = ["PipelineConfig", "Resolved", "BACKEND_OPTIONS", "check_stage_count",
+           "positive_int", "as_timeout", "pp_group"]
+
+MAX_TIMEOUT_S = 1e7  # ~115 days; larger overflows the executor's clock arithmetic
+
+
+def _schedule_label(schedule: Any) -> str:
+    return schedule if isinstance(schedule, str) else type(schedule).__name__
+
+
+def _compile_label(compile: Any) -> str:
+    """The compile setting as every rank spells it (a callable by its name)."""
+    if callable(compile) and not isinstance(compile, bool):
+        return f"{getattr(compile, '__module__', '')}.{getattr(compile, '__qualname__', '')}"
+    return repr(compile)
+
+
+def _setting(default: Any = dataclasses.MISSING, *, option: bool = True,
+             shared: Callable[[Any], str] | None = None) -> Any:
+    """A field: ``option`` (a backend option key), ``shared`` (compared between
+    ranks at start-up, spelled by this function)."""
+    return dataclasses.field(default=default, metadata={"option": option, "shared": shared})
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PipelineConfig:
+    """What ``pipeline()`` is told: see its docstring for what each setting does.
+    Frozen; ``dataclasses.replace(config, name=value)`` makes a changed copy."""
+
+    num_microbatches: int = _setting(shared=str)
+    loss_fn: Callable[..., Any] | None = _setting(None, option=False, shared=loss_label)
+    schedule: str | Schedule = _setting("1f1b", shared=_schedule_label)
+    stages_per_rank: int | None = _setting(None)
+    split_points: tuple[str, ...] | None = _setting(None)
+    num_stages: int | None = _setting(None)
+    group: Any = _setting(None)
+    mesh: Any = _setting(None)
+    device: Any = _setting(None)
+    timeout: float | datetime.timedelta = _setting(60.0)
+    seed: int | None = _setting(None)
+    lookahead: int = _setting(2)
+    init_fn: Callable[[Any], None] | None = _setting(None)
+    compile: Any = _setting(False, shared=_compile_label)
+    bytes_cost: float | None = _setting(None, shared=str)
+    startup_timeout: float | datetime.timedelta | None = _setting(None)
+    dynamic: bool = _setting(False, shared=str)
+    data_parallel: str = _setting("replicate", shared=str)
+    reshard_after_forward: bool = _setting(False, shared=str)
+
+    def __post_init__(self) -> None:
+        """Every check of a value on its own (ValueError naming it)."""
+        if self.split_points is not None:
+            if isinstance(self.split_points, str) or not isinstance(self.split_points, Sequence):
+                raise ValueError(f"split_points={self.split_points!r} must be a list of module "
+                                 "FQNs")
+            object.__setattr__(self, "split_points", tuple(self.split_points))
+        resolve_compiler(self.compile)
+        positive_int("num_microbatches", self.num_microbatches)
+        positive_int("stages_per_rank", self.stages_per_rank, optional=True)
+        positive_int("num_stages", self.num_stages, optional=True)
+        positive_int("lookahead", self.lookahead)
+        _check_bytes_cost(self.bytes_cost)
+        as_timeout(self.timeout)
+        if self.startup_timeout is not None:
+            as_timeout(self.startup_timeout, "startup_timeout")
+        for name in ("dynamic", "reshard_after_forward"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")
+        if not isinstance(self.data_parallel, str) or self.data_parallel not in DATA_PARALLEL_MODES:
+            raise ValueError(f"data_parallel={self.data_parallel!r} must be one of "
+                             f"{', '.join(map(repr, DATA_PARALLEL_MODES))}")
+        if self.data_parallel == "shard" and (
+                self.mesh is None or "dp" not in (self.mesh.mesh_dim_names or ())):
+            raise ValueError("data_parallel='shard' shards over the mesh's 'dp' dimension: pass "
+                             "mesh=init_device_mesh(..., mesh_dim_names=('dp', 'pp'))")
+        if self.mesh is not None and self.group is not None:
+            raise ValueError("pass either mesh= (dimensions from 'dp', 'pp', 'tp') or group=, "
+                             "not both")
+        schedule = self.schedule
+        if isinstance(schedule, str) and schedule not in schedule_names() \
+                and not os.path.isfile(schedule):
+            raise ValueError(f"unknown schedule {schedule!r}: use one of "
+                             f"{', '.join(schedule_names())}, a Schedule, or a text/CSV file")
+        if not isinstance(schedule, (str, Schedule)):
+            raise ValueError(f"schedule={schedule!r} must be a name "
+                             f"({', '.join(schedule_names())}), a Schedule, or a text/CSV file")
+        if isinstance(schedule, str) and schedule in V_SCHEDULES \
+                and self.stages_per_rank not in (None, 2):
+            raise ValueError(f"schedule {schedule!r} places 2 stages per rank; got "
+                             f"stages_per_rank={self.stages_per_rank}")
+        if self.num_stages is not None and self.split_points is not None \
+                and self.num_stages != len(self.split_points) + 1:
+            raise ValueError(f"num_stages={self.num_stages} disagrees with "
+                             f"split_points={list(self.split_points)!r}, which give "
+                             f"{len(self.split_points) + 1} stages")
+
+    # ------------------------------------------------------------ the three lists
+    @classmethod
+    def setting_names(cls) -> tuple[str, ...]:
+        """pipeline()'s keyword arguments."""
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    @classmethod
+    def option_names(cls) -> tuple[str, ...]:
+        """The settings the mpmd backend's ``options`` may hold."""
+        return tuple(f.name for f in dataclasses.fields(cls) if f.metadata["option"])
+
+    def shared_settings(self) -> dict[str, str]:
+        """The settings every rank must share, by name, as the start-up
+        handshake compares them (never an address: a loss function by its name
+        and a digest of its code)."""
+        return {f.name: f.metadata["shared"](getattr(self, f.name))
+                for f in dataclasses.fields(self) if f.metadata["shared"] is not None}
+
+    @classmethod
+    def from_settings(cls, base: PipelineConfig | None = None, /, **settings: Any
+                      ) -> PipelineConfig:
+        """``base`` with ``settings`` changed (or a new config of ``settings``);
+        an unknown name is a TypeError listing the known ones."""
+        unknown = [k for k in settings if k not in cls.setting_names()]
+        if unknown:
+            raise TypeError(f"unknown pipeline setting(s) {', '.join(map(repr, unknown))}; "
+                            f"known: {', '.join(cls.setting_names())}")
+        if base is None:
+            return cls(**settings)
+        if not isinstance(base, cls):
+            raise TypeError(f"expected a PipelineConfig, got {type(base).__name__}")
+        return dataclasses.replace(base, **settings)
+
+    # ------------------------------------------------------------ with the groups
+    @property
+    def stages_per_rank_default(self) -> int:
+        """Stages per rank when neither the setting nor the split fixes it."""
+        if self.stages_per_rank is not None:
+            return self.stages_per_rank
+        return default_stages_per_rank(self.schedule)
+
+    def resolve(self) -> Resolved:
+        """The process groups this config names, and every check that needs
+        them (stage counts against the pipeline size, the schedule's own
+        constraints at that size): before any rank communicates."""
+        group, dp_group, replicas = self.group, None, None
+        if self.mesh is not None:
+            groups = mesh_groups(self.mesh)
+            group, dp_group, replicas = groups.pp, groups.dp, groups.replicas
+        grp = pp_group(group)
+        pp = dist.get_world_size(grp) if grp is not None else 1
+        self._check_schedule_at(pp)
+        # A dp dimension of size 1 shards nothing: the stages run replicated.
+        dp_mesh = (self.mesh["dp"] if self.data_parallel == "shard" and dp_group is not None
+                   else None)
+        return Resolved(group=grp, pp_size=pp, dp_group=dp_group, replicas=replicas,
+                        dp_mesh=dp_mesh, timeout=as_timeout(self.timeout),
+                        startup_timeout=(as_timeout(self.startup_timeout, "startup_timeout")
+                                         if self.startup_timeout is not None else None))
+
+    def _check_schedule_at(self, pp: int) -> None:
+        schedule = self.schedule
+        known_stages, source = self.num_stages, "num_stages"
+        if self.split_points is not None:
+            known_stages = len(self.split_points) + 1
+            source = f"split_points={list(self.split_points)!r}"
+        spr = self.stages_per_rank
+        if known_stages is not None:
+            spr = check_stage_count(known_stages, pp, self.stages_per_rank, source=source)
+        elif spr is None and isinstance(schedule, str) and schedule in V_SCHEDULES:
+            spr = 2
+        if spr is not None and isinstance(schedule, str) and schedule in schedule_names():
+            if schedule in V_SCHEDULES and spr != 2:
+                raise ValueError(f"schedule {schedule!r} places 2 stages per rank; {source} "
+                                 f"give {known_stages} stages on pp_size={pp} ranks ({spr} per "
+                                 "rank)")
+            try:
+                get_schedule(schedule, num_ranks=pp, num_microbatches=self.num_microbatches,
+                             stages_per_rank=spr)
+            except ValueError as e:
+                where = (f" ({source} give {known_stages} stages on pp_size={pp} ranks)"
+                         if known_stages is not None else "")
+                raise ValueError(f"schedule {schedule!r}{where}: {e}") from None
+        if isinstance(schedule, Schedule) and schedule.num_ranks != pp:
+            raise ValueError(f"schedule '{schedule.name}' has {schedule.num_ranks} ranks, the "
+                             f"pipeline group has pp_size={pp}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Resolved:
+    """A config's process groups and timeouts, as :meth:`PipelineConfig.resolve`
+    found them on this rank."""
+
+    group: Any                      # the pipeline group (None: one process)
+    pp_size: int
+    dp_group: Any                   # the "dp" group of a mesh, else None
+    replicas: list[list[int]] | None  # global ranks of each dp replica's pipeline
+    dp_mesh: Any                    # the "dp" sub-mesh with data_parallel="shard"
+    timeout: datetime.timedelta
+    startup_timeout: datetime.timedelta | None
+
+
+# The backend's options: the settings but loss_fn, and how the training call
+# combines the microbatches' losses.
+BACKEND_OPTIONS: tuple[str, ...] = PipelineConfig.option_names() + ("reduction",)
+
+
+def check_stage_count(num_stages: int, pp_size: int, stages_per_rank: int | None = None,
+                      *, source: str = "the markers or split points") -> int:
+    """Stages per rank for ``num_stages`` stages over ``pp_size`` pipeline ranks.
+
+    The stage count must be a multiple of the pipeline size, and an explicit
+    ``stages_per_rank`` must agree with it; otherwise a ValueError names the
+    numbers. Checked before any rank communicates.
+    """
+    if pp_size < 1:
+        raise ValueError(f"pp_size={pp_size} must be >= 1")
+    if num_stages % pp_size:
+        raise ValueError(f"{source} define {num_stages} stages, which is not a multiple of "
+                         f"the pipeline size pp_size={pp_size}; add or remove boundaries so "
+                         f"every rank holds the same number of stages")
+    per_rank = num_stages // pp_size
+    if stages_per_rank is not None and stages_per_rank != per_rank:
+        raise ValueError(f"stages_per_rank={stages_per_rank} disagrees with the {num_stages} "
+                         f"stages {source} define on pp_size={pp_size} ranks "
+                         f"({per_rank} per rank)")
+    return per_rank
+
+
+def positive_int(name: str, value: Any, *, optional: bool = False) -> int | None:
+    """``value`` when it is a positive int (None too with ``optional``), else a
+    ValueError naming ``name``."""
+    if value is None and optional:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name}={value!r} must be a positive int")
+    return value
+
+
+def as_timeout(value: Any, name: str = "timeout") -> datetime.timedelta:
+    """Seconds or a timedelta as a timedelta, positive and at most
+    :data:`MAX_TIMEOUT_S`; a ValueError naming ``name`` otherwise."""
+    if isinstance(value, datetime.timedelta):
+        td = value
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        # nan, inf and huge numbers: timedelta() would fail without naming the setting
+        if (isinstance(value, float) and not math.isfinite(value)) or value > MAX_TIMEOUT_S:
+            raise ValueError(f"{name}={value!r} must be a finite number of seconds, positive "
+                             f"and at most {MAX_TIMEOUT_S:g}")
+        td = datetime.timedelta(seconds=value)
+    else:
+        raise ValueError(f"{name}={value!r} must be seconds (a number) or a datetime.timedelta")
+    if not 0 < td.total_seconds() <= MAX_TIMEOUT_S:
+        raise ValueError(f"{name}={value!r} must be positive and at most {MAX_TIMEOUT_S:g} "
+                         "seconds")
+    return td
+
+
+def pp_group(group: Any) -> Any:
+    """The pipeline group: ``group``, else the default group when one is
+    initialized, else None (one process)."""
+    if group is not None:
+        return group
+    if dist.is_available() and dist.is_initialized():
+        return dist.group.WORLD
+    return None
+
+
+def _check_bytes_cost(bytes_cost: Any) -> None:
+    """``bytes_cost`` is None (the partitioner's default) or a finite number
+    >= 0: cost units per byte crossing a cut of a balanced split (NOTE [Bytes
+    cost] in csrc/core/partition.h)."""
+    if bytes_cost is None:
+        return
+    if (isinstance(bytes_cost, bool) or not isinstance(bytes_cost, (int, float))
+            or not math.isfinite(bytes_cost) or bytes_cost < 0):
+        raise ValueError(f"bytes_cost={bytes_cost!r} must be None (the default) or a finite "
+                         "number >= 0: cost units per byte crossing a stage boundary")
+
+
+def settings_signature(first: inspect.Parameter) -> inspect.Signature:
+    """A signature ``(first, config=None, *, <every setting>)`` for a function
+    taking a PipelineConfig or its settings as keywords (pipeline's)."""
+    params = [first, inspect.Parameter("config", inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                                       default=None, annotation="PipelineConfig | None")]
+    for f in dataclasses.fields(PipelineConfig):
+        default = inspect.Parameter.empty if f.default is dataclasses.MISSING else f.default
+        params.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=default,
+                                        annotation=f.type))
+    return inspect.Signature(params)
