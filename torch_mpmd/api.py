@@ -16,12 +16,11 @@ import dataclasses
 import inspect
 import logging
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.utils._pytree as pytree
 
 from torch_mpmd import training
 from torch_mpmd.config import (PipelineConfig, Resolved, check_stage_count, positive_int,
@@ -35,6 +34,8 @@ from torch_mpmd.parallel.sharding import ParamShards
 from torch_mpmd.programs.loss import callable_name, needs_target
 from torch_mpmd.programs.stage_programs import resolve_compiler
 from torch_mpmd.runtime import trace
+from torch_mpmd.runtime.captures import CaptureCache, capture_key, describe_key
+from torch_mpmd.runtime.outputs import deliver_outputs
 from torch_mpmd.runtime.rank import RankRuntime, StagedModel
 from torch_mpmd.runtime.view import RankView
 from torch_mpmd.runtime.step import EVAL, FORWARD, STEP, CallHistory, run_step
@@ -43,27 +44,6 @@ from torch_mpmd.schedules import Schedule
 __all__ = ["pipeline", "Pipeline", "PipelineError", "PipelineConfig"]
 
 _log = logging.getLogger("torch_mpmd")
-
-
-_OUTPUT_TAG = 0x6D6F  # p2p tag of outputs sent to one rank (the executor's transfers use 0)
-
-
-def _tensor_signature(args: Sequence[Any], kwargs: Mapping[str, Any],
-                      dynamic: bool = False) -> tuple:
-    """The capture key of a call's inputs: shapes and dtypes, None in the dims
-    that are dynamic (every dim with ``dynamic``, else the dims marked with
-    torch._dynamo.mark_dynamic), and the non-tensor values."""
-    if (not dynamic and not kwargs and all(type(a) is torch.Tensor for a in args)
-            and not any(hasattr(a, "_dynamo_dynamic_indices") for a in args)):
-        return tuple((tuple(a.shape), a.dtype) for a in args)  # the common case
-    leaves = pytree.tree_leaves((tuple(args), dict(kwargs)))
-    return tuple((_masked_shape(x, dynamic), x.dtype) if isinstance(x, torch.Tensor)
-                 else repr(x) for x in leaves)
-
-
-def _masked_shape(t: torch.Tensor, dynamic: bool) -> tuple:
-    marked = getattr(t, "_dynamo_dynamic_indices", ())
-    return tuple(None if dynamic or d in marked else n for d, n in enumerate(t.shape))
 
 
 class Pipeline(torch.nn.Module):
@@ -94,10 +74,7 @@ class Pipeline(torch.nn.Module):
         self.parameter_bytes = 0  # this rank's materialized bytes (meta-device models)
         self._mpmd_runtime: RankRuntime | None = None
         self._mpmd_split: Any = None
-        # Per capture key, the captures made for it: one, or with symbolic sizes
-        # one per class of sizes its guards admit (see _unfit).
-        self._mpmd_captures: dict[tuple, list[tuple[RankRuntime, Any]]] = {}
-        self._mpmd_input_signature: tuple | None = None
+        self._mpmd_cache = CaptureCache()  # the captures per key (captures.py)
         self.calls = CallHistory()  # what this rank's calls did (step.py)
         self._mpmd_all_modules: list[torch.nn.Module] | None = None
         self._mpmd_all_params: list[torch.Tensor] = []  # the module's, for NOTE [Freezing]
@@ -177,7 +154,7 @@ class Pipeline(torch.nn.Module):
         activation bytes held, the shapes crossing each stage edge, and how many
         captures were made. Local; a RuntimeError before the first call."""
         return RankView.of(self._runtime(),
-                           captures=sum(len(v) for v in self._mpmd_captures.values()))
+                           captures=self._mpmd_cache.count)
 
     @property
     def split(self) -> Any:
@@ -206,38 +183,27 @@ class Pipeline(torch.nn.Module):
     # (``pipe.parameters()``) may also be frozen: their rows are reduced and
     # left without gradient (ShardedStages.add_grad), no new capture needed.
     def _ensure_built(self, args0: tuple, kwargs0: dict) -> RankRuntime:
-        # Stages bake in the input shapes and every module's train/eval mode
-        # (dropout, BatchNorm): each combination has its own capture, kept so
-        # that alternating (training and validation batches) does not re-capture.
-        # Which parameters train is part of the key too (NOTE [Freezing]).
+        # One capture per key (shapes, train/eval modes, trainable parameters:
+        # NOTE [Freezing]), kept and reused (runtime/captures.py).
         if self._mpmd_all_modules is None:  # walked once: the capture fixed the modules
             self._mpmd_all_modules = list(self._mpmd_module.modules())
             self._mpmd_all_params = list(self._mpmd_module.parameters())
-        sig = (_tensor_signature(args0, kwargs0, self.config.dynamic),
-               tuple(mod.training for mod in self._mpmd_all_modules),
-               tuple(p.requires_grad for p in self._mpmd_all_params))
-        unfit = None  # why a dynamic capture cannot serve these sizes
-        if self._mpmd_runtime is not None and sig == self._mpmd_input_signature:
-            unfit = _unfit(self._mpmd_runtime, self._mpmd_split, args0, kwargs0)
-            if unfit is None:
-                return self._mpmd_runtime
-        for cached in self._mpmd_captures.get(sig, ()):
-            why = _unfit(*cached, args0, kwargs0)
-            if why is None:
-                self._mpmd_runtime, self._mpmd_split = cached
-                self._mpmd_input_signature = sig
-                self._adopt_local_tensors(*cached)
-                return self._mpmd_runtime
-            unfit = why
+        key = capture_key(args0, kwargs0, self.config.dynamic, self._mpmd_all_modules,
+                          self._mpmd_all_params)
+        current = self._mpmd_cache.current
+        found, unfit = self._mpmd_cache.find(key, args0, kwargs0)
+        if found is not None:
+            if found is not current:  # an earlier capture: its tensors are the rank's again
+                self._mpmd_runtime, self._mpmd_split = found
+                self._adopt_local_tensors(*found)
+            return found[0]
         previous = self._mpmd_runtime
         if previous is not None and self.rank == 0:
             # Stages and their programs are specialized to the shapes captured
             # (a dynamic capture: to the guards its symbolic sizes recorded).
-            why = (f"the dynamic capture cannot serve these sizes ({unfit})" if unfit else
-                   f"the inputs, train/eval modes or frozen parameters changed from "
-                   f"{_describe_key(self._mpmd_input_signature)} to {_describe_key(sig)}")
             _log.warning("torch_mpmd: capturing%s again: %s",
-                         " and compiling" if self._mpmd_compiler else "", why)
+                         " and compiling" if self._mpmd_compiler else "",
+                         self._mpmd_cache.why_again(key, unfit))
         spr = self.config.stages_per_rank_default
         schedule = self.config.schedule
         # Under grad mode whatever the caller's: which values carry gradients
@@ -253,7 +219,7 @@ class Pipeline(torch.nn.Module):
                           source="the stage_boundary() markers or split points"
                           if (split.ir.num_markers or self.config.split_points) else
                           "num_stages")
-        settings = self._shared_settings(split, sig)
+        settings = self._shared_settings(split, key)
         runtime = RankRuntime(StagedModel.from_split(split), schedule=schedule, num_microbatches=self.num_microbatches,
                               group=self._mpmd_group, device=self.device, timeout=self.timeout,
                               lookahead=self.config.lookahead, settings=settings,
@@ -269,10 +235,8 @@ class Pipeline(torch.nn.Module):
                     "the batch shape changed and the re-captured model places other parameters "
                     f"on rank {self.rank} ({len(new)} instead of {len(old)}); use markers or "
                     "split_points so stages do not depend on shapes, or keep the batch shape")
-        self._mpmd_runtime = runtime
-        self._mpmd_split = split
-        self._mpmd_input_signature = sig
-        self._mpmd_captures.setdefault(sig, []).append((runtime, split))
+        self._mpmd_runtime, self._mpmd_split = runtime, split
+        self._mpmd_cache.add(key, (runtime, split))
         self._adopt_local_tensors(runtime, split)
         shards = self._mpmd_shards
         if previous is None and (self._mpmd_meta or shards is not None):
@@ -298,11 +262,11 @@ class Pipeline(torch.nn.Module):
                                                if not meta_init.is_standin(t))
         return runtime
 
-    def _shared_settings(self, split: Any, sig: tuple) -> dict[str, str]:
+    def _shared_settings(self, split: Any, key: tuple) -> dict[str, str]:
         """The settings every rank must share, by name: the start-up handshake
         compares them and names the one that differs, with its values."""
         return {"model": type(self._mpmd_module).__name__, **self.config.shared_settings(),
-                "num_stages": str(split.num_stages), "microbatch inputs": _describe_key(sig)}
+                "num_stages": str(split.num_stages), "microbatch inputs": describe_key(key)}
 
     def _local_tensors(self, runtime: RankRuntime, split: Any, *, user: bool = True
                        ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], set[str]]:
@@ -532,7 +496,8 @@ class Pipeline(torch.nn.Module):
         try:
             outputs = []
             for k in range(m):
-                flat = self._deliver_outputs(rt, rt.runner.outputs.get(k), output_rank)
+                flat = deliver_outputs(rt, self._mpmd_split.ir, rt.runner.outputs.get(k),
+                                       output_rank, self.device)
                 if flat is not None:
                     outputs.append(self._mpmd_split.captured.rebuild_output(flat, inputs[k]))
         finally:
@@ -610,70 +575,6 @@ class Pipeline(torch.nn.Module):
         run_step(rt, EVAL if eval_loss else FORWARD, self.calls, self.device, inputs=inputs,
                  targets=targets, loss_fn=self.config.loss_fn if eval_loss else None)
         return rt, inputs
-
-    def _deliver_outputs(self, rt: RankRuntime, flat: tuple | None,
-                         output_rank: int | None) -> tuple | None:
-        """The last stage's flat outputs of one microbatch: on every rank
-        (``output_rank`` None), else on ``output_rank`` only (None elsewhere)."""
-        if output_rank is not None and self.rank not in (output_rank, rt.last_rank):
-            return None
-        out_node = self._mpmd_split.ir.fx_nodes[-1]
-        specs = out_node.args[0] if isinstance(out_node.args[0], (tuple, list)) else [
-            out_node.args[0]]
-        result = []
-        for i, spec in enumerate(specs):
-            meta = spec.meta.get("example_value") if isinstance(spec, torch.fx.Node) else spec
-            if isinstance(meta, torch.Tensor):
-                t = (flat[i].detach().contiguous() if flat is not None else
-                     torch.empty(meta.shape, dtype=meta.dtype, device=self.device))
-                if output_rank is None:
-                    rt.broadcast_from_last(t, f"model output {i}")
-                elif output_rank != rt.last_rank:
-                    self._send_output(rt, t, i, output_rank)
-                result.append(t)
-            elif isinstance(spec, torch.fx.Node):
-                raise PipelineError(f"model output {i} is a {type(meta).__name__} computed by "
-                                    "the graph; only tensor outputs can be returned to other "
-                                    "ranks", rank=self.rank)
-            else:
-                result.append(spec)
-        return tuple(result) if output_rank is None or self.rank == output_rank else None
-
-    def _send_output(self, rt: RankRuntime, t: torch.Tensor, i: int, output_rank: int) -> None:
-        """Model output ``i`` from the last stage's rank to ``output_rank`` (the
-        one of the two this rank is). Its own tag: never paired with the
-        executor's transfers on the same group."""
-        if self.rank == rt.last_rank:
-            work = dist.isend(t, group=rt.group, group_dst=output_rank, tag=_OUTPUT_TAG)
-        else:
-            work = dist.irecv(t, group=rt.group, group_src=rt.last_rank, tag=_OUTPUT_TAG)
-        rt.wait(work, f"model output {i} from rank {rt.last_rank} to rank {output_rank}")
-
-
-def _unfit(runtime: RankRuntime, split: Any, args0: tuple, kwargs0: dict) -> str | None:
-    """Why ``split`` (a capture with symbolic sizes) cannot run these inputs:
-    a static dim differs, or a guard on the sizes fails; None when it can (and
-    always for a static capture, whose key holds every size)."""
-    if not split.sizes:
-        return None
-    try:
-        named = split._named_inputs(args0, kwargs0)
-    except ValueError as e:
-        return str(e).splitlines()[0]
-    shapes = runtime.model.shapes
-    return shapes.violation(shapes.key(named))
-
-
-def _describe_key(sig: tuple | None) -> str:
-    """A capture key for a log line: the input shapes and dtypes, the modes."""
-    if sig is None:
-        return "nothing"
-    tensors, modes, trainable = sig
-    shapes = ", ".join(f"{tuple(t[0])} {str(t[1]).replace('torch.', '')}"
-                       if isinstance(t, tuple) else str(t) for t in tensors)
-    frozen = len(trainable) - sum(trainable)
-    return (f"[{shapes}] ({'training' if all(modes) else 'eval' if not any(modes) else 'mixed'}"
-            f"{f', {frozen} of {len(trainable)} parameters frozen' if frozen else ''})")
 
 
 def _default_device(module: torch.nn.Module) -> torch.device:

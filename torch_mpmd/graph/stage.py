@@ -554,7 +554,9 @@ class SplitModel:
                 return self.stage_of_parameter(name)
         raise KeyError(f"{fqn!r} is not a parameter or buffer the model reads")
 
-    def _named_inputs(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    def named_inputs(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> dict[str, Any]:
+        """One microbatch's inputs by the capture's input names, checked against
+        the capture (ValueError naming what differs), with the sizes they bind."""
         inputs = flatten_inputs(self.captured.signature, args, kwargs)
         self._check_named_inputs(inputs)
         return self._with_sizes(inputs)
@@ -584,7 +586,7 @@ class SplitModel:
             elif isinstance(value, Replicate) and isinstance(value.value, torch.Tensor):
                 per[name] = [value.value] * m
             elif isinstance(value, Replicate):  # a container: its leaves have other names
-                return [self._named_inputs(a, k)
+                return [self.named_inputs(a, k)
                         for a, k, _ in split_microbatches(args, kwargs, None, m)]
             elif isinstance(value, torch.Tensor) and m > 1:
                 per[name] = value.chunk(m, dim=0)
@@ -649,7 +651,7 @@ class SplitModel:
                 f"{self.model_name} was split in {mode} mode and its train/eval mode has "
                 "changed since; the stages have the mode baked in (dropout, BatchNorm): "
                 "split again after switching")
-        inputs = self._named_inputs(args, kwargs)
+        inputs = self.named_inputs(args, kwargs)
         flat = run_stages(self.stages, self.stage_signatures, inputs)
         return self.captured.rebuild_output(flat, inputs)
 

@@ -1,0 +1,120 @@
+"""A pipeline's captures, kept per capture key so that a call reuses the one it fits.
+
+Stages bake in the input shapes and every module's train/eval mode (dropout,
+BatchNorm), and which parameters train (NOTE [Freezing] in api.py): each
+combination has its own capture, kept so that alternating (training and
+validation batches, freezing and unfreezing) does not capture again. With
+symbolic sizes (``dynamic=True``) a key holds one capture per class of sizes
+its guards admit: a call takes the first whose guards hold (:func:`unfit`).
+A capture is the pair ``(RankRuntime, SplitModel)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.utils._pytree as pytree
+
+if TYPE_CHECKING:
+    from torch_mpmd.runtime.rank import RankRuntime
+
+__all__ = ["CaptureCache", "capture_key", "describe_key", "unfit"]
+
+Capture = tuple["RankRuntime", Any]  # (the rank's runtime, its SplitModel)
+
+
+class CaptureCache:
+    """The captures made so far, the current one, and its key."""
+
+    def __init__(self) -> None:
+        self.by_key: dict[tuple, list[Capture]] = {}
+        self.current: Capture | None = None
+        self.key: tuple | None = None
+
+    @property
+    def count(self) -> int:
+        """Captures made (each kept)."""
+        return sum(len(v) for v in self.by_key.values())
+
+    def find(self, key: tuple, args0: tuple, kwargs0: dict) -> tuple[Capture | None, str | None]:
+        """The capture that serves a call of key ``key`` with first microbatch
+        ``(args0, kwargs0)``, made current; else None and why a capture of that
+        key cannot serve it (None when there is none)."""
+        why = None
+        if self.current is not None and key == self.key:
+            why = unfit(*self.current, args0, kwargs0)
+            if why is None:
+                return self.current, None
+        for cached in self.by_key.get(key, ()):
+            reason = unfit(*cached, args0, kwargs0)
+            if reason is None:
+                self.current, self.key = cached, key
+                return cached, None
+            why = reason
+        return None, why
+
+    def add(self, key: tuple, capture: Capture) -> None:
+        """Keep a new capture for ``key`` and make it current."""
+        self.by_key.setdefault(key, []).append(capture)
+        self.current, self.key = capture, key
+
+    def why_again(self, key: tuple, why_unfit: str | None) -> str:
+        """Why a call of ``key`` captures again, for the log line."""
+        if why_unfit:
+            return f"the dynamic capture cannot serve these sizes ({why_unfit})"
+        return (f"the inputs, train/eval modes or frozen parameters changed from "
+                f"{describe_key(self.key)} to {describe_key(key)}")
+
+
+def capture_key(args0: Sequence[Any], kwargs0: Mapping[str, Any], dynamic: bool,
+                modules: Sequence[torch.nn.Module], params: Sequence[torch.Tensor]) -> tuple:
+    """The capture key of a call: its first microbatch's tensor signature,
+    every module's training flag and every parameter's requires_grad."""
+    return (_tensor_signature(args0, kwargs0, dynamic), tuple(m.training for m in modules),
+            tuple(p.requires_grad for p in params))
+
+
+def _tensor_signature(args: Sequence[Any], kwargs: Mapping[str, Any],
+                      dynamic: bool = False) -> tuple:
+    """The capture key of a call's inputs: shapes and dtypes, None in the dims
+    that are dynamic (every dim with ``dynamic``, else the dims marked with
+    torch._dynamo.mark_dynamic), and the non-tensor values."""
+    if (not dynamic and not kwargs and all(type(a) is torch.Tensor for a in args)
+            and not any(hasattr(a, "_dynamo_dynamic_indices") for a in args)):
+        return tuple((tuple(a.shape), a.dtype) for a in args)  # the common case
+    leaves = pytree.tree_leaves((tuple(args), dict(kwargs)))
+    return tuple((_masked_shape(x, dynamic), x.dtype) if isinstance(x, torch.Tensor)
+                 else repr(x) for x in leaves)
+
+
+def _masked_shape(t: torch.Tensor, dynamic: bool) -> tuple:
+    marked = getattr(t, "_dynamo_dynamic_indices", ())
+    return tuple(None if dynamic or d in marked else n for d, n in enumerate(t.shape))
+
+
+def unfit(runtime: RankRuntime, split: Any, args0: tuple, kwargs0: dict) -> str | None:
+    """Why ``split`` (a capture with symbolic sizes) cannot run these inputs:
+    a static dim differs, or a guard on the sizes fails; None when it can (and
+    always for a static capture, whose key holds every size)."""
+    if not split.sizes:
+        return None
+    try:
+        named = split.named_inputs(args0, kwargs0)
+    except ValueError as e:
+        return str(e).splitlines()[0]
+    shapes = runtime.model.shapes
+    return shapes.violation(shapes.key(named))
+
+
+def describe_key(sig: tuple | None) -> str:
+    """A capture key for a log line: the input shapes and dtypes, the modes."""
+    if sig is None:
+        return "nothing"
+    tensors, modes, trainable = sig
+    shapes = ", ".join(f"{tuple(t[0])} {str(t[1]).replace('torch.', '')}"
+                       if isinstance(t, tuple) else str(t) for t in tensors)
+    frozen = len(trainable) - sum(trainable)
+    return (f"[{shapes}] ({'training' if all(modes) else 'eval' if not any(modes) else 'mixed'}"
+            f"{f', {frozen} of {len(trainable)} parameters frozen' if frozen else ''})")
