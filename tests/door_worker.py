@@ -371,12 +371,68 @@ def four_ranks() -> dict[str, Any]:
         out["dp_outputs"] = {"error": _error_text()}
     try:
         torch._dynamo.reset()
+        out["dp_shard"] = _sharded_door(mesh, batches, dp_rank)
+    except Exception:
+        out["dp_shard"] = {"error": _error_text()}
+    try:
+        torch._dynamo.reset()
         case = dict(model="hf_llama", schedule="1f1b", m=4)
         out["pp4"] = train(case, None, 60.0)  # split points: 4 stages on 4 ranks
         out["pp4"]["error"] = None
     except Exception:
         out["pp4"] = {"error": _error_text()}
     return out
+
+
+def _sharded_door(mesh: Any, batches: list[Any], dp_rank: int) -> dict[str, Any]:
+    """data_parallel="shard" through the door (pp2 x dp2): two training calls
+    with an SGD step on the pipeline's DTensor shards between them, against
+    one process stepping the whole model on both replicas' batches. The
+    second call must run without a recompile (NOTE [Parked parameters]) and
+    the module's own parameters hold no memory between calls."""
+    from torch.distributed.tensor import DTensor
+
+    import torch_mpmd as mpmd
+    from optim_replay import full
+
+    model = build("gpt")
+    ref = copy.deepcopy(model)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+
+    @torch.compile(backend="mpmd", options=dict(schedule="1f1b", num_microbatches=4,
+                                                split_points=["blocks.1"], mesh=mesh,
+                                                data_parallel="shard"))
+    def train_loss(x, y):
+        return loss_of("gpt", model, x, y)
+
+    res: dict[str, Any] = {"error": None, "steps": []}
+    x, y = batches[dp_rank]
+    opt = None
+    for step in range(2):
+        want = sum(loss_of("gpt", ref, bx, by) for bx, by in batches) / 2
+        want.backward()
+        graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        loss = train_loss(x, y)
+        loss.backward()
+        pipe = mpmd.pipeline_of(train_loss)
+        ref_params = dict(ref.named_parameters())
+        shards = dict(pipe.named_parameters())
+        res["steps"].append(dict(
+            loss_diff=_diff(loss.detach(), want.detach(), *TOL),
+            grads={n: _diff(full(p.grad), ref_params[n].grad, *TOL) if p.grad is not None
+                   else dict(ok=False, max_abs=None, why="no gradient on its shard")
+                   for n, p in shards.items()},
+            dtensors=all(isinstance(p, DTensor) for p in shards.values()),
+            new_graphs=torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs,
+            module_bytes=sum(p.untyped_storage().nbytes() for p in model.parameters()
+                             if p.numel() > 1)))
+        if opt is None:
+            opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+        opt.step()
+        opt.zero_grad()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    return res
 
 
 def dynamic_compiled(case: dict[str, Any], group: Any, timeout: float) -> dict[str, Any]:

@@ -238,7 +238,7 @@ class GatheredProbe:
         self.reset()
         for name in ("forward", "backward", "backward_weight"):  # called by name per action
             setattr(self.runner, name, self._compute(name, getattr(self.runner, name)))
-        dp = rt.dp
+        dp = view.data_parallel
         ready, reshard = dp.ready, dp.reshard
 
         def on_ready(stage: int) -> None:

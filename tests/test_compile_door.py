@@ -139,6 +139,17 @@ def test_the_door_on_four_ranks_with_data_parallel_replicas_and_four_stages():
     run = run_ranks(4, "door_worker:four_ranks", timeout=600)
     bad = []
     for rank, res in enumerate(run.results):
+        shard = res["dp_shard"]
+        assert not shard["error"], f"rank {rank} dp_shard:\n{tail(shard['error'])}"
+        for k, step in enumerate(shard["steps"]):
+            where = f"rank {rank} dp_shard step {k}"
+            if not step["loss_diff"]["ok"]:
+                bad.append(f"{where} loss: {step['loss_diff']}")
+            bad += _bad(rank, step["grads"], f"dp_shard step {k} ")
+            assert step["dtensors"], where  # the user's parameters are the DTensor shards
+            assert step["module_bytes"] == 0, where  # compute parameters parked, no memory
+            if k:  # the guards Dynamo made on the first call hold on the second
+                assert step["new_graphs"] == 0, where
         for what in ("dp", "dp_outputs", "pp4"):
             r = res[what]
             assert not r["error"], f"rank {rank} {what}:\n{tail(r['error'])}"

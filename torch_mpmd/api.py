@@ -12,11 +12,13 @@ DESIGN.md example) still covers this rank's (the others never get gradients).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import inspect
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -44,6 +46,16 @@ from torch_mpmd.schedules import Schedule
 __all__ = ["pipeline", "Pipeline", "PipelineError", "PipelineConfig"]
 
 _log = logging.getLogger("torch_mpmd")
+
+
+def _holding_parameters(method: Callable[..., Any]) -> Callable[..., Any]:
+    """Run a Pipeline method with its compute parameters unparked (NOTE [Parked
+    parameters] in sharding.py)."""
+    @functools.wraps(method)
+    def run(self: "Pipeline", *args: Any, **kwargs: Any) -> Any:
+        with self.unparked():
+            return method(self, *args, **kwargs)
+    return run
 
 
 class Pipeline(torch.nn.Module):
@@ -91,6 +103,8 @@ class Pipeline(torch.nn.Module):
                                mesh.size(names.index("tp")) > 1 else None)
         self._mpmd_shards = (ParamShards(module, dp_mesh, root=mesh)
                              if config.data_parallel == "shard" and dp_mesh is not None else None)
+        self._mpmd_parking = False  # NOTE [Parked parameters] (sharding.py)
+        self._mpmd_unparked = 0     # depth of unparked() contexts
         if self._mpmd_shards is not None:
             self._mirror_shards()
             return
@@ -111,6 +125,33 @@ class Pipeline(torch.nn.Module):
                 if b is not None:
                     set_path(self, f"{name}.{leaf}" if name else leaf, b, "buffer",
                               persistent=leaf not in mod._non_persistent_buffers_set)
+
+    def park_between_calls(self) -> None:
+        """With sharded data parallel: from now on, between calls, the module's
+        own (compute) parameters hold empty tensors of their own shape and
+        strides, as torch.compile's guards expect (NOTE [Parked parameters] in
+        sharding.py; the compile door asks for it). No-op otherwise."""
+        if self._mpmd_shards is not None:
+            self._mpmd_parking = True
+            if not self._mpmd_unparked:
+                self._mpmd_shards.park()
+
+    @contextlib.contextmanager
+    def unparked(self) -> Iterator[None]:
+        """The compute parameters as the pipeline runs them, for the duration
+        (parked again after, when parking: :meth:`park_between_calls`)."""
+        if not self._mpmd_parking:
+            yield
+            return
+        if not self._mpmd_unparked:
+            self._mpmd_shards.unpark()
+        self._mpmd_unparked += 1
+        try:
+            yield
+        finally:
+            self._mpmd_unparked -= 1
+            if not self._mpmd_unparked:
+                self._mpmd_shards.park()
 
     # ------------------------------------------------------------ properties
     @property
@@ -360,6 +401,7 @@ class Pipeline(torch.nn.Module):
 
     # ------------------------------------------------------------ running
     @pipeline_call("step")
+    @_holding_parameters
     def step(self, *args: Any, target: Any = None, **kwargs: Any) -> torch.Tensor:
         """Forward and backward of all microbatches per the schedule; accumulates
         into this rank's parameters the gradient of the mean of the microbatches'
@@ -469,7 +511,7 @@ class Pipeline(torch.nn.Module):
         JSON (rank 0 writes). Collective. Also done after every step (the last
         step) when MPMD_TRACE=path is set."""
         rows = self.timelines(steps)
-        if self.rank == 0:
+        if self._writes_files():
             trace.write_chrome_trace(path, rows, title=f"torch_mpmd {self.schedule.name}")
 
     def save_timeline(self, path: str | os.PathLike, steps: int = 1) -> None:
@@ -477,10 +519,25 @@ class Pipeline(torch.nn.Module):
         the simulated step (with their median F/B/I/W times) into a PNG (rank 0
         writes; needs matplotlib). Collective."""
         rows = self.timelines(steps)
-        if self.rank == 0:
+        if self._writes_files():
             trace.save_measured_timeline(self.schedule, rows, path)
 
+    def _writes_files(self) -> bool:
+        """Whether this process writes the job's trace and timeline files: the
+        pipeline's rank 0, in the pipeline that holds global rank 0 when one
+        does (with dp or tp every replica has a rank 0; the files are replaced
+        atomically, so writers of other pipelines never corrupt them)."""
+        if self.rank != 0:
+            return False
+        if self._mpmd_group is None or not dist.is_initialized():
+            return True
+        if 0 in dist.get_process_group_ranks(self._mpmd_group):
+            return True
+        # Another data-parallel replica holds global rank 0: it writes.
+        return not any(0 in ranks for ranks in self._mpmd_replicas or ())
+
     @pipeline_call("forward")
+    @_holding_parameters
     def forward(self, *args: Any, output_rank: int | None = None, **kwargs: Any) -> Any:
         """Forward only (no autograd state kept), in the schedule's forward order.
 
@@ -505,6 +562,7 @@ class Pipeline(torch.nn.Module):
         return merge_microbatches(outputs) if outputs else None
 
     @pipeline_call("eval")
+    @_holding_parameters
     def eval_step(self, *args: Any, target: Any = None, **kwargs: Any) -> torch.Tensor:
         """Forward and loss of every microbatch, in the schedule's forward order,
         with no autograd graph kept and no gradient touched; returns the mean

@@ -59,11 +59,6 @@ def _check_options(options: Mapping[str, Any] | None) -> tuple[PipelineConfig, s
     reduction = opts.pop("reduction", "mean")
     if reduction not in ("mean", "sum"):
         raise ValueError(f"option reduction={reduction!r} must be 'mean' or 'sum'")
-    if opts.get("data_parallel", "replicate") == "shard":
-        raise ValueError("option data_parallel='shard' is not available through "
-                         "backend='mpmd' (the compiled function's parameters stay the "
-                         "module's own); use mpmd.pipeline(model, mesh=..., "
-                         "data_parallel='shard')")
     opts.setdefault("num_microbatches", 1)
     # Without a schedule: interleaved 1F1B, which is 1F1B at one stage per rank
     # and also runs the several stages per rank that markers may define.

@@ -29,10 +29,12 @@ from typing import Any
 
 import torch
 import torch.fx
+from torch.distributed.tensor import DTensor
 
 from torch_mpmd.config import PipelineConfig
 from torch_mpmd.compile.frame import FrameCall, FrameModule, frame_call
 from torch_mpmd.microbatch import first_microbatch
+from torch_mpmd.runtime.outputs import deliver_outputs
 from torch_mpmd.runtime.step import BACKWARD, FORWARD_KEEPING_GRAPH, run_step
 
 __all__ = ["Door", "pipeline_of"]
@@ -112,8 +114,19 @@ class _StepLoss(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, upstream: torch.Tensor) -> Any:
-        grads = ctx.grads
-        return (None, None, *[None if g is None else g * upstream.to(g.dtype) for g in grads])
+        return (None, None, *[_scaled(g, upstream) for g in ctx.grads])
+
+
+def _scaled(grad: torch.Tensor | None, upstream: torch.Tensor) -> torch.Tensor | None:
+    """``grad * upstream`` (a DTensor gradient, of a sharded parameter, is
+    scaled on its local shard: DTensor refuses a plain tensor operand)."""
+    if grad is None:
+        return None
+    if isinstance(grad, DTensor):
+        local = grad.to_local() * upstream.to(grad.dtype)
+        return DTensor.from_local(local, grad.device_mesh, grad.placements, run_check=False,
+                                  shape=grad.shape, stride=grad.stride())
+    return grad * upstream.to(grad.dtype)
 
 
 class _PipelinedForward(torch.autograd.Function):
@@ -139,7 +152,8 @@ class _PipelinedForward(torch.autograd.Function):
                 "torch.compile(backend='mpmd') keeps the pipeline state of the latest forward "
                 "only: call backward() on an output before the next forward with grad enabled "
                 "(run forwards you do not backpropagate under torch.no_grad())")
-        _lockstep(door.pipeline, "backward", door._run_backward, grads)
+        with door.pipeline.unparked():
+            _lockstep(door.pipeline, "backward", door._run_backward, grads)
         return (None,) * (1 + ctx.num_params)
 
 
@@ -175,7 +189,9 @@ class Door:
 
         fn = self.call.fn
         module = fn if isinstance(fn, torch.nn.Module) else FrameModule(self.call)
-        return pipeline(module, self.config, loss_fn=None)
+        pipe = pipeline(module, self.config, loss_fn=None)
+        pipe.park_between_calls()  # the guards Dynamo made see the parameters they saw
+        return pipe
 
     # ------------------------------------------------------------ what tests read
     @property
@@ -194,6 +210,10 @@ class Door:
     def __call__(self, *flat: Any) -> tuple:
         if self.call.replaced_tensors(flat):
             self._use_tensors(flat)
+        with self.pipeline.unparked():
+            return self._call(flat)
+
+    def _call(self, flat: Sequence[Any]) -> tuple:
         if torch.is_grad_enabled() and self.returns_loss:
             return (self._train(flat),)
         args, kwargs = self.call.arguments(flat)
@@ -319,8 +339,8 @@ class Door:
         else:
             rt, _ = pipe._forward_only(args, kwargs, [None] * m, eval_loss=False)
         try:
-            per_mb = [pipe._deliver_outputs(rt, rt.runner.outputs.get(k), None)
-                      for k in range(m)]
+            per_mb = [deliver_outputs(rt, pipe.split.ir, rt.runner.outputs.get(k), None,
+                                      pipe.device) for k in range(m)]
         finally:
             if not keep_graph:
                 rt.runner.end_step()

@@ -98,6 +98,14 @@ def _standin(t: torch.Tensor) -> torch.Tensor:
     return torch.zeros((), dtype=t.dtype, device=t.device).expand(t.shape)
 
 
+def _empty_like_layout(t: torch.Tensor) -> torch.Tensor:
+    """A tensor of ``t``'s shape, strides, dtype and device owning no memory
+    (its storage emptied): NOTE [Parked parameters]."""
+    out = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+    out.untyped_storage().resize_(0)
+    return out
+
+
 def _rows(d0: int, size: int, rank: int) -> tuple[int, int]:
     """Rows [start, stop) of dim 0 that dp rank ``rank`` holds: torch.chunk's
     split (chunks of ceil(d0/size) rows, the last ones short or empty), which
@@ -192,6 +200,10 @@ class ParamShards:
         self.rank = dist.get_rank(self.group)
         self.of: dict[int, torch.nn.Parameter] = {}
         self.compute: dict[int, torch.nn.Parameter] = {}  # id(shard) -> compute parameter
+        # NOTE [Parked parameters]: (parameter, its empty look-alike) per plain
+        # compute parameter that becomes a stand-in.
+        self._parkable: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
+        self._parked_now: list[torch.nn.Parameter] = []
         for p in module.parameters():  # deduplicated: tied parameters share a shard
             shard = self._make(p)
             self.of[id(p)] = shard
@@ -203,7 +215,33 @@ class ParamShards:
             # copies back at capture (a meta-device model's init_fn writes it).
             base = _base(p)
             if base.numel() > 1:
+                if not isinstance(p, DTensor):
+                    self._parkable.append((p, _empty_like_layout(p)))
                 _set_base(p, _standin(base))
+
+    # NOTE [Parked parameters]: torch.compile guards the tensors a compiled
+    # function reads, its module's parameters among them, by shape and strides.
+    # Through the compile door (backend="mpmd") those parameters are the
+    # compute parameters, whose stand-ins (zero strides) would fail the guards
+    # that Dynamo made from their full values: a recompile on every call, and
+    # none at all on the first ("guard failed on the same frame it was
+    # created"). Between the door's calls they are therefore parked: each
+    # holds a tensor of its own shape and strides whose storage is empty (no
+    # memory, as a stand-in; its values must not be read: the values live in
+    # the DTensor shards, ``pipeline_of(fn).parameters()``). A call unparks
+    # them (stand-ins again, which the gathers recognise) before anything else.
+    def park(self) -> None:
+        """Compute parameters that are stand-ins take their parked look-alikes."""
+        for p, parked in self._parkable:
+            if is_standin(p):
+                p.data = parked
+                self._parked_now.append(p)
+
+    def unpark(self) -> None:
+        """Parked compute parameters become stand-ins again."""
+        for p in self._parked_now:
+            p.data = _standin(p)
+        self._parked_now.clear()
 
     def _mesh_for(self, p: torch.Tensor) -> Any:
         """The mesh of ``p``'s shard: "dp", or ("dp", its tp dim) for a DTensor."""

@@ -230,9 +230,24 @@ def chrome_trace(rows: Sequence[Row], *, title: str = "torch_mpmd step") -> dict
     return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"title": title}}
 
 
+def _replace_atomically(path: str | os.PathLike, write: Any) -> None:
+    """``write(tmp)`` then rename over ``path``: a reader, or another process
+    writing the same path, never sees a half-written file."""
+    tmp = f"{os.fspath(path)}.{os.getpid()}.tmp"
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
 def write_chrome_trace(path: str | os.PathLike, rows: Sequence[Row], **kwargs: Any) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(chrome_trace(rows, **kwargs), f)
+    """The rows as a Chrome trace JSON file (replaced atomically)."""
+    def write(tmp: str) -> None:
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(chrome_trace(rows, **kwargs), f)
+    _replace_atomically(path, write)
 
 
 def simulate_measured(schedule: Any, rows: Sequence[Row], *,
@@ -283,4 +298,4 @@ def save_measured_timeline(schedule: Any, rows: Sequence[Row],
                      f"{', '.join(f'{b:.0%}' for b in sim.bubble_fraction)}")
     bottom.set_xlabel("ms")
     add_legend(fig, top, kinds)
-    fig.savefig(os.fspath(path), dpi=110)
+    _replace_atomically(path, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))

@@ -5,8 +5,8 @@ stages and their modules, its programs as typed actions for each kind of
 call, the stage programs it runs (and, when it runs the autograd runner
 instead, why), the activation bytes its runner holds now, and what crosses
 each stage edge per microbatch. Reading it communicates nothing and changes
-nothing; the ``runner`` it names is the live object the executor calls (for
-tools that wrap its methods, as a memory probe does).
+nothing; the ``runner`` and ``data_parallel`` it names are the live objects
+the executor calls (for tools that wrap their methods, as a memory probe does).
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ class RankView:
     transfers: Mapping[str, tuple[tuple[int, ...], ...]]  # "0->1", "1->0 grad" -> shapes
     captures: int                               # captures this pipeline has made
     runner: Any                                 # the StageRunner the executor calls
+    data_parallel: Any                          # the rank's dp side (replicas or shards), or None
 
     @property
     def uses_programs(self) -> bool:
@@ -62,4 +63,4 @@ class RankView:
                    actions={kind: tuple(rt.programs(kind)[rt.rank]) for kind in CALL_KINDS},
                    programs=dict(programs), fallback_reason=runner.fallback_reason,
                    held_bytes=dict(runner.live_bytes),
-                   transfers=shapes, captures=captures, runner=runner)
+                   transfers=shapes, captures=captures, runner=runner, data_parallel=rt.dp)
