@@ -72,7 +72,7 @@ def one_rank_overhead(m: int, rounds: int, solo: object) -> dict[str, float]:
     theirs = ScheduleGPipe(PipelineStage(Tiny(), 0, 1, torch.device("cpu"), group=solo),
                            n_microbatches=m, loss_fn=F.mse_loss)
     ours.step(x, target=y)  # capture, so the stage graph exists
-    graph = ours._runtime().runner.stages[0].module
+    graph = ours.inspect().stages[0]
     inv_m = torch.full((), 1.0 / m)
 
     def direct_graph() -> None:  # what torch_mpmd's runner computes, with nothing around it

@@ -78,7 +78,7 @@ def main() -> None:
             run["times"].append(time.perf_counter() - start)
             run["pipe"].zero_grad()
     mine = {str(r): {"probe": run["probe"].report(), "step_s": statistics.median(run["times"]),
-                     "functional": run["pipe"]._mpmd_runtime.runner.functional,
+                     "functional": run["pipe"].inspect().uses_programs,
                      "stats": run["pipe"].last_step_stats["collectives"]["gathered_peak_bytes"]}
             for r, run in runs.items()}
     everyone: list[dict] = [None] * 4  # type: ignore[list-item]

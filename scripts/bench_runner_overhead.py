@@ -45,7 +45,7 @@ def main() -> None:
     runner = rt.runner
     prog = runner.programs[0]
     inv_m = torch.full((), 1.0 / m)
-    inputs = pipe._mpmd_split.named_microbatches((x,), {}, m)
+    inputs = pipe.split.named_microbatches((x,), {}, m)
     params = [p for p, _ in prog.param_grads]
     positions = [pos for _, pos in prog.param_grads]
 

@@ -111,7 +111,7 @@ def run_case(case: str, device: torch.device) -> dict:
         for o in (opt, ropt):
             o.step()
             o.zero_grad()
-    out["fallback"] = pipe._mpmd_runtime.runner.fallback_reason
+    out["fallback"] = pipe.inspect().fallback_reason
     return out
 
 

@@ -103,6 +103,7 @@ class Pipeline(torch.nn.Module):
                                mesh.size(names.index("tp")) > 1 else None)
         self._mpmd_shards = (ParamShards(module, dp_mesh, root=mesh)
                              if config.data_parallel == "shard" and dp_mesh is not None else None)
+        self._mpmd_weighted: bool | None = None  # token-weighted loss (None: no step yet)
         self._mpmd_parking = False  # NOTE [Parked parameters] (sharding.py)
         self._mpmd_unparked = 0     # depth of unparked() contexts
         if self._mpmd_shards is not None:
@@ -405,8 +406,9 @@ class Pipeline(torch.nn.Module):
     def step(self, *args: Any, target: Any = None, **kwargs: Any) -> torch.Tensor:
         """Forward and backward of all microbatches per the schedule; accumulates
         into this rank's parameters the gradient of the mean of the microbatches'
-        losses (the loss contract: :func:`pipeline`); returns that mean loss on
-        every rank. Needs grad mode (``eval_step`` is the step without backward)."""
+        losses (the loss contract: :func:`pipeline`), or with a token-weighted
+        ``loss_fn`` (returning ``(sum, count)``) of the global sum over the
+        global count; returns that loss on every rank. Needs grad mode (``eval_step`` is the step without backward)."""
         # Local checks every rank makes alike, before any communication.
         if not torch.is_grad_enabled():
             raise RuntimeError("Pipeline.step() runs backward and needs grad mode, but it was "
@@ -423,10 +425,24 @@ class Pipeline(torch.nn.Module):
         inputs = self._mpmd_split.named_microbatches(args, kwargs, m)
         rt.use_shapes(inputs[0])  # (before building: the programs' sizes)
         rt.prepare_programs(inputs, targets, self.config.loss_fn)
+        params = list(self.parameters())
+        # NOTE [Token-weighted losses] (training.py): gradients held before the
+        # step are kept aside while the loss may be token-weighted.
+        before = training.grads_before(params) if self._mpmd_weighted is not False else {}
+        had_grads = bool(before) or any(p.grad is not None for p in params)
         run_step(rt, STEP, self.calls, self.device, inputs=inputs, targets=targets,
                  loss_fn=self.config.loss_fn)
-        loss = training.mean_loss(rt, rt.runner.losses, m, self.device)
-        rt.runner.end_step()
+        try:
+            loss, tokens = training.step_loss(rt, rt.runner.losses, m, self.device)
+        finally:
+            rt.runner.end_step()
+        if tokens is not None:
+            if had_grads and self._mpmd_weighted is False:
+                raise ValueError("loss_fn returned a (sum, count) pair after steps that "
+                                 "returned scalars, with gradients accumulated from them: "
+                                 "zero the gradients before switching losses")
+            training.scale_step_grads(params, before, self.dp_size / tokens)
+        self._mpmd_weighted = tokens is not None
         if os.environ.get("MPMD_TRACE"):
             self.save_trace(os.environ["MPMD_TRACE"])
         return loss
@@ -580,7 +596,7 @@ class Pipeline(torch.nn.Module):
         with torch.no_grad():
             rt, _ = self._forward_only(args, kwargs, targets, eval_loss=True)
             try:
-                return training.mean_loss(rt, rt.runner.losses, m, self.device)
+                return training.step_loss(rt, rt.runner.losses, m, self.device)[0]
             finally:
                 rt.runner.end_step()
 

@@ -23,29 +23,75 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from torch_mpmd.parallel.sharding import local_grad
+from torch_mpmd.runtime.rank import loss_summary
 
 if TYPE_CHECKING:
     from torch_mpmd.runtime.rank import RankRuntime
 
-__all__ = ["clip_grad_norm_", "counted_parameters", "mean_loss"]
+__all__ = ["clip_grad_norm_", "counted_parameters", "step_loss", "grads_before",
+           "scale_step_grads"]
 
 
-def mean_loss(rt: "RankRuntime", losses: Mapping[int, torch.Tensor], num_microbatches: int,
-              device: torch.device) -> torch.Tensor:
-    """The mean of the microbatches' losses, computed on the last stage's rank,
-    on every rank of the pipeline; averaged over the data-parallel replicas
-    (they step on equal-sized batches). Collective over pp and dp."""
+# NOTE [Token-weighted losses]: a ``loss_fn`` returning ``(sum of token
+# losses, token count)`` makes the step's loss the sum over every microbatch
+# (and data-parallel replica) divided by the total count, as one process
+# computes it on the whole batch, where a mean of per-microbatch means would
+# weigh a short microbatch's tokens more. The total is known only after the
+# last forward, while a pipeline's first backwards run before it, so each
+# microbatch's backward starts from the gradient of its sum (its loss
+# tangent is [1, 0]: runner._loss_grad), and the step's gradient increment
+# is scaled at the end by dp / (global count) (dp: the replicas' gradient
+# average). Gradients accumulated before the step (no zero_grad) are left as
+# they were: their values are kept aside when there are any (grads_before).
+# Gradient hooks see the unscaled increments.
+
+
+def step_loss(rt: "RankRuntime", losses: Mapping[int, torch.Tensor], num_microbatches: int,
+              device: torch.device) -> tuple[torch.Tensor, float | None]:
+    """The step's loss on every rank of the pipeline and the data-parallel
+    replicas, and for token-weighted losses the global token count (else
+    None): the mean of the microbatches' losses averaged over the replicas
+    (they step on equal-sized batches), or the global sum of token losses
+    over the global count. Computed on the last stage's rank. Collective
+    over pp and dp."""
     if rt.last_rank == rt.rank:
-        loss = torch.stack([losses[k] for k in range(num_microbatches)]).float().mean()
-        loss = loss.to(device)
+        summary = loss_summary([losses[k] for k in range(num_microbatches)]).to(device)
     else:
-        loss = torch.zeros((), dtype=torch.float32, device=device)
-    rt.broadcast_loss_from_last(loss)
+        summary = torch.zeros(3, dtype=torch.float64, device=device)
+    rt.broadcast_loss_from_last(summary)
+    weighted = bool(summary[2])
+    totals = summary[:2].clone()
     if rt.dp_group is not None:
-        rt.wait(rt.all_reduce(loss, rt.dp_group),
-                "the data-parallel loss all_reduce")
-        loss /= dist.get_world_size(rt.dp_group)
-    return loss
+        rt.wait(rt.all_reduce(totals, rt.dp_group), "the data-parallel loss all_reduce")
+    if not weighted:
+        mean = totals[0] / (dist.get_world_size(rt.dp_group) if rt.dp_group is not None else 1)
+        return mean.to(torch.float32), None
+    count = float(totals[1])
+    if count == 0:
+        raise ValueError("the token-weighted loss counts 0 tokens in the whole batch (every "
+                         "microbatch's loss_fn returned count 0); its mean is undefined")
+    return (totals[0] / count).to(torch.float32), count
+
+
+def grads_before(params: list[torch.Tensor]) -> dict[int, torch.Tensor]:
+    """The gradients ``params`` hold before a step (copies), for
+    :func:`scale_step_grads`."""
+    return {id(p): p.grad.detach().clone() for p in params if p.grad is not None}
+
+
+@torch.no_grad()
+def scale_step_grads(params: list[torch.Tensor], before: Mapping[int, torch.Tensor],
+                     factor: float) -> None:
+    """Scale the gradient each parameter gained in the step by ``factor``
+    (what it held before, ``before[id(p)]``, is kept as it was)."""
+    for p in params:
+        if p.grad is None:
+            continue
+        prev = before.get(id(p))
+        if prev is None:
+            p.grad.mul_(factor)
+        else:
+            p.grad.sub_(prev).mul_(factor).add_(prev)
 
 
 # ------------------------------------------------------------------ the global norm

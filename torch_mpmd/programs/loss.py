@@ -8,14 +8,18 @@ one-element tensor, or a mapping, dataclass or named tuple with a field
 ``loss`` (a Hugging Face ``ModelOutput`` called with ``labels=``). A step
 returns the mean of the microbatches' losses and accumulates the gradient of
 that mean: for a mean-reduced loss and equal microbatches, the full batch's
-loss and gradient. Both runners (FX stages and functional programs) call
-:func:`microbatch_loss`.
+loss and gradient. ``loss_fn`` may instead return a pair ``(sum of token
+losses, token count)``: the step's loss is then the sum over every
+microbatch (and data-parallel replica) divided by the total count, and so are
+its gradients (NOTE [Token-weighted losses] in training.py). Both runners (FX
+stages and functional programs) call :func:`microbatch_loss`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
+import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -23,7 +27,7 @@ import torch
 import torch.utils._pytree as pytree
 
 __all__ = ["microbatch_loss", "loss_from_output", "callable_name", "unwrap_partial", "describe",
-           "loss_label", "needs_target"]
+           "loss_label", "needs_target", "check_token_count"]
 
 
 def _loss_field(output: Any) -> Any:
@@ -80,7 +84,8 @@ def callable_name(fn: Any) -> str:
 def microbatch_loss(loss_fn: Callable[..., torch.Tensor] | None, output: Any,
                     target: Any, *, needs_grad: bool = False) -> torch.Tensor:
     """One microbatch's loss on the last stage, a 0-dim tensor (the loss
-    contract in the module docstring). ``needs_grad`` (a training step, under
+    contract in the module docstring), or for a token-weighted loss (``loss_fn``
+    returns ``(sum, count)``) the float32 tensor ``[sum, count]``. ``needs_grad`` (a training step, under
     grad mode): a loss that does not require grad is a ValueError naming
     ``loss_fn`` and what it returned, where eager ``backward()`` would raise
     too (a detached loss would train on zero gradients)."""
@@ -102,9 +107,46 @@ def microbatch_loss(loss_fn: Callable[..., torch.Tensor] | None, output: Any,
                 raise type(e)(f"{what} failed on the last stage's output, which is "
                               f"{describe(output)}: {e}") from e
             raise
+        count = None
+        if isinstance(loss, (tuple, list)) and len(loss) == 2:
+            loss, count = loss
+            count = _token_count(count, what)
         if not (isinstance(loss, torch.Tensor) and loss.numel() == 1):
-            raise ValueError(f"loss_fn must return a one-element tensor, it returned "
-                             f"{describe(loss)}")
+            raise ValueError(f"loss_fn must return a one-element tensor or a pair (sum of "
+                             f"token losses, token count), it returned {describe(loss)}")
+        if count is not None:
+            _check_grad(loss, output, what, needs_grad)
+            # NOTE [Token-weighted losses]: the pair travels as one 2-element
+            # tensor [sum, count]; backward seeds it with [1, 0].
+            return torch.stack([loss.reshape(()).float(),
+                                count.to(device=loss.device, dtype=torch.float32)])
+    _check_grad(loss, output, what, needs_grad)
+    return loss if loss.dim() == 0 else loss.reshape(())
+
+
+def _token_count(count: Any, what: str) -> torch.Tensor:
+    """The count of a token-weighted loss as a detached 0-dim tensor; a
+    ValueError naming ``what`` unless it is a finite number >= 0."""
+    if isinstance(count, torch.Tensor) and count.numel() == 1:
+        # Its value is checked where it is real (check_token_count): a stage
+        # program traces this with fake tensors.
+        return count.detach().reshape(())
+    if isinstance(count, (int, float)) and not isinstance(count, bool):
+        check_token_count(float(count), what)
+        return torch.tensor(float(count))
+    raise ValueError(f"{what} returned a pair whose count is {describe(count)}; a "
+                     "token-weighted loss is (sum of token losses, token count), the count "
+                     "a number or a one-element tensor")
+
+
+def check_token_count(count: float, what: str = "loss_fn") -> None:
+    """A ValueError naming ``what`` unless ``count`` is a finite number >= 0."""
+    if not math.isfinite(count) or count < 0:
+        raise ValueError(f"{what} returned the token count {count!r}; it must be a finite "
+                         "number >= 0")
+
+
+def _check_grad(loss: torch.Tensor, output: Any, what: str, needs_grad: bool) -> None:
     if needs_grad and not loss.requires_grad:
         raise ValueError(
             f"{what} returned a loss that does not require grad ({describe(loss)}, "
@@ -114,7 +156,6 @@ def microbatch_loss(loss_fn: Callable[..., torch.Tensor] | None, output: Any,
             + ("" if _requires_grad_anywhere(output) else
                "; the model's output does not require grad either (is every parameter "
                "frozen?)"))
-    return loss if loss.dim() == 0 else loss.reshape(())
 
 
 def _requires_grad_anywhere(value: Any) -> bool:

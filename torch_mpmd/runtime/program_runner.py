@@ -288,7 +288,7 @@ class ProgramRunner(StageRunner):
         if prog.saved_sizes:
             _box(saved, prog.saved_sizes)
         if plan.last:
-            self.losses[mb] = outs[prog.output_offset]
+            self.record_loss(mb, outs[prog.output_offset])
             return [], saved
         return [[outs[i] for i in idx] for idx in plan.sends], saved
 

@@ -44,7 +44,7 @@ from torch_mpmd.graph.stage import SplitModel, StageSignature
 from torch_mpmd.parallel.tied import TiedGroup, TiedSums
 
 __all__ = ["PipelineError", "RankRuntime", "StagedModel", "resolve_schedule",
-           "forward_only_text", "backward_only_text"]
+           "forward_only_text", "backward_only_text", "loss_summary"]
 
 
 # Default least wait for the other ranks' compiled (Inductor) program builds,
@@ -67,6 +67,22 @@ def _part(schedule: Schedule, part: str) -> Schedule:
     subsequence of a valid program keeps every channel's order, NOTE [Channel
     order], and forwards depend only on forwards, so it runs too)."""
     return schedule.part(_PART_KINDS[part], name=f"{schedule.name}-{part}")
+
+
+def loss_summary(losses: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The microbatches' losses as a float64 ``[value, count, weighted]``: the
+    mean of scalar losses (count 0, weighted 0), or for token-weighted
+    ``[sum, count]`` losses the sum of their sums and counts (weighted 1)."""
+    dims = {loss.dim() for loss in losses}
+    if len(dims) > 1:
+        raise ValueError("loss_fn returned a scalar for some microbatches and a (sum, count) "
+                         "pair for others in one step; return one kind for every microbatch")
+    stacked = torch.stack([loss.detach().double() for loss in losses])
+    if dims == {1}:
+        total = stacked.sum(0)
+        return torch.stack([total[0], total[1], torch.ones((), dtype=torch.float64,
+                                                           device=total.device)]).cpu()
+    return torch.tensor([float(stacked.float().mean()), 0.0, 0.0], dtype=torch.float64)
 
 
 def forward_only_text(schedule: Schedule) -> str:
@@ -634,10 +650,13 @@ class RankRuntime:
             if isinstance(self.dp, ShardedStages):
                 self.dp.reshard_all()  # what an executor without RESHARD left gathered
 
-    # NOTE [Loss in the end exchange]: the last stage's rank puts the mean of
-    # the microbatches' losses (float32 bits) in its end-exchange record, so
-    # the other ranks have it without the loss broadcast: the exchange costs
-    # a step one collective, not two (broadcast_loss_from_last).
+    # NOTE [Loss in the end exchange]: the last stage's rank puts the call's
+    # loss in its end-exchange record, so the other ranks have it without the
+    # loss broadcast: the exchange costs a step one collective, not two
+    # (broadcast_loss_from_last). The record's payload: the float32 bits of
+    # the mean of the microbatches' losses and the flag 1; for token-weighted
+    # losses (NOTE [Token-weighted losses] in training.py) the float32 bits of
+    # the sum of their sums, the flag 2 and the float64 bits of their count.
     _LOSS_KINDS = ("step", "eval")
 
     def _loss_payload(self, kind: str) -> tuple[int, int, int]:
@@ -645,28 +664,37 @@ class RankRuntime:
         m = self.schedule.num_microbatches
         if kind not in self._LOSS_KINDS or self.rank != self.last_rank or len(losses) != m:
             return (0, 0, 0)
-        mean = torch.stack([losses[k] for k in range(m)]).float().mean()
-        return (int(mean.reshape(1).cpu().view(torch.int32)[0]), 1, 0)
+        summary = loss_summary([losses[k] for k in range(m)])
+        bits = int(summary[0].float().reshape(1).cpu().view(torch.int32)[0])
+        if summary[2]:
+            return (bits, 2, int(summary[1].reshape(1).cpu().view(torch.int64)[0]))
+        return (bits, 1, 0)
 
     def _loss_of(self, outcome: Any, kind: str) -> torch.Tensor | None:
+        """The loss summary (:func:`loss_summary`) the last stage's rank put in
+        the end exchange; None when it did not."""
         if kind not in self._LOSS_KINDS:
             return None
         row = outcome.rows[self.ledger.ranks.index(self.replicas[self.replica][self.last_rank])]
         p0 = len(lockstep.FIELDS) - 3
-        if row[p0 + 1] != 1:
+        if row[p0 + 1] not in (1, 2):
             return None
-        return torch.tensor([row[p0]], dtype=torch.int32).view(torch.float32)[0]
+        value = float(torch.tensor([row[p0]], dtype=torch.int32).view(torch.float32)[0])
+        weighted = row[p0 + 1] == 2
+        count = (float(torch.tensor([row[p0 + 2]], dtype=torch.int64).view(torch.float64)[0])
+                 if weighted else 0.0)
+        return torch.tensor([value, count, float(weighted)], dtype=torch.float64)
 
-    def broadcast_loss_from_last(self, loss: torch.Tensor) -> torch.Tensor:
-        """``broadcast_from_last(loss)`` for the mean loss of the call just run
-        (a float32 scalar, computed on the last stage's rank as the mean of the
-        microbatches' losses): taken from the call's end exchange when it
-        carried it (NOTE [Loss in the end exchange]), else broadcast."""
+    def broadcast_loss_from_last(self, summary: torch.Tensor) -> torch.Tensor:
+        """``broadcast_from_last(summary)`` for the loss summary of the call just
+        run (:func:`loss_summary`, computed on the last stage's rank): taken
+        from the call's end exchange when it carried it (NOTE [Loss in the end
+        exchange]), else broadcast."""
         end_loss = getattr(self, "_end_loss", None)
         if end_loss is None:
-            return self.broadcast_from_last(loss, "the loss")
-        loss.copy_(end_loss)
-        return loss
+            return self.broadcast_from_last(summary, "the loss")
+        summary.copy_(end_loss)
+        return summary
 
     def _failure(self, e: Any, kind: str, step: int) -> PipelineError:
         """The PipelineError of a failed executor run. A drained failure of this

@@ -19,7 +19,7 @@ import torch
 import torch.fx
 
 from torch_mpmd.graph.stage import StageSignature, StageValue, transferred_value
-from torch_mpmd.programs.loss import microbatch_loss
+from torch_mpmd.programs.loss import check_token_count, microbatch_loss
 from torch_mpmd.programs.weight_grad import WeightGradPlan
 
 __all__ = ["EdgeLayout", "StageRunner", "stage_seed"]
@@ -305,7 +305,7 @@ class StageRunner:
         self.error = None
         self.live_bytes = {s: 0 for s in self.stages}
         self.peak_bytes = {s: 0 for s in self.stages}
-        self._loss_grads: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+        self._loss_grads: dict[tuple[torch.dtype, torch.device, int], torch.Tensor] = {}
         # Stages reading a user input that requires grad (the compile door's
         # inputs): their backward is never split, so the input's gradient
         # accumulates in one engine call (I runs all of B, W nothing).
@@ -418,11 +418,11 @@ class StageRunner:
                                          for o in flat)
             elif training:
                 loss = self._loss(flat, mb)
-                self.losses[mb] = loss.detach()
+                self.record_loss(mb, loss.detach())
                 roots, root_nodes = [loss], [-1]  # scaled by 1/m through its gradient
             elif self.eval_loss:
                 with torch.no_grad():
-                    self.losses[mb] = self._loss(flat, mb)
+                    self.record_loss(mb, self._loss(flat, mb))
             else:
                 self.outputs[mb] = flat
         elif training:
@@ -443,6 +443,19 @@ class StageRunner:
                 not torch.equal(a, b) for a, b in zip(rng_before, after))
         return [[sent[i] for i in idx] for idx in st.send_plan] if st.send_plan else []
 
+    def record_loss(self, mb: int, loss: torch.Tensor) -> None:
+        """Keep microbatch ``mb``'s loss; a ValueError when its kind (scalar or
+        token-weighted pair) is not the other microbatches' (raised in the
+        stage's compute, so every rank learns of it)."""
+        other = next(iter(self.losses.values()), None)
+        if other is not None and other.dim() != loss.dim():
+            raise ValueError("loss_fn returned a scalar for some microbatches and a (sum, "
+                             "count) pair for others in one step; return one kind for every "
+                             "microbatch")
+        if loss.dim() == 1:
+            check_token_count(float(loss[1]), f"loss_fn (microbatch {mb})")
+        self.losses[mb] = loss
+
     def _loss(self, flat: tuple, mb: int) -> torch.Tensor:
         output = self.rebuild_output(flat, self.inputs[mb])
         return microbatch_loss(self.loss_fn, output, self.targets[mb],
@@ -450,11 +463,18 @@ class StageRunner:
 
     def _loss_grad(self, loss: torch.Tensor) -> torch.Tensor:
         """The gradient the loss of one microbatch starts backward with: 1/m, so
-        the step accumulates the gradient of the mean loss (cached per step)."""
-        key = (loss.dtype, loss.device)
+        the step accumulates the gradient of the mean loss; for a token-weighted
+        loss ``[sum, count]``, ``[1, 0]``: the gradient of the sum, which the
+        step scales by the total count at its end (NOTE [Token-weighted losses]
+        in training.py). Cached per step."""
+        key = (loss.dtype, loss.device, loss.dim())
         g = self._loss_grads.get(key)
         if g is None:
-            g = torch.full((), 1.0 / self.num_microbatches, dtype=loss.dtype, device=loss.device)
+            if loss.dim() == 1:
+                g = torch.tensor([1.0, 0.0], dtype=loss.dtype, device=loss.device)
+            else:
+                g = torch.full((), 1.0 / self.num_microbatches, dtype=loss.dtype,
+                               device=loss.device)
             self._loss_grads[key] = g
         return g
 
