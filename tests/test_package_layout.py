@@ -129,3 +129,11 @@ def test_module_says_what_it_is_and_stays_small(module):
     doc = ast.get_docstring(ast.parse(text))
     assert doc and doc.splitlines()[0].strip(), f"{module} has no first line saying what it is"
     assert text.count("\n") <= 1500, f"{module} has {text.count(chr(10))} lines"
+
+
+def test_the_public_trace_module_is_the_whole_face_of_runtime_trace():
+    import torch_mpmd.runtime.trace as inner
+    import torch_mpmd.trace as face
+
+    assert set(face.__all__) == set(inner.__all__)
+    assert all(getattr(face, name) is getattr(inner, name) for name in inner.__all__)

@@ -7,11 +7,11 @@ functions here turn them into metrics (:func:`bubble_fractions`,
 simulated picture (:func:`simulate_measured`, :func:`save_measured_timeline`).
 """
 
-from torch_mpmd.runtime.trace import (StepRecord, bubble_fractions, chrome_trace, gather_timelines,
-                                      rank_timeline, save_measured_timeline, simulate_measured,
-                                      stage_times, step_metrics, transfer_latencies,
-                                      write_chrome_trace)
+from torch_mpmd.runtime.trace import (StepRecord, action_kind, bubble_fractions, chrome_trace,
+                                      gather_timelines, rank_timeline, save_measured_timeline,
+                                      simulate_measured, stage_times, step_metrics,
+                                      transfer_latencies, write_chrome_trace)
 
-__all__ = ["rank_timeline", "step_metrics", "bubble_fractions", "transfer_latencies",
+__all__ = ["action_kind", "rank_timeline", "step_metrics", "bubble_fractions", "transfer_latencies",
            "StepRecord", "stage_times", "gather_timelines", "chrome_trace",
            "write_chrome_trace", "simulate_measured", "save_measured_timeline"]

@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from torch_mpmd.schedules import Action, ActionKind, kind_name
 
-__all__ = ["rank_timeline", "step_metrics", "bubble_fractions", "transfer_latencies",
+__all__ = ["action_kind", "rank_timeline", "step_metrics", "bubble_fractions", "transfer_latencies",
            "StepRecord", "stage_times", "gather_timelines", "chrome_trace",
            "write_chrome_trace", "simulate_measured", "save_measured_timeline"]
 
