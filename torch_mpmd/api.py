@@ -433,7 +433,7 @@ class Pipeline(torch.nn.Module):
         run_step(rt, STEP, self.calls, self.device, inputs=inputs, targets=targets,
                  loss_fn=self.config.loss_fn)
         try:
-            loss, tokens = training.step_loss(rt, rt.runner.losses, m, self.device)
+            loss, tokens = training.step_loss(rt, self.device)
         finally:
             rt.runner.end_step()
         if tokens is not None:
@@ -596,7 +596,7 @@ class Pipeline(torch.nn.Module):
         with torch.no_grad():
             rt, _ = self._forward_only(args, kwargs, targets, eval_loss=True)
             try:
-                return training.step_loss(rt, rt.runner.losses, m, self.device)[0]
+                return training.step_loss(rt, self.device)[0]
             finally:
                 rt.runner.end_step()
 

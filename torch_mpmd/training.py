@@ -23,7 +23,6 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from torch_mpmd.parallel.sharding import local_grad
-from torch_mpmd.runtime.rank import loss_summary
 
 if TYPE_CHECKING:
     from torch_mpmd.runtime.rank import RankRuntime
@@ -46,31 +45,26 @@ __all__ = ["clip_grad_norm_", "counted_parameters", "step_loss", "grads_before",
 # Gradient hooks see the unscaled increments.
 
 
-def step_loss(rt: "RankRuntime", losses: Mapping[int, torch.Tensor], num_microbatches: int,
-              device: torch.device) -> tuple[torch.Tensor, float | None]:
-    """The step's loss on every rank of the pipeline and the data-parallel
-    replicas, and for token-weighted losses the global token count (else
-    None): the mean of the microbatches' losses averaged over the replicas
-    (they step on equal-sized batches), or the global sum of token losses
-    over the global count. Computed on the last stage's rank. Collective
-    over pp and dp."""
-    if rt.last_rank == rt.rank:
-        summary = loss_summary([losses[k] for k in range(num_microbatches)]).to(device)
-    else:
-        summary = torch.zeros(3, dtype=torch.float64, device=device)
-    rt.broadcast_loss_from_last(summary)
-    weighted = bool(summary[2])
-    totals = summary[:2].clone()
+def step_loss(rt: "RankRuntime", device: torch.device) -> tuple[torch.Tensor, float | None]:
+    """The loss of the call just run on every rank of the pipeline and the
+    data-parallel replicas, and for token-weighted losses the global token
+    count (else None): the mean of the microbatches' losses averaged over the
+    replicas (they step on equal-sized batches), or the global sum of token
+    losses over the global count. Computed on the last stage's rank.
+    Collective over pp and dp."""
+    value, count, weighted = rt.call_loss(device)
     if rt.dp_group is not None:
+        totals = torch.tensor([value, count], dtype=torch.float64, device=device)
         rt.wait(rt.all_reduce(totals, rt.dp_group), "the data-parallel loss all_reduce")
+        value, count = totals.tolist()
+        if not weighted:
+            value /= dist.get_world_size(rt.dp_group)
     if not weighted:
-        mean = totals[0] / (dist.get_world_size(rt.dp_group) if rt.dp_group is not None else 1)
-        return mean.to(torch.float32), None
-    count = float(totals[1])
+        return torch.tensor(value, dtype=torch.float32, device=device), None
     if count == 0:
         raise ValueError("the token-weighted loss counts 0 tokens in the whole batch (every "
                          "microbatch's loss_fn returned count 0); its mean is undefined")
-    return (totals[0] / count).to(torch.float32), count
+    return torch.tensor(value / count, dtype=torch.float32, device=device), count
 
 
 def grads_before(params: list[torch.Tensor]) -> dict[int, torch.Tensor]:

@@ -17,6 +17,7 @@ import atexit
 import datetime
 import gc
 import hashlib
+import struct
 import json
 import os
 import sys
@@ -69,20 +70,19 @@ def _part(schedule: Schedule, part: str) -> Schedule:
     return schedule.part(_PART_KINDS[part], name=f"{schedule.name}-{part}")
 
 
-def loss_summary(losses: Sequence[torch.Tensor]) -> torch.Tensor:
-    """The microbatches' losses as a float64 ``[value, count, weighted]``: the
-    mean of scalar losses (count 0, weighted 0), or for token-weighted
-    ``[sum, count]`` losses the sum of their sums and counts (weighted 1)."""
-    dims = {loss.dim() for loss in losses}
-    if len(dims) > 1:
-        raise ValueError("loss_fn returned a scalar for some microbatches and a (sum, count) "
-                         "pair for others in one step; return one kind for every microbatch")
-    stacked = torch.stack([loss.detach().double() for loss in losses])
-    if dims == {1}:
-        total = stacked.sum(0)
-        return torch.stack([total[0], total[1], torch.ones((), dtype=torch.float64,
-                                                           device=total.device)]).cpu()
-    return torch.tensor([float(stacked.float().mean()), 0.0, 0.0], dtype=torch.float64)
+LossSummary = tuple[float, float, bool]  # (value, count, token-weighted)
+
+
+def loss_summary(losses: Sequence[torch.Tensor]) -> LossSummary:
+    """The microbatches' losses as ``(value, count, weighted)``: the mean of
+    scalar losses (count 0, not weighted), or for token-weighted ``[sum,
+    count]`` losses the sum of their sums and of their counts (weighted)."""
+    # One kind per step (the runner's record_loss refuses a mix).
+    stacked = torch.stack(losses)
+    if stacked.dim() == 2:
+        total, count = stacked.double().sum(0).tolist()
+        return total, count, True
+    return float(stacked.float().mean()), 0.0, False
 
 
 def forward_only_text(schedule: Schedule) -> str:
@@ -653,7 +653,7 @@ class RankRuntime:
     # NOTE [Loss in the end exchange]: the last stage's rank puts the call's
     # loss in its end-exchange record, so the other ranks have it without the
     # loss broadcast: the exchange costs a step one collective, not two
-    # (broadcast_loss_from_last). The record's payload: the float32 bits of
+    # (call_loss). The record's payload: the float32 bits of
     # the mean of the microbatches' losses and the flag 1; for token-weighted
     # losses (NOTE [Token-weighted losses] in training.py) the float32 bits of
     # the sum of their sums, the flag 2 and the float64 bits of their count.
@@ -664,13 +664,13 @@ class RankRuntime:
         m = self.schedule.num_microbatches
         if kind not in self._LOSS_KINDS or self.rank != self.last_rank or len(losses) != m:
             return (0, 0, 0)
-        summary = loss_summary([losses[k] for k in range(m)])
-        bits = int(summary[0].float().reshape(1).cpu().view(torch.int32)[0])
-        if summary[2]:
-            return (bits, 2, int(summary[1].reshape(1).cpu().view(torch.int64)[0]))
+        value, count, weighted = loss_summary([losses[k] for k in range(m)])
+        bits = struct.unpack("<i", struct.pack("<f", value))[0]
+        if weighted:
+            return (bits, 2, struct.unpack("<q", struct.pack("<d", count))[0])
         return (bits, 1, 0)
 
-    def _loss_of(self, outcome: Any, kind: str) -> torch.Tensor | None:
+    def _loss_of(self, outcome: Any, kind: str) -> LossSummary | None:
         """The loss summary (:func:`loss_summary`) the last stage's rank put in
         the end exchange; None when it did not."""
         if kind not in self._LOSS_KINDS:
@@ -679,22 +679,29 @@ class RankRuntime:
         p0 = len(lockstep.FIELDS) - 3
         if row[p0 + 1] not in (1, 2):
             return None
-        value = float(torch.tensor([row[p0]], dtype=torch.int32).view(torch.float32)[0])
-        weighted = row[p0 + 1] == 2
-        count = (float(torch.tensor([row[p0 + 2]], dtype=torch.int64).view(torch.float64)[0])
-                 if weighted else 0.0)
-        return torch.tensor([value, count, float(weighted)], dtype=torch.float64)
+        value = struct.unpack("<f", struct.pack("<i", int(row[p0])))[0]
+        if row[p0 + 1] == 2:
+            return value, struct.unpack("<d", struct.pack("<q", int(row[p0 + 2])))[0], True
+        return value, 0.0, False
 
-    def broadcast_loss_from_last(self, summary: torch.Tensor) -> torch.Tensor:
-        """``broadcast_from_last(summary)`` for the loss summary of the call just
-        run (:func:`loss_summary`, computed on the last stage's rank): taken
-        from the call's end exchange when it carried it (NOTE [Loss in the end
-        exchange]), else broadcast."""
+    def call_loss(self, device: torch.device) -> LossSummary:
+        """The loss summary of the call just run (:func:`loss_summary` of the
+        runner's losses, computed on the last stage's rank) on every rank of
+        the pipeline: from the call's end exchange when it carried it (NOTE
+        [Loss in the end exchange]), else broadcast."""
         end_loss = getattr(self, "_end_loss", None)
-        if end_loss is None:
-            return self.broadcast_from_last(summary, "the loss")
-        summary.copy_(end_loss)
-        return summary
+        if end_loss is not None:
+            return end_loss
+        losses = self.runner.losses
+        if self.rank == self.last_rank:
+            summary = loss_summary([losses[k] for k in range(len(losses))])
+            if self.pp_size == 1:
+                return summary
+            sent = torch.tensor(summary, dtype=torch.float64, device=device)
+        else:
+            sent = torch.zeros(3, dtype=torch.float64, device=device)
+        value, count, weighted = self.broadcast_from_last(sent, "the loss").tolist()
+        return value, count, bool(weighted)
 
     def _failure(self, e: Any, kind: str, step: int) -> PipelineError:
         """The PipelineError of a failed executor run. A drained failure of this

@@ -301,11 +301,12 @@ class StageRunner:
         self.output_grads: list[Sequence[torch.Tensor | None]] = []
         self.num_microbatches = len(self.inputs)
         self.losses: dict[int, torch.Tensor] = {}
+        self._loss_dim: int | None = None  # 0: scalar losses, 1: [sum, count] (record_loss)
         self.outputs: dict[int, tuple] = {}
         self.error = None
         self.live_bytes = {s: 0 for s in self.stages}
         self.peak_bytes = {s: 0 for s in self.stages}
-        self._loss_grads: dict[tuple[torch.dtype, torch.device, int], torch.Tensor] = {}
+        self._loss_grad_value: torch.Tensor | None = None  # (_loss_grad)
         # Stages reading a user input that requires grad (the compile door's
         # inputs): their backward is never split, so the input's gradient
         # accumulates in one engine call (I runs all of B, W nothing).
@@ -447,12 +448,14 @@ class StageRunner:
         """Keep microbatch ``mb``'s loss; a ValueError when its kind (scalar or
         token-weighted pair) is not the other microbatches' (raised in the
         stage's compute, so every rank learns of it)."""
-        other = next(iter(self.losses.values()), None)
-        if other is not None and other.dim() != loss.dim():
-            raise ValueError("loss_fn returned a scalar for some microbatches and a (sum, "
-                             "count) pair for others in one step; return one kind for every "
-                             "microbatch")
-        if loss.dim() == 1:
+        dim = loss.dim()
+        if dim != self._loss_dim:
+            if self._loss_dim is not None:
+                raise ValueError("loss_fn returned a scalar for some microbatches and a (sum, "
+                                 "count) pair for others in one step; return one kind for "
+                                 "every microbatch")
+            self._loss_dim = dim
+        if dim == 1:
             check_token_count(float(loss[1]), f"loss_fn (microbatch {mb})")
         self.losses[mb] = loss
 
@@ -466,16 +469,16 @@ class StageRunner:
         the step accumulates the gradient of the mean loss; for a token-weighted
         loss ``[sum, count]``, ``[1, 0]``: the gradient of the sum, which the
         step scales by the total count at its end (NOTE [Token-weighted losses]
-        in training.py). Cached per step."""
-        key = (loss.dtype, loss.device, loss.dim())
-        g = self._loss_grads.get(key)
+        in training.py). Made once per step (a step's losses are of one kind,
+        dtype and device: record_loss)."""
+        g = self._loss_grad_value
         if g is None:
             if loss.dim() == 1:
                 g = torch.tensor([1.0, 0.0], dtype=loss.dtype, device=loss.device)
             else:
                 g = torch.full((), 1.0 / self.num_microbatches, dtype=loss.dtype,
                                device=loss.device)
-            self._loss_grads[key] = g
+            self._loss_grad_value = g
         return g
 
     def _root_grads(self, stage: int, mb: int, saved: _Saved,
