@@ -176,6 +176,37 @@ def train(case: dict[str, Any], group: Any, timeout: float) -> dict[str, Any]:
     return out
 
 
+def token_pair(case: dict[str, Any], group: Any, timeout: float) -> dict[str, Any]:
+    """A compiled function returning (sum of token losses, token count), the
+    labels masking a different number of positions per sample: the call
+    returns the batch's sum and count, and (s / n).backward() trains on the
+    token mean, as one eager process does."""
+    name = case["model"]
+    model = build(name)
+    ref = copy.deepcopy(model)
+    x, y = batch(name)
+    for i in range(y.shape[0]):  # sample i keeps i % 8 + 1 labelled positions
+        y[i, i % y.shape[1] + 1:] = -100
+
+    def pair(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        total = F.cross_entropy(model(x).flatten(0, 1), y.flatten(), ignore_index=-100,
+                                reduction="sum")
+        return total, (y != -100).sum()
+
+    want_sum, want_count = pair(ref, x, y)
+    (want_sum / want_count).backward()
+
+    @torch.compile(backend="mpmd", options=_options(case, group, timeout))
+    def train_pair(x, y):
+        return pair(model, x, y)
+
+    s, n = train_pair(x, y)
+    (s / n).backward()
+    return dict(sum=_diff(s.detach(), want_sum.detach(), *TOL),
+                count=[int(n), int(want_count), str(n.dtype)],
+                grads=_grads(model, ref, fn=train_pair))
+
+
 def replaced_parameter(case: dict[str, Any], group: Any, timeout: float) -> dict[str, Any]:
     """A parameter replaced after compiling is what the next call uses."""
     name = case["model"]
@@ -314,7 +345,7 @@ def forward_only(case: dict[str, Any], group: Any, timeout: float) -> dict[str, 
 
 KINDS = {"train": train, "replaced_parameter": replaced_parameter, "input_grad": input_grad,
          "autograd_grad": autograd_grad, "batch_change": batch_change,
-         "forward_only": forward_only}
+         "forward_only": forward_only, "token_pair": token_pair}
 
 
 def grid(cases: list[dict[str, Any]], timeout: float = 60.0) -> dict[str, Any]:

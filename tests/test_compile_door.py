@@ -40,6 +40,9 @@ OTHER = [
     dict(id="batch-change-mark-dynamic", kind="batch_change", model="hf_gpt2",
          schedule="zero_bubble", m=4, mark_dynamic=True),
     dict(id="forward-only", kind="forward_only", model="hf_gpt2", schedule="1f1b", m=4),
+    # Token-weighted: the compiled function returns (sum, count) (issue 22).
+    dict(id="token-pair-1f1b", kind="token_pair", model="gpt", schedule="1f1b", m=4),
+    dict(id="token-pair-zbv", kind="token_pair", model="gpt", schedule="zbv", m=4),
 ]
 # Issue 20: a factory of training functions (Dynamo reuses one graph for
 # several models), a model as an argument, and compiling a Hugging Face
@@ -133,6 +136,17 @@ def _check_sizes(ranks: list[dict]) -> None:
 def test_a_compiled_module_without_grad_returns_its_output_on_every_rank():
     for rank, res in enumerate(_results("forward-only")):
         assert res["output"]["ok"], f"rank {rank}: {res['output']}"
+
+
+@pytest.mark.parametrize("case_id", ["token-pair-1f1b", "token-pair-zbv"])
+def test_a_compiled_function_returning_sum_and_count_trains_on_the_token_mean(case_id):
+    bad = []
+    for rank, res in enumerate(_results(case_id)):
+        assert res["sum"]["ok"], f"rank {rank}: the returned sum {res['sum']}"
+        got, want, dtype = res["count"]
+        assert got == want and dtype == "torch.int64", f"rank {rank}: count {res['count']}"
+        bad += _bad(rank, res["grads"])
+    assert not bad, "\n".join(bad)
 
 
 def test_the_door_on_four_ranks_with_data_parallel_replicas_and_four_stages():

@@ -104,6 +104,8 @@ class Pipeline(torch.nn.Module):
         self._mpmd_shards = (ParamShards(module, dp_mesh, root=mesh)
                              if config.data_parallel == "shard" and dp_mesh is not None else None)
         self._mpmd_weighted: bool | None = None  # token-weighted loss (None: no step yet)
+        # The global token count of the last step when its loss was token-weighted.
+        self.last_token_count: float | None = None
         self._mpmd_parking = False  # NOTE [Parked parameters] (sharding.py)
         self._mpmd_unparked = 0     # depth of unparked() contexts
         if self._mpmd_shards is not None:
@@ -443,6 +445,7 @@ class Pipeline(torch.nn.Module):
                                  "zero the gradients before switching losses")
             training.scale_step_grads(params, before, self.dp_size / tokens)
         self._mpmd_weighted = tokens is not None
+        self.last_token_count = tokens
         if os.environ.get("MPMD_TRACE"):
             self.save_trace(os.environ["MPMD_TRACE"])
         return loss

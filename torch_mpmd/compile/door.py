@@ -117,6 +117,30 @@ class _StepLoss(torch.autograd.Function):
         return (None, None, *[_scaled(g, upstream) for g in ctx.grads])
 
 
+class _ScaledLoss(torch.autograd.Function):
+    """``loss * scale`` as an autograd node (the sum of a token-weighted loss
+    from its mean): backward passes ``upstream * scale`` on."""
+
+    @staticmethod
+    def forward(ctx: Any, loss: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return loss.detach() * scale
+
+    @staticmethod
+    def backward(ctx: Any, upstream: torch.Tensor) -> Any:
+        return upstream * ctx.scale, None
+
+
+def _is_loss(value: Any) -> bool:
+    return (isinstance(value, torch.Tensor) and value.dim() == 0
+            and value.is_floating_point() and value.requires_grad)
+
+
+def _pair_of_output(output: Any, target: Any) -> tuple[Any, Any]:
+    """The loss of a compiled function returning ``(sum, count)``: that pair."""
+    return output[0], output[1]
+
+
 def _scaled(grad: torch.Tensor | None, upstream: torch.Tensor) -> torch.Tensor | None:
     """``grad * upstream`` (a DTensor gradient, of a sharded parameter, is
     scaled on its local shard: DTensor refuses a plain tensor operand)."""
@@ -168,9 +192,16 @@ class Door:
         self.reduction = reduction
         self.outputs = _output_examples(gm)
         out = self.outputs
-        self.returns_loss = (len(out) == 1 and isinstance(out[0], torch.Tensor)
-                             and out[0].dim() == 0 and out[0].is_floating_point()
-                             and out[0].requires_grad)
+        self.returns_loss = len(out) == 1 and _is_loss(out[0])
+        # A token-weighted loss: (sum of token losses, token count), NOTE
+        # [Token-weighted losses] in training.py.
+        self.returns_pair = (len(out) == 2 and _is_loss(out[0])
+                             and isinstance(out[1], torch.Tensor) and out[1].dim() == 0
+                             and not out[1].requires_grad)
+        if self.returns_pair and reduction != "mean":
+            raise ValueError(f"option reduction={reduction!r} does not apply to a function "
+                             "returning (sum of token losses, token count): it returns the "
+                             "batch's sum and count as they are")
         self.pipeline = self._new_pipeline()
         # Per set of module tensors the graph was called with, its call and
         # pipeline (NOTE [Another model, the same graph] in frame.py); the
@@ -189,7 +220,8 @@ class Door:
 
         fn = self.call.fn
         module = fn if isinstance(fn, torch.nn.Module) else FrameModule(self.call)
-        pipe = pipeline(module, self.config, loss_fn=None)
+        pipe = pipeline(module, self.config,
+                        loss_fn=_pair_of_output if self.returns_pair else None)
         pipe.park_between_calls()  # the guards Dynamo made see the parameters they saw
         return pipe
 
@@ -216,6 +248,8 @@ class Door:
     def _call(self, flat: Sequence[Any]) -> tuple:
         if torch.is_grad_enabled() and self.returns_loss:
             return (self._train(flat),)
+        if torch.is_grad_enabled() and self.returns_pair:
+            return self._train_pair(flat)
         args, kwargs = self.call.arguments(flat)
         self._pending = (args, kwargs)
         if torch.is_grad_enabled() and any(isinstance(o, torch.Tensor) and o.requires_grad
@@ -305,6 +339,19 @@ class Door:
         if not any(t.requires_grad for t in tensors):
             tensors, grads = [self._anchor], [None]
         return _StepLoss.apply(loss, grads, *tensors)
+
+    def _train_pair(self, flat: Sequence[Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        """A training call of a function returning ``(sum, count)``: the step
+        runs the token-weighted loss; the call returns the global sum and count
+        (over the batch and the data-parallel replicas), the sum carrying the
+        gradients of the sum (the step's gradients, of sum / count, times the
+        count), so ``(s / n).backward()`` trains on the token mean."""
+        loss = self._train(flat)
+        tokens = self.pipeline.last_token_count
+        if tokens is None:  # the capture's loss_fn returns the pair: never
+            raise RuntimeError("the mpmd backend's token-weighted step returned no count")
+        count = torch.tensor(tokens, device=loss.device).to(self.outputs[1].dtype)
+        return _ScaledLoss.apply(loss, tokens), count
 
     def _input_grads(self, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
         """Every rank's gradient of the inputs that require grad: only ranks
