@@ -202,9 +202,16 @@ def token_pair(case: dict[str, Any], group: Any, timeout: float) -> dict[str, An
 
     s, n = train_pair(x, y)
     (s / n).backward()
-    return dict(sum=_diff(s.detach(), want_sum.detach(), *TOL),
-                count=[int(n), int(want_count), str(n.dtype)],
-                grads=_grads(model, ref, fn=train_pair))
+    out = dict(sum=_diff(s.detach(), want_sum.detach(), *TOL),
+               count=[int(n), int(want_count), str(n.dtype)],
+               grads=_grads(model, ref, fn=train_pair))
+    with torch.no_grad():  # validation: the same function, no grad
+        s, n = train_pair(x, y)
+    out["eval_sum"] = _diff(s, want_sum.detach(), *TOL)
+    out["eval_count"] = [int(n), int(want_count), str(n.dtype)]
+    import torch_mpmd as mpmd
+    out["steps"] = mpmd.pipeline_of(train_pair).step_count  # still the training pipeline's
+    return out
 
 
 def replaced_parameter(case: dict[str, Any], group: Any, timeout: float) -> dict[str, Any]:

@@ -145,6 +145,9 @@ def test_a_compiled_function_returning_sum_and_count_trains_on_the_token_mean(ca
         assert res["sum"]["ok"], f"rank {rank}: the returned sum {res['sum']}"
         got, want, dtype = res["count"]
         assert got == want and dtype == "torch.int64", f"rank {rank}: count {res['count']}"
+        assert res["eval_sum"]["ok"], f"rank {rank}: no-grad call's sum {res['eval_sum']}"
+        assert res["eval_count"] == res["count"], f"rank {rank}: {res['eval_count']}"
+        assert res["steps"] == 1, f"rank {rank}: pipeline_of() after validation: {res['steps']}"
         bad += _bad(rank, res["grads"])
     assert not bad, "\n".join(bad)
 

@@ -104,7 +104,8 @@ class Pipeline(torch.nn.Module):
         self._mpmd_shards = (ParamShards(module, dp_mesh, root=mesh)
                              if config.data_parallel == "shard" and dp_mesh is not None else None)
         self._mpmd_weighted: bool | None = None  # token-weighted loss (None: no step yet)
-        # The global token count of the last step when its loss was token-weighted.
+        # The global token count of the last step or eval_step when its loss
+        # was token-weighted (else None).
         self.last_token_count: float | None = None
         self._mpmd_parking = False  # NOTE [Parked parameters] (sharding.py)
         self._mpmd_unparked = 0     # depth of unparked() contexts
@@ -599,7 +600,8 @@ class Pipeline(torch.nn.Module):
         with torch.no_grad():
             rt, _ = self._forward_only(args, kwargs, targets, eval_loss=True)
             try:
-                return training.step_loss(rt, self.device)[0]
+                loss, self.last_token_count = training.step_loss(rt, self.device)
+                return loss
             finally:
                 rt.runner.end_step()
 

@@ -195,9 +195,14 @@ class Door:
         self.returns_loss = len(out) == 1 and _is_loss(out[0])
         # A token-weighted loss: (sum of token losses, token count), NOTE
         # [Token-weighted losses] in training.py.
-        self.returns_pair = (len(out) == 2 and _is_loss(out[0])
-                             and isinstance(out[1], torch.Tensor) and out[1].dim() == 0
-                             and not out[1].requires_grad)
+        # Without grad (validation) the pair is told by the function's
+        # training door: a float and a count alone could be anything.
+        known = _DOORS.get(_door_key(self.call.fn))
+        self.returns_pair = (len(out) == 2 and all(isinstance(o, torch.Tensor) and o.dim() == 0
+                                                   for o in out)
+                             and out[0].is_floating_point() and not out[1].requires_grad
+                             and (out[0].requires_grad or
+                                  (known is not None and known.returns_pair)))
         if self.returns_pair and reduction != "mean":
             raise ValueError(f"option reduction={reduction!r} does not apply to a function "
                              "returning (sum of token losses, token count): it returns the "
@@ -210,7 +215,11 @@ class Door:
         self._key = self.call.tensor_key(example_inputs)
         self._by_tensors: collections.OrderedDict[tuple[int, ...], tuple[FrameCall, Any]] = \
             collections.OrderedDict({self._key: (self.call, self.pipeline)})
-        _DOORS[_door_key(self.call.fn)] = self
+        # pipeline_of(fn) is the training pipeline's: a door of the same
+        # function traced without grad (validation) does not replace it.
+        self.trains = self.returns_loss or (self.returns_pair and out[0].requires_grad)
+        if known is None or self.trains or not known.trains:
+            _DOORS[_door_key(self.call.fn)] = self
         self._anchor = torch.zeros((), requires_grad=True)  # a loss with no local parameter
         self._generation = 0
         self._pending: tuple[list, list] | None = None
@@ -248,8 +257,8 @@ class Door:
     def _call(self, flat: Sequence[Any]) -> tuple:
         if torch.is_grad_enabled() and self.returns_loss:
             return (self._train(flat),)
-        if torch.is_grad_enabled() and self.returns_pair:
-            return self._train_pair(flat)
+        if self.returns_pair:
+            return self._train_pair(flat) if torch.is_grad_enabled() else self._eval_pair(flat)
         args, kwargs = self.call.arguments(flat)
         self._pending = (args, kwargs)
         if torch.is_grad_enabled() and any(isinstance(o, torch.Tensor) and o.requires_grad
@@ -352,6 +361,16 @@ class Door:
             raise RuntimeError("the mpmd backend's token-weighted step returned no count")
         count = torch.tensor(tokens, device=loss.device).to(self.outputs[1].dtype)
         return _ScaledLoss.apply(loss, tokens), count
+
+    def _eval_pair(self, flat: Sequence[Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        """A call without grad of a function returning ``(sum, count)``: the
+        batch's sum and count (eval_step's token-weighted loss times its count)."""
+        args, kwargs = self.call.arguments(flat)
+        pipe = self.pipeline
+        loss = pipe.eval_step(*args, **kwargs)
+        tokens = pipe.last_token_count
+        return ((loss * tokens).to(self.outputs[0].dtype),
+                torch.tensor(tokens, device=loss.device).to(self.outputs[1].dtype))
 
     def _input_grads(self, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
         """Every rank's gradient of the inputs that require grad: only ranks
