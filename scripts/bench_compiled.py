@@ -162,6 +162,16 @@ def main() -> None:
     for label in ("mpmd inductor", "mpmd zb", "mpmd zbv"):
         pipe = contenders[label][1]
         sim[label] = trace.simulate_measured(pipe.schedule, rows[label]).makespan
+    full = {}
+    for label in ("mpmd fx", "mpmd inductor", "mpmd zb", "mpmd zbv"):
+        pipe = contenders[label][1]
+        overhead_s = trace.action_overhead(rows[label])
+        latencies = trace.transfer_latencies(rows[label])
+        latency_s = statistics.median(latencies) if latencies else 0.0
+        full[label] = (trace.simulate_measured(pipe.schedule, rows[label],
+                                               comm_latency_s=latency_s,
+                                               action_overhead_s=overhead_s).makespan,
+                       overhead_s * 1e6, latency_s * 1e6)
     peak = {label: pipe.last_step_stats["peak_activation_bytes"]
             for label, (_, pipe) in contenders.items() if pipe is not None}
     if rank == 0:
@@ -186,8 +196,17 @@ def main() -> None:
         for label in ("mpmd zb", "mpmd zbv"):
             measured = med[label] / med["mpmd inductor"]
             predicted = sim[label] / sim["mpmd inductor"]
+            with_costs = full[label][0] / full["mpmd inductor"][0]
             print(f"  {label} / mpmd inductor 1f1b    {measured:.2f}  (simulated with measured "
-                  f"stage costs: {predicted:.2f})")
+                  f"stage costs: {predicted:.2f}; with the runtime's costs too: "
+                  f"{with_costs:.2f})")
+        # NOTE [Action overhead]: the simulator with the measured stage costs,
+        # per-action runtime time and transfer latency, against the measured step.
+        print("  predicted step (stage costs + action overhead + transfer latency) vs measured:")
+        for label, (predicted, overhead_us, latency_us) in full.items():
+            print(f"    {label:14s} predicted {predicted:7.1f} ms  measured {med[label]:7.1f} ms  "
+                  f"ratio {predicted / med[label]:.2f}  (overhead {overhead_us:.0f} us/action, "
+                  f"latency {latency_us:.0f} us)")
         print(f"  peak saved bytes per local stage, rank 0: {peak}")
     dist.destroy_process_group()
 

@@ -257,6 +257,21 @@ def test_transfer_latencies_match_each_send_to_its_receive():
     assert sorted(transfer_latencies(rows)) == pytest.approx([0.4, 2.0])
 
 
+def test_action_overhead_is_the_gaps_and_send_postings_per_action():
+    from torch_mpmd.schedules import Action
+    from torch_mpmd.trace import action_overhead
+
+    rows = [[(Action.parse(t), s, e) for t, s, e in row] for row in [
+        [("0F0", 0.0, 1.0), ("0SEND_F0", 1.1, 1.2), ("0RECV_B0", 1.3, 5.0),
+         ("0B0", 5.1, 7.0)],
+        [("1RECV_F0", 0.0, 1.4), ("1F0", 1.5, 2.0), ("1B0", 2.1, 4.0),
+         ("1SEND_B0", 4.1, 4.2), ("1F1", 90.0, 91.0)]]]
+    # Gaps 0.1 each (six), the 85.8 before 1F1 left out (another call); SEND
+    # postings 0.1 + 0.1; nine actions.
+    assert action_overhead(rows) == pytest.approx((6 * 0.1 + 0.2) / 9)
+    assert action_overhead([]) == 0.0
+
+
 def test_only_stages_that_draw_random_numbers_are_reseeded():
     # Dropout stages (their forward program has random ops) are reseeded per
     # (step, stage, microbatch): step 1 of a pipeline equals step 1 of another

@@ -274,6 +274,17 @@ def test_slower_stage_and_comm_latency_lengthen_the_makespan():
     assert s.simulate(message_bytes=100, comm_bandwidth=100).makespan > base
 
 
+def test_action_overhead_costs_each_action_of_a_serial_pipeline():
+    s = make("gpipe", p=2, m=2)  # lowered: every rank's actions are ordered by data
+    base = s.simulate(costs={"F": 1, "B": 2}).makespan
+    with_overhead = s.simulate(costs={"F": 1, "B": 2}, action_overhead=0.1).makespan
+    assert with_overhead > base
+    # At most every action of the lowered program delays the end once.
+    assert with_overhead <= base + 0.1 * sum(len(row) for row in s.lower().actions) + 1e-9
+    with pytest.raises(ValueError, match="action_overhead"):
+        s.simulate(action_overhead=-1)
+
+
 def test_timeline_covers_every_lowered_action_with_its_cost():
     s = make("1f1b", p=2, m=3)
     result = s.simulate(costs={"F": 1, "B": 2}, timeline=True)

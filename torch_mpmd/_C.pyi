@@ -127,6 +127,7 @@ class CostModel:
     costs: KindCosts
     stage_costs: list[KindCosts]
     comm_latency: float
+    action_overhead: float
     comm_bandwidth: float
     message_bytes: float
     stage_output_bytes: list[float]

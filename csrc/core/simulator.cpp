@@ -173,6 +173,7 @@ SimulationResult simulate(const Schedule& s, const CostModel& model, bool record
     for (int r = 0; r < p; ++r) posts_cross[r] |= g[r] >= 0;
   }
 
+  const double overhead = model.action_overhead;  // NOTE [Action overhead]
   constexpr size_t kLookahead = 8;
   // Each rank runs until it blocks on a RECV whose SEND has not happened;
   // that SEND wakes it. Every action is executed once: linear time.
@@ -198,9 +199,11 @@ SimulationResult simulate(const Schedule& s, const CostModel& model, bool record
           slot.waiter = r;
           break;
         }
-        t = std::max(t, slot.arrival);
+        t = std::max(t, slot.arrival) + overhead;
         start = t;
       } else if (isSend(a.kind)) {
+        t += overhead;
+        start = t;
         SlotTime& slot = slots[checkedSlot(index, r, a)];
         if (slot.arrival < 0.0) {
           // A valid slot has both stages in range.
@@ -223,6 +226,7 @@ SimulationResult simulate(const Schedule& s, const CostModel& model, bool record
         const double cost = known ? table.compute[static_cast<size_t>(a.stage) * kNumActionKinds +
                                                   static_cast<size_t>(a.kind)]
                                   : model.computeCost(a);
+        t += overhead;
         if (a.kind == ActionKind::Unshard || a.kind == ActionKind::ReduceGrad) {
           // Issued at t, run on the collective stream; the rank goes on.
           start = std::max(t, rank_stream);

@@ -52,6 +52,12 @@ struct CostModel {
   KindCosts costs;
   std::vector<KindCosts> stage_costs;  // per stage; empty = `costs` everywhere
   double comm_latency = 0.0;           // per message
+  // NOTE [Action overhead]: the runtime's own time per action, spent by the
+  // rank before each action it runs (compute, SEND, RECV once its data is
+  // there, collectives' posting): the executor's dispatch, the runner's
+  // Python around each program, a transfer's posting. A measured step knows
+  // it as the gaps between one action's end and the next one's begin.
+  double action_overhead = 0.0;
   double comm_bandwidth = 0.0;         // bytes per time unit; 0 = infinite
   double message_bytes = 0.0;          // bytes per transfer
   std::vector<double> stage_output_bytes;  // per producing stage; overrides message_bytes

@@ -47,6 +47,20 @@ TEST(Simulator, CommunicationLatencyAndBandwidthDelayTheReceiver) {
   EXPECT_DOUBLE_EQ(r.comm_bytes, 100.0);
 }
 
+TEST(Simulator, ActionOverheadPrecedesEveryActionOnTheCriticalPath) {
+  // NOTE [Action overhead]: rank 0 runs F0 SEND_F RECV_B B0 REDUCE_GRAD, rank 1
+  // RECV_F F0 B0 SEND_B REDUCE_GRAD. The critical path is rank 0's F0 SEND_F,
+  // rank 1's RECV_F F0 B0 SEND_B, rank 0's RECV_B B0 REDUCE_GRAD: nine
+  // actions, each preceded by the overhead (a RECV's after its data arrived).
+  Schedule s = lower(scheduleFromRows({0, 1}, 1, {"0F0 0B0", "1F0 1B0"}));
+  CostModel model;
+  model.action_overhead = 0.25;
+  SimulationResult r = simulate(s, model, /*record_timeline=*/true);
+  EXPECT_DOUBLE_EQ(r.makespan, 6.0 + 9 * 0.25);
+  EXPECT_EQ(r.busy, (std::vector<double>{3.0, 3.0}));  // compute only
+  EXPECT_DOUBLE_EQ(r.timeline[0][0].start, 0.25);      // F0 begins after its overhead
+}
+
 TEST(Simulator, PerStageCostsApply) {
   Schedule s = lower(scheduleFromRows({0, 1}, 1, {"0F0 0B0", "1F0 1B0"}));
   CostModel model;

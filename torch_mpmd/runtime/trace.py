@@ -33,15 +33,17 @@ import torch.distributed as dist
 
 from torch_mpmd.schedules import Action, ActionKind, kind_name
 
-__all__ = ["action_kind", "rank_timeline", "step_metrics", "bubble_fractions", "transfer_latencies",
-           "StepRecord", "stage_times", "gather_timelines", "chrome_trace",
-           "write_chrome_trace", "simulate_measured", "save_measured_timeline"]
+__all__ = ["action_kind", "action_overhead", "rank_timeline", "step_metrics",
+           "bubble_fractions", "transfer_latencies", "StepRecord", "stage_times",
+           "gather_timelines", "chrome_trace", "write_chrome_trace", "simulate_measured",
+           "save_measured_timeline"]
 
 Row = list[tuple[Action, float, float]]  # (action, start s, end s)
 
 # The compute kinds, in the order stage_times reports them (by kind_name).
 _COMPUTE = (ActionKind.FORWARD, ActionKind.FULL_BACKWARD, ActionKind.BACKWARD_INPUT,
             ActionKind.BACKWARD_WEIGHT)
+_SENDS = (ActionKind.SEND_F, ActionKind.SEND_B)
 # SEND/RECV kinds -> (direction, is_send), for pairing a send with its receive.
 _TRANSFERS = {ActionKind.SEND_F: ("F", True), ActionKind.RECV_F: ("F", False),
               ActionKind.SEND_B: ("B", True), ActionKind.RECV_B: ("B", False)}
@@ -250,12 +252,34 @@ def write_chrome_trace(path: str | os.PathLike, rows: Sequence[Row], **kwargs: A
     _replace_atomically(path, write)
 
 
+def action_overhead(rows: Sequence[Row]) -> float:
+    """Seconds the runtime spends per action in measured ``rows`` (NOTE [Action
+    overhead] in csrc/core/simulator.h): on each rank, the gaps between one
+    action's end and the next one's begin, and the SEND actions' own spans
+    (posting a transfer), over the number of actions. Gaps over ten times the
+    median gap (between two calls in rows of several) are left out."""
+    gaps: list[float] = []
+    posting = 0.0
+    actions = 0
+    for row in rows:
+        actions += len(row)
+        for (_, _, end), (action, start, _) in zip(row, row[1:]):
+            gaps.append(max(0.0, start - end))
+        posting += sum(e - s for a, s, e in row if a.kind in _SENDS)
+    if not actions:
+        return 0.0
+    typical = statistics.median(gaps) if gaps else 0.0
+    return (sum(g for g in gaps if g <= 10 * typical) + posting) / actions
+
+
 def simulate_measured(schedule: Any, rows: Sequence[Row], *,
-                      comm_latency_s: float = 0.0) -> Any:
+                      comm_latency_s: float = 0.0, action_overhead_s: float = 0.0) -> Any:
     """The simulator's run of ``schedule`` with each stage's measured median
     F/B/I/W times (ms) from ``rows``, timeline included: what the schedule
-    would do with no runtime overhead and every message arriving
-    ``comm_latency_s`` after it is sent (default: free communication)."""
+    would do with every message arriving ``comm_latency_s`` after it is sent
+    and ``action_overhead_s`` of runtime before each action (defaults: free
+    communication, no runtime overhead; :func:`transfer_latencies` and
+    :func:`action_overhead` measure them)."""
     by_stage_kind: dict[int, dict[str, list[float]]] = {}
     for row in rows:
         for a, s, e in row:
@@ -266,7 +290,8 @@ def simulate_measured(schedule: Any, rows: Sequence[Row], *,
                    for st, kinds in by_stage_kind.items()}
     return schedule.simulate(costs={kind_name(k): 1e-3 for k in _COMPUTE},
                              stage_costs=stage_costs,
-                             comm_latency=comm_latency_s * 1e3, timeline=True)
+                             comm_latency=comm_latency_s * 1e3,
+                             action_overhead=action_overhead_s * 1e3, timeline=True)
 
 
 def save_measured_timeline(schedule: Any, rows: Sequence[Row],

@@ -199,6 +199,7 @@ class Schedule:
         message_bytes: float = 0.0,
         timeline: bool = False,
         cross_rank_reduces: Sequence[tuple[Sequence[int], float]] = (),
+        action_overhead: float = 0.0,
     ) -> SimulationResult:
         """Simulate all ranks; a compute-only schedule is lowered first.
 
@@ -213,12 +214,15 @@ class Schedule:
         gradients over the ranks of ``stages``, posted by each rank's last
         REDUCE_GRAD of those stages; it ends ``cost`` after the last rank
         posted it, and so do those ranks' steps.
+        ``action_overhead``: the runtime's own time per action, spent by the
+        rank before each one it runs (dispatch, posting a transfer; measured
+        steps show it as the gaps between actions: ``trace.simulate_measured``).
         ``comm_bandwidth=0`` means infinite bandwidth. Raises ``ValueError``
         naming a bad key or value and ``DeadlockError`` naming blocked actions.
         """
         model = cost_model(
             costs, stage_costs, self.num_stages, comm_latency, comm_bandwidth, message_bytes,
-            cross_rank_reduces,
+            cross_rank_reduces, action_overhead,
         )
         lowered = self if self.is_lowered else self.lower()
         raw = _C.simulate(lowered._cpp, model, bool(timeline))

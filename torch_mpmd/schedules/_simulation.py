@@ -64,13 +64,16 @@ def cost_model(
     comm_bandwidth: float,
     message_bytes: float,
     cross_rank_reduces: Sequence[tuple[Sequence[int], float]] = (),
+    action_overhead: float = 0.0,
 ) -> _C.CostModel:
     """Build a ``_C.CostModel``; ``stage_costs`` entries overlay ``costs``.
 
     ``stage_costs`` is either a sequence with one dict per stage or a mapping
     ``{stage: dict}`` for the stages that differ. ``cross_rank_reduces``:
     ``(stages, cost)`` per gradient sum over the ranks of several stages
-    (tied weights; csrc/core/simulator.h).
+    (tied weights; csrc/core/simulator.h). ``action_overhead``: the
+    runtime's time per action, spent by the rank before each (NOTE [Action
+    overhead] in csrc/core/simulator.h).
     """
     model = _C.CostModel()
     model.costs = _kind_costs(costs, _C.KindCosts(), "costs")
@@ -92,6 +95,7 @@ def cost_model(
             _kind_costs(c, model.costs, f"stage_costs[{s}]") for s, c in enumerate(per_stage)
         ]
     model.comm_latency = _non_negative("comm_latency", comm_latency)
+    model.action_overhead = _non_negative("action_overhead", action_overhead)
     model.comm_bandwidth = _non_negative("comm_bandwidth", comm_bandwidth)
     model.message_bytes = _non_negative("message_bytes", message_bytes)
     reduces = []
