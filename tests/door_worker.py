@@ -1,5 +1,5 @@
 """Ranks of tests/test_compile_door.py: ``torch.compile(fn, backend="mpmd")``
-as a user writes it, the loss inside the compiled function (DESIGN.md §1).
+as a user writes it, the loss inside the compiled function.
 
 Each case compiles ``train_loss(x, y)`` (or a variant) over a model held in
 its closure, calls it on the batch, calls ``backward()`` on the result and

@@ -193,7 +193,7 @@ def checkpoints(directory: str, phase: str) -> dict[str, Any]:
     splits = [f"blocks.{k}" for k in range(1, world)] if world > 1 else None
     pipe = mpmd.pipeline(model, loss_fn=lm, schedule="1f1b", num_microbatches=2,
                          split_points=splits)
-    # Built before the first step, as in DESIGN.md's example: it holds the whole
+    # Built before the first step, as in the README's example: it holds the whole
     # module's parameters; the checkpoint trims it to this rank's.
     opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
     losses = []

@@ -3,7 +3,7 @@ checkpointed region, through the functional stage programs on 2 gloo ranks
 (issue 23): loss and every gradient equal one eager process drawing the same
 random numbers, under 1F1B and zero bubble, with FX programs and Inductor;
 the checkpointed attention and dropout are recomputed once, in B, or in I or
-W where zero bubble splits B (DESIGN.md §10), never saved and never twice.
+W where zero bubble splits B, never saved and never twice.
 Hugging Face Qwen3 (SDPA attention) with gradient_checkpointing_enable()
 trains exactly too. One launch runs every case (tests/ac_worker.py)."""
 

@@ -1,4 +1,4 @@
-"""Functional stage programs (torch_mpmd/programs.py) in one process.
+"""Functional stage programs (torch_mpmd/programs/stage_programs.py) in one process.
 
 The ProgramRunner is driven as the executor would drive it
 (tests/program_driver.py) and compared with the same runner on its autograd

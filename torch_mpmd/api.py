@@ -1,13 +1,13 @@
-"""The public pipeline API: ``pipeline(...)`` and :class:`Pipeline` (DESIGN.md 1).
+"""The public pipeline API: ``pipeline(...)`` and :class:`Pipeline`.
 
 A Pipeline is an ``nn.Module`` whose parameters and buffers are this rank's,
 under the original module's FQNs, and are the module's own tensors: optimizers
 and state-dict helpers work unchanged. Capture is lazy, like torch.compile:
 the first ``step`` or call captures the model with its first microbatch, splits
-it into stages, builds the schedule and the executor (runtime.py), and
+it into stages, builds the schedule and the executor (runtime/rank.py), and
 compares plans across ranks. Until then the Pipeline presents the whole
 module's parameters, so an optimizer built before the first step (as in the
-DESIGN.md example) still covers this rank's (the others never get gradients).
+README's example) still covers this rank's (the others never get gradients).
 """
 
 from __future__ import annotations
@@ -734,7 +734,7 @@ def pipeline(module: torch.nn.Module, config: PipelineConfig | None = None,
     materialized, initialized by ``init_fn(module)`` per submodule (default:
     its ``reset_parameters()``; see meta_init.py). ``compile``: training
     steps run each stage as functional programs (F, B, or I and W; see
-    programs.py) with no autograd engine; ``False`` runs them as FX graphs,
+    programs/stage_programs.py) with no autograd engine; ``False`` runs them as FX graphs,
     ``True``/``"inductor"`` compiles them with Inductor, a callable
     ``(GraphModule, example_inputs) -> callable`` is used as the compiler. A
     ``torch.compile``'d module is pipelined with its stages compiled by

@@ -1,6 +1,6 @@
 // Backward split: a stage's backward graph -> an I program (input gradients,
 // on the critical path to the previous stage) and a W program (weight
-// gradients, deferrable), DESIGN.md section 10. Torch-free: the graph arrives
+// gradients, deferrable). Torch-free: the graph arrives
 // as plain read lists; torch_mpmd builds them from the backward FX graph.
 //
 // NOTE [Backward split]: I = the non-placeholder ancestors (inclusive) of the

@@ -19,7 +19,7 @@ class ParseError : public std::invalid_argument {
 };
 
 // Parameters that no schedule can satisfy (num_microbatches=3 < num_ranks=4),
-// or a schedule that breaks an invariant of DESIGN.md section 5.
+// or a schedule that breaks a schedule invariant (validate.h).
 class ScheduleError : public std::invalid_argument {
  public:
   using std::invalid_argument::invalid_argument;

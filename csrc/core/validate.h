@@ -1,4 +1,4 @@
-// Invariants of DESIGN.md section 5, checked for every generated and every
+// Schedule invariants, checked for every generated and every
 // loaded schedule.
 #pragma once
 

@@ -86,7 +86,7 @@ Executor::Executor(Schedule schedule, int rank, StageRunner& runner, Transport& 
 
 void Executor::checkProgram() const {
   // Cheap range checks so a malformed program fails here, not out of bounds;
-  // the invariants of DESIGN.md 5 are the caller's (Schedule.validate()).
+  // the schedule invariants (csrc/core/validate.h) are the caller's (Schedule.validate()).
   const auto& prog = program();
   for (size_t i = 0; i < prog.size(); ++i) {
     const Action& a = prog[i];

@@ -1,4 +1,4 @@
-// Executor: runs one rank's lowered program (DESIGN.md 6).
+// Executor: runs one rank's lowered program.
 //
 // For each action in program order:
 //   F / B / I / W   call the StageRunner; their inputs are taken from the

@@ -3,7 +3,7 @@
 // NOTE [Opaque values]: the executor never looks inside a value; in production
 // a Payload holds an at::Tensor (tensor_payload.h), in the C++ tests a plain
 // number. Keeping the type opaque keeps the executor, its scheduling logic and
-// its tests free of torch headers (DESIGN.md 4: every ATen TU costs ~30 s).
+// its tests free of torch headers (every ATen translation unit costs ~30 s to build).
 // Payloads must be safe to copy and destroy without the Python GIL.
 #pragma once
 

@@ -19,7 +19,7 @@ actions give them their values:
                    step waits for them at its end)
 
 NOTE [Why not fully_shard]: FSDP2 gathers in a module forward pre-hook and
-reduces in autograd post-backward hooks. The stage programs (programs.py) take
+reduces in autograd post-backward hooks. The stage programs (programs/stage_programs.py) take
 parameters as inputs and run with no autograd engine, so neither hook fires;
 and the schedule, not the module call order, knows when a stage runs next.
 The collectives are therefore the executor's actions, and this module does

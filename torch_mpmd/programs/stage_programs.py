@@ -1,4 +1,4 @@
-"""Functional stage programs (DESIGN.md 10): F, B, and the I/W halves of B.
+"""Functional stage programs: F, B, and the I/W halves of B.
 
 A stage's captured ``fx.GraphModule`` (stage.py), with the loss appended on
 the last stage, is traced by AOTAutograd into one functionalized joint

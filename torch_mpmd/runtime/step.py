@@ -1,4 +1,4 @@
-"""One call of a pipeline on this rank, whatever its kind: ``run_step`` (DESIGN.md §2).
+"""One call of a pipeline on this rank, whatever its kind: ``run_step`` (README, Architecture).
 
 Every call kind runs through :func:`run_step`: ``Pipeline.step`` ("step"),
 ``eval_step`` ("eval") and the forward call ("forward"), and the compile
