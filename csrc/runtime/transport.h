@@ -1,7 +1,7 @@
 // Transport: the communication side of the executor.
 //
-// NOTE [Transport ordering]: matching is by order alone, as NCCL p2p requires
-// : on each directed rank channel a -> b, the k-th send posted by
+// NOTE [Transport ordering]: matching is by order alone, as NCCL p2p requires:
+// on each directed rank channel a -> b, the k-th send posted by
 // a delivers to the k-th receive posted by b. The lowering guarantees both
 // sides post in the same order (NOTE [Channel order] in core/lowering.h); the
 // key is passed along so an implementation can check or label it, never to
