@@ -38,11 +38,16 @@ class SelfAttention(nn.Module):
         self.proj = nn.Linear(cfg.d_model, cfg.d_model)
         self.head_dim = cfg.d_model // cfg.n_head
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``mask``: None (causal), or a boolean ``(b, 1, t, t)`` mask (True: may
+        attend), e.g. torch_mpmd.document_mask for packed documents."""
         b, t, _ = x.shape
         q, k, v = (z.view(b, t, -1, self.head_dim).transpose(1, 2)
                    for z in (self.q(x), self.k(x), self.v(x)))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if mask is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.proj(y.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -55,8 +60,8 @@ class Block(nn.Module):
         self.mlp = nn.Sequential(nn.Linear(cfg.d_model, 4 * cfg.d_model), nn.GELU(),
                                  nn.Linear(4 * cfg.d_model, cfg.d_model))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x))
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x), mask)
         return x + self.mlp(self.ln2(x))
 
 
@@ -71,12 +76,20 @@ class GPT(nn.Module):
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.head.weight = self.tok.weight  # tied embedding / unembedding
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        """Logits of shape (batch, time, vocab) for token ids ``idx`` (batch, time)."""
-        positions = torch.arange(idx.shape[1], device=idx.device)
-        x = self.tok(idx) + self.pos(positions)
+    def forward(self, idx: torch.Tensor, position_ids: torch.Tensor | None = None,
+                document_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits of shape (batch, time, vocab) for token ids ``idx`` (batch, time).
+        Packed documents (torch_mpmd.pack): ``position_ids`` restart at each
+        document and ``document_ids`` keep attention within each document."""
+        if position_ids is None:
+            position_ids = torch.arange(idx.shape[1], device=idx.device)
+        mask = None
+        if document_ids is not None:
+            same = document_ids[:, :, None] == document_ids[:, None, :]
+            mask = (same & torch.ones_like(same[0]).tril())[:, None]  # torch_mpmd.document_mask
+        x = self.tok(idx) + self.pos(position_ids)
         for block in self.blocks:
-            x = block(x)
+            x = block(x, mask)
         return self.head(self.ln_f(x))
 
 

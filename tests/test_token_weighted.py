@@ -14,7 +14,9 @@ SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("looped_bfs", 
 CASES = ([dict(id=f"fx-{s}", kind="train", schedule=s, spr=spr) for s, spr in SCHEDULES]
          + [dict(id="inductor-zero_bubble", kind="train", schedule="zero_bubble",
                  compile=True),
-            dict(id="errors", kind="errors")])
+            dict(id="errors", kind="errors")]
+         + [dict(id=f"packed-{s}", kind="packed", schedule=s, spr=spr)
+            for s, spr in (("1f1b", 1), ("zero_bubble", 1), ("zbv", 2))])
 _GRID = GridRun(2, "token_worker:grid", CASES, task="token", timeout=900)
 _GRID4 = GridRun(4, "token_worker:grid",
                  [dict(id="dp-replicate", kind="train", schedule="1f1b", dp=2),
@@ -53,3 +55,18 @@ def test_a_negative_count_or_a_mixed_step_is_a_value_error_on_every_rank():
         assert r["negative"] and "token count -1.0" in r["negative"], (rank, r["negative"])
         assert r["mixed"] and "a scalar for some microbatches and a (sum, count) pair" in \
             r["mixed"], (rank, r["mixed"])
+
+
+@pytest.mark.parametrize("case", ["packed-1f1b", "packed-zero_bubble", "packed-zbv"])
+def test_packed_documents_train_like_the_documents_one_by_one(case):
+    held, every = set(), set()
+    for rank, r in enumerate(_GRID.results(case)):
+        held |= set(r["local"])
+        every |= set(r["all"])
+        assert r["rows"] == 4, r["rows"]  # 64 tokens of 10 documents in rows of 16
+        assert r["loss"] <= 1, f"rank {rank}: loss off by {r['loss']} tolerances"
+        assert r["tokens"][0] == r["tokens"][1], f"rank {rank}: token count {r['tokens']}"
+        bad = {n: d for n, d in r["grads"].items() if d > 1}
+        assert not bad, f"rank {rank}: gradients off (inf: missing): {bad}"
+        assert r["functional"], f"rank {rank}: ran under autograd, not stage programs"
+    assert every <= held, sorted(every - held)  # every parameter of the GPT on some rank

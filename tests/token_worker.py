@@ -131,7 +131,43 @@ def errors(case: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-HANDLERS = {"train": train, "errors": errors}
+def packed(case: dict[str, Any]) -> dict[str, Any]:
+    """Documents of many lengths packed into rows (mpmd.pack), the example
+    GPT attending within each document (its document_ids mask), a
+    token-weighted loss: the step equals the documents run one by one in one
+    process (loss over all their tokens, every gradient)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+    from gpt_model import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=V, block_size=16, n_layer=4, n_head=2, d_model=16))
+    ref = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(3)
+    docs = [torch.randint(1, V, (n,), generator=g) for n in (5, 9, 3, 7, 12, 2, 6, 4, 11, 5)]
+    rows = mpmd.pack(docs, tokens_per_microbatch=16)
+    batch_ = rows.batch(16)
+    total = sum(F.cross_entropy(ref(d[None, :-1])[0], d[1:], reduction="sum") for d in docs)
+    count = sum(len(d) - 1 for d in docs)
+    (total / count).backward()
+    spr = case.get("spr", 1)
+    splits = ["blocks.2"] if spr == 1 else ["blocks.1", "blocks.2", "blocks.3"]
+    pipe = mpmd.pipeline(model, loss_fn=token_loss, schedule=case["schedule"],
+                         num_microbatches=len(rows), split_points=splits,
+                         compile=case.get("compile", False))
+    loss = pipe.step(batch_["input_ids"], position_ids=batch_["position_ids"],
+                     document_ids=batch_["document_ids"], target=batch_["labels"])
+    ref_grads = {n: p.grad for n, p in ref.named_parameters()}
+    return {"local": [n for n, _ in pipe.named_parameters()], "rows": len(rows),
+            "all": [n for n, _ in ref.named_parameters()],
+            "loss": _diff(loss, total / count), "tokens": [pipe.last_token_count, count],
+            "grads": {n: _diff(full(p.grad), ref_grads[n]) for n, p in pipe.named_parameters()},
+            "functional": pipe.inspect().uses_programs}
+
+
+HANDLERS = {"train": train, "errors": errors, "packed": packed}
 
 
 def grid(cases: list[dict[str, Any]]) -> dict[str, Any]:

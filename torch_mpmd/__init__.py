@@ -17,7 +17,7 @@ from torch_mpmd import schedules
 __version__ = "0.1.0"
 
 # Public name -> module that defines it; imported lazily (they need torch).
-_SUBMODULES = ("checkpoint", "trace")  # imported on first access (they need torch)
+_SUBMODULES = ("checkpoint", "trace", "packing")  # imported on first access (they need torch)
 
 _LAZY = {
     "stage_boundary": "torch_mpmd.graph.markers",
@@ -30,9 +30,11 @@ _LAZY = {
     "PipelineError": "torch_mpmd.parallel.lockstep",
     "Replicate": "torch_mpmd.microbatch",
     "pipeline_of": "torch_mpmd.compile.door",
+    "pack": "torch_mpmd.packing",
+    "document_mask": "torch_mpmd.packing",
 }
 
-__all__ = ["__version__", "schedules", "checkpoint", "trace", "pipeline", "Pipeline", "PipelineConfig", "PipelineError",
+__all__ = ["__version__", "schedules", "checkpoint", "trace", "packing", "pack", "document_mask", "pipeline", "Pipeline", "PipelineConfig", "PipelineError",
            "Replicate", "pipeline_of",
            "stage_boundary", "split_model", "SplitModel", "CaptureError"]
 

@@ -1,0 +1,136 @@
+"""Packed documents: token sequences packed into microbatches up to a token budget.
+
+Pre-training and fine-tuning data are documents of many lengths; padding each
+to the longest wastes the compute of the padding. :func:`pack` puts whole
+documents one after another into rows of at most ``tokens_per_microbatch``
+tokens (first fit, in order), and gives per row what a model needs so that
+no document sees another:
+
+- ``input_ids``: the tokens, ``pad_id`` after the last document;
+- ``labels``: each token's next token within its document, -100 at each
+  document's last token and on padding (cross entropy's ``ignore_index``);
+- ``position_ids``: restarting at 0 for every document;
+- ``document_ids``: the document's index within its row, -1 on padding;
+- ``cu_seqlens``: the documents' cumulative lengths (``[0, l0, l0 + l1, ...]``).
+
+Everything but ``cu_seqlens`` has one entry per token, so a batch of rows
+(:meth:`Packed.batch`) splits into microbatches along dim 0 like any batch
+tensor and each stage that reads them gets its rows' own: the document
+boundaries travel as ``document_ids``, never as a flattened ``cu_seqlens``
+that a split along dim 0 would cut apart. :func:`document_mask` turns them
+into the block-diagonal causal mask scaled dot-product attention takes.
+With a token-weighted loss (``loss_fn`` returning ``(sum, count)``: NOTE
+[Token-weighted losses] in training.py) the step's loss and gradients are
+those of the documents run one by one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+__all__ = ["Packed", "pack", "document_mask"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Packed:
+    """Packed rows, one list entry per row (see the module docstring)."""
+
+    input_ids: list[torch.Tensor]
+    labels: list[torch.Tensor]
+    position_ids: list[torch.Tensor]
+    document_ids: list[torch.Tensor]
+    cu_seqlens: list[torch.Tensor]
+    pad_id: int
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+    def batch(self, length: int | None = None) -> dict[str, torch.Tensor]:
+        """The rows stacked into ``(rows, length)`` tensors (default length: the
+        longest row), padded as :func:`pack` pads: ``input_ids``, ``labels``,
+        ``position_ids``, ``document_ids``."""
+        longest = max((len(r) for r in self.input_ids), default=0)
+        length = longest if length is None else length
+        if length < longest:
+            raise ValueError(f"length={length} is shorter than the longest packed row "
+                             f"({longest} tokens)")
+        fills = {"input_ids": self.pad_id, "labels": -100, "position_ids": 0,
+                 "document_ids": -1}
+        return {name: torch.stack([_padded(row, length, fill)
+                                   for row in getattr(self, name)])
+                for name, fill in fills.items()}
+
+
+def _padded(row: torch.Tensor, length: int, fill: int) -> torch.Tensor:
+    return torch.cat([row, row.new_full((length - len(row),), fill)])
+
+
+def pack(sequences: Sequence[Any], *, tokens_per_microbatch: int,
+         pad_to_multiple: int | None = None, pad_id: int = 0) -> Packed:
+    """Pack ``sequences`` (1-D integer tensors or lists of token ids) into rows
+    of at most ``tokens_per_microbatch`` tokens, whole documents only, first
+    fit in the given order; each row is padded to a multiple of
+    ``pad_to_multiple`` when given (fewer distinct shapes for static-shape
+    programs; the padded length must stay within the budget). A ValueError
+    names an empty document, or one longer than the budget."""
+    if isinstance(tokens_per_microbatch, bool) or not isinstance(tokens_per_microbatch, int) \
+            or tokens_per_microbatch < 1:
+        raise ValueError(f"tokens_per_microbatch={tokens_per_microbatch!r} must be a positive int")
+    if pad_to_multiple is not None and (isinstance(pad_to_multiple, bool) or
+                                        not isinstance(pad_to_multiple, int) or
+                                        not 1 <= pad_to_multiple <= tokens_per_microbatch):
+        raise ValueError(f"pad_to_multiple={pad_to_multiple!r} must be None or an int from 1 to "
+                         f"tokens_per_microbatch={tokens_per_microbatch}")
+    docs = [torch.as_tensor(s, dtype=torch.long).reshape(-1) for s in sequences]
+    for i, d in enumerate(docs):
+        if len(d) == 0:
+            raise ValueError(f"document {i} is empty")
+        if len(d) > tokens_per_microbatch:
+            raise ValueError(f"document {i} has {len(d)} tokens, more than "
+                             f"tokens_per_microbatch={tokens_per_microbatch}; split it first")
+    rows: list[list[torch.Tensor]] = []
+    used: list[int] = []
+    for d in docs:  # first fit: the first row with room
+        for r, n in enumerate(used):
+            if n + len(d) <= tokens_per_microbatch:
+                rows[r].append(d)
+                used[r] += len(d)
+                break
+        else:
+            rows.append([d])
+            used.append(len(d))
+    out: dict[str, list[torch.Tensor]] = {k: [] for k in
+                                          ("input_ids", "labels", "position_ids",
+                                           "document_ids", "cu_seqlens")}
+    for row in rows:
+        lengths = [len(d) for d in row]
+        n = sum(lengths)
+        size = n if pad_to_multiple is None else -(-n // pad_to_multiple) * pad_to_multiple
+        size = min(size, tokens_per_microbatch)
+        ids = torch.cat(row)
+        labels = torch.cat([torch.cat([d[1:], d.new_full((1,), -100)]) for d in row])
+        positions = torch.cat([torch.arange(len(d)) for d in row])
+        documents = torch.cat([torch.full((len(d),), i, dtype=torch.long)
+                               for i, d in enumerate(row)])
+        out["input_ids"].append(_padded(ids, size, pad_id))
+        out["labels"].append(_padded(labels, size, -100))
+        out["position_ids"].append(_padded(positions, size, 0))
+        out["document_ids"].append(_padded(documents, size, -1))
+        out["cu_seqlens"].append(torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()],
+                                              dtype=torch.int32))
+    return Packed(**out, pad_id=pad_id)
+
+
+def document_mask(document_ids: torch.Tensor) -> torch.Tensor:
+    """The attention mask of packed rows: ``(batch, 1, T, T)``, True where
+    query ``i`` may attend key ``j``: the same document and ``j <= i``
+    (padding, document -1, attends padding before it, so no row is empty).
+    For ``F.scaled_dot_product_attention(q, k, v, attn_mask=...)``."""
+    same = document_ids[:, :, None] == document_ids[:, None, :]
+    t = document_ids.shape[-1]
+    causal = torch.ones(t, t, dtype=torch.bool, device=document_ids.device).tril()
+    return (same & causal)[:, None]
