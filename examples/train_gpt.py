@@ -24,7 +24,9 @@ split over 2 ranks with DTensor; world size = dp x pp x tp),
 --shard (with --dp: sharded data parallel, ZeRO-3: parameters, gradients and
 optimizer state split over the replicas, gathered per stage by the schedule's
 UNSHARD actions; with --tp too: 2-D shards), --compile (stage programs compiled by Inductor), --door (train through
-torch.compile(train_loss, backend="mpmd") and loss.backward() instead of pipe.step).
+torch.compile(train_loss, backend="mpmd") and loss.backward() instead of pipe.step),
+--packed (the corpus's sentences as documents, packed into rows with mpmd.pack,
+attention kept within each document, a token-weighted loss).
 
 The model is examples/gpt_model.py's GPT (token embedding tied to the
 unembedding, so the first and last stage share one weight); the corpus is a
@@ -104,6 +106,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--door", action="store_true",
                    help="train through torch.compile(train_loss, backend='mpmd'): the loss "
                         "inside the compiled function, loss.backward() (no --resume)")
+    p.add_argument("--packed", action="store_true",
+                   help="train on the corpus's sentences packed into rows (mpmd.pack), "
+                        "attention within each, a token-weighted loss")
     p.add_argument("--sample-chars", type=int, default=100, help="characters to sample at the end (0: none)")
     args = p.parse_args()
     if args.stages_per_rank is None:
@@ -147,6 +152,27 @@ class CharData:
         y = torch.stack([self.ids[o + 1:o + 1 + self.block_size] for o in offsets.tolist()])
         return x, y
 
+    def packed_batch(self, batch_size: int) -> dict[str, torch.Tensor]:
+        """``batch_size`` rows of ``block_size`` characters packed from whole
+        sentences (random ones, each cut to ``block_size``), as mpmd.pack
+        gives them: input_ids, labels, position_ids, document_ids."""
+        if not hasattr(self, "_sentences"):
+            text = self.ids.tolist()
+            period = self.stoi.get(".")
+            self._sentences, start = [], 0
+            for i, c in enumerate(text):
+                if c == period or i == len(text) - 1:
+                    if i + 1 - start >= 2:
+                        self._sentences.append(torch.tensor(text[start:i + 1]))
+                    start = i + 1
+        docs, tokens = [], 0
+        while tokens < batch_size * self.block_size:
+            k = int(torch.randint(len(self._sentences), (1,), generator=self.gen))
+            docs.append(self._sentences[k][:self.block_size])
+            tokens += len(docs[-1])
+        rows = mpmd.pack(docs, tokens_per_microbatch=self.block_size).batch(self.block_size)
+        return {name: t[:batch_size] for name, t in rows.items()}
+
     def decode(self, ids) -> str:
         return "".join(self.chars[i] for i in ids)
 
@@ -184,6 +210,15 @@ def split_points(n_layer: int, num_stages: int) -> list[str] | None:
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean next-character cross entropy; logits (b, t, vocab), targets (b, t)."""
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def token_loss(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A token-weighted loss for packed rows: (sum of the cross entropies of the
+    labelled positions, their count); the step divides the batch's sum by its
+    count (labels -100 at document ends and padding count nothing)."""
+    total = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100,
+                            reduction="sum")
+    return total, (labels != -100).sum()
 
 
 # ---------------------------------------------------------------- output
@@ -289,6 +324,8 @@ def main() -> int:
     settings = dict(schedule=args.schedule, num_microbatches=args.microbatches,
                     stages_per_rank=args.stages_per_rank, split_points=points, device=device,
                     seed=args.seed, mesh=mesh, compile="inductor" if args.compile else False)
+    if args.packed and args.door:
+        raise SystemExit("--packed trains through pipe.step (not --door)")
     if args.shard:
         if mesh is None or args.door:
             raise SystemExit("--shard needs --dp 2 or more (and not --door)")
@@ -305,7 +342,8 @@ def main() -> int:
         pipe = None
         opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     else:
-        pipe = mpmd.pipeline(model, loss_fn=lm_loss, **settings)
+        pipe = mpmd.pipeline(model, loss_fn=token_loss if args.packed else lm_loss,
+                             **settings)
         # Before the first step (capture) this is the whole model's parameters;
         # those that end up on other ranks' stages never get a .grad here, and
         # AdamW skips parameters without one.
@@ -340,9 +378,16 @@ def main() -> int:
     timed_tokens, timed_seconds = 0, 0.0
     t_start = time.perf_counter()
     for step in range(1, args.steps + 1):
-        x, y = data.batch(args.batch_size)
+        if args.packed:
+            rows = {k: v.to(device) for k, v in data.packed_batch(args.batch_size).items()}
+            x, y = rows["input_ids"], rows["labels"]
+        else:
+            x, y = data.batch(args.batch_size)
         t0 = time.perf_counter()
-        if args.door:
+        if args.packed:
+            loss = pipe.step(x, position_ids=rows["position_ids"],
+                             document_ids=rows["document_ids"], target=y)
+        elif args.door:
             loss = train_loss(x.to(device), y.to(device))  # the whole schedule
             loss.backward()  # hands the local parameters their gradients
             pipe = mpmd.pipeline_of(train_loss)  # for clipping, evaluation and traces
