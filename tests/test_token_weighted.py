@@ -16,7 +16,9 @@ CASES = ([dict(id=f"fx-{s}", kind="train", schedule=s, spr=spr) for s, spr in SC
                  compile=True),
             dict(id="errors", kind="errors")]
          + [dict(id=f"packed-{s}", kind="packed", schedule=s, spr=spr)
-            for s, spr in (("1f1b", 1), ("zero_bubble", 1), ("zbv", 2))])
+            for s, spr in (("1f1b", 1), ("zero_bubble", 1), ("zbv", 2))]
+         + [dict(id=f"packed-hf-llama-{s}", kind="packed_hf", schedule=s)
+            for s in ("1f1b", "zero_bubble")])
 _GRID = GridRun(2, "token_worker:grid", CASES, task="token", timeout=900)
 _GRID4 = GridRun(4, "token_worker:grid",
                  [dict(id="dp-replicate", kind="train", schedule="1f1b", dp=2),
@@ -57,7 +59,8 @@ def test_a_negative_count_or_a_mixed_step_is_a_value_error_on_every_rank():
             r["mixed"], (rank, r["mixed"])
 
 
-@pytest.mark.parametrize("case", ["packed-1f1b", "packed-zero_bubble", "packed-zbv"])
+@pytest.mark.parametrize("case", ["packed-1f1b", "packed-zero_bubble", "packed-zbv",
+                                  "packed-hf-llama-1f1b", "packed-hf-llama-zero_bubble"])
 def test_packed_documents_train_like_the_documents_one_by_one(case):
     held, every = set(), set()
     for rank, r in enumerate(_GRID.results(case)):

@@ -167,7 +167,45 @@ def packed(case: dict[str, Any]) -> dict[str, Any]:
             "functional": pipe.inspect().uses_programs}
 
 
-HANDLERS = {"train": train, "errors": errors, "packed": packed}
+def packed_hf(case: dict[str, Any]) -> dict[str, Any]:
+    """The same documents packed for a Hugging Face Llama: its position_ids
+    restart per document and a 4-D attention mask (mpmd.document_mask) keeps
+    each document to itself; the step equals the documents one by one."""
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                   num_hidden_layers=4, num_attention_heads=4,
+                                   num_key_value_heads=2, max_position_embeddings=64,
+                                   bos_token_id=0, eos_token_id=0)
+    model = transformers.LlamaForCausalLM(cfg)
+    ref = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(3)
+    docs = [torch.randint(1, 64, (n,), generator=g) for n in (5, 9, 3, 7, 12, 2, 6, 4, 11, 5)]
+    rows = mpmd.pack(docs, tokens_per_microbatch=16)
+    batch_ = rows.batch(16)
+    total = sum(F.cross_entropy(ref(input_ids=d[None, :-1], use_cache=False).logits[0], d[1:],
+                                reduction="sum") for d in docs)
+    count = sum(len(d) - 1 for d in docs)
+    (total / count).backward()
+
+    def loss_fn(out: Any, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return token_loss(out.logits, labels)
+
+    pipe = mpmd.pipeline(model, loss_fn=loss_fn, schedule=case["schedule"],
+                         num_microbatches=len(rows), split_points=["model.layers.2"])
+    loss = pipe.step(input_ids=batch_["input_ids"], position_ids=batch_["position_ids"],
+                     attention_mask=mpmd.document_mask(batch_["document_ids"]),
+                     use_cache=False, target=batch_["labels"])
+    ref_grads = {n: p.grad for n, p in ref.named_parameters()}
+    return {"local": [n for n, _ in pipe.named_parameters()], "rows": len(rows),
+            "all": [n for n, _ in ref.named_parameters()],
+            "loss": _diff(loss, total / count), "tokens": [pipe.last_token_count, count],
+            "grads": {n: _diff(full(p.grad), ref_grads[n]) for n, p in pipe.named_parameters()},
+            "functional": pipe.inspect().uses_programs}
+
+
+HANDLERS = {"train": train, "errors": errors, "packed": packed, "packed_hf": packed_hf}
 
 
 def grid(cases: list[dict[str, Any]]) -> dict[str, Any]:
