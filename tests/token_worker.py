@@ -131,6 +131,18 @@ def errors(case: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _packed_result(pipe: Any, ref: nn.Module, rows: int, loss: torch.Tensor,
+                   total: torch.Tensor, count: int) -> dict[str, Any]:
+    """A packed step against the documents one by one (``total / count``, the
+    reference's gradients)."""
+    ref_grads = {n: p.grad for n, p in ref.named_parameters()}
+    return {"local": [n for n, _ in pipe.named_parameters()], "rows": rows,
+            "all": [n for n, _ in ref.named_parameters()],
+            "loss": _diff(loss, total / count), "tokens": [pipe.last_token_count, count],
+            "grads": {n: _diff(full(p.grad), ref_grads[n]) for n, p in pipe.named_parameters()},
+            "functional": pipe.inspect().uses_programs}
+
+
 def packed(case: dict[str, Any]) -> dict[str, Any]:
     """Documents of many lengths packed into rows (mpmd.pack), the example
     GPT attending within each document (its document_ids mask), a
@@ -159,12 +171,7 @@ def packed(case: dict[str, Any]) -> dict[str, Any]:
                          compile=case.get("compile", False))
     loss = pipe.step(batch_["input_ids"], position_ids=batch_["position_ids"],
                      document_ids=batch_["document_ids"], target=batch_["labels"])
-    ref_grads = {n: p.grad for n, p in ref.named_parameters()}
-    return {"local": [n for n, _ in pipe.named_parameters()], "rows": len(rows),
-            "all": [n for n, _ in ref.named_parameters()],
-            "loss": _diff(loss, total / count), "tokens": [pipe.last_token_count, count],
-            "grads": {n: _diff(full(p.grad), ref_grads[n]) for n, p in pipe.named_parameters()},
-            "functional": pipe.inspect().uses_programs}
+    return _packed_result(pipe, ref, len(rows), loss, total, count)
 
 
 def packed_hf(case: dict[str, Any]) -> dict[str, Any]:
@@ -197,12 +204,7 @@ def packed_hf(case: dict[str, Any]) -> dict[str, Any]:
     loss = pipe.step(input_ids=batch_["input_ids"], position_ids=batch_["position_ids"],
                      attention_mask=mpmd.document_mask(batch_["document_ids"]),
                      use_cache=False, target=batch_["labels"])
-    ref_grads = {n: p.grad for n, p in ref.named_parameters()}
-    return {"local": [n for n, _ in pipe.named_parameters()], "rows": len(rows),
-            "all": [n for n, _ in ref.named_parameters()],
-            "loss": _diff(loss, total / count), "tokens": [pipe.last_token_count, count],
-            "grads": {n: _diff(full(p.grad), ref_grads[n]) for n, p in pipe.named_parameters()},
-            "functional": pipe.inspect().uses_programs}
+    return _packed_result(pipe, ref, len(rows), loss, total, count)
 
 
 HANDLERS = {"train": train, "errors": errors, "packed": packed, "packed_hf": packed_hf}
