@@ -2,9 +2,10 @@
 
 Importing the package does not import torch; ``torch_mpmd.schedules`` needs
 only the compiled ``torch_mpmd._C`` extension. The torch-dependent names
-(``pipeline``, ``Pipeline``, ``PipelineConfig``, ``PipelineError``, ``Replicate``, ``pipeline_of``,
-``stage_boundary``, ``split_model``, ``SplitModel``, ``CaptureError``) are
-imported on first access.
+(``pipeline``, ``Pipeline``, ``PipelineConfig``, ``PipelineError``,
+``Replicate``, ``pipeline_of``, ``stage_boundary``, ``split_model``,
+``SplitModel``, ``CaptureError``, ``pack``, ``document_mask``) and modules
+(``checkpoint``, ``trace``, ``packing``) are imported on first access.
 """
 
 import atexit
