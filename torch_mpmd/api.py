@@ -432,7 +432,9 @@ class Pipeline(torch.nn.Module):
         # NOTE [Token-weighted losses] (training.py): gradients held before the
         # step are kept aside while the loss may be token-weighted.
         before = training.grads_before(params) if self._mpmd_weighted is not False else {}
-        had_grads = bool(before) or any(p.grad is not None for p in params)
+        # Scalar losses so far: gradients they accumulated could not be told
+        # from a pair's increment, were the loss to switch (refused below).
+        unsplittable = self._mpmd_weighted is False and any(p.grad is not None for p in params)
         run_step(rt, STEP, self.calls, self.device, inputs=inputs, targets=targets,
                  loss_fn=self.config.loss_fn)
         try:
@@ -440,7 +442,7 @@ class Pipeline(torch.nn.Module):
         finally:
             rt.runner.end_step()
         if tokens is not None:
-            if had_grads and self._mpmd_weighted is False:
+            if unsplittable:
                 raise ValueError("loss_fn returned a (sum, count) pair after steps that "
                                  "returned scalars, with gradients accumulated from them: "
                                  "zero the gradients before switching losses")
