@@ -1,0 +1,580 @@
+#include "planner.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <map>
+#include <stdexcept>
+#include <utility>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include "errors.h"
+#include "lowering.h"
+#include "schedules/registry.h"
+#include "simulator.h"
+
+namespace mpmd {
+
+namespace {
+
+constexpr double kInf = std::numeric_limits<double>::infinity();
+
+std::string gib(double bytes) { return fmt::format("{:.2f} GiB ({:.0f} bytes)", bytes / (1024.0 * 1024 * 1024), bytes); }
+
+void checkFinite(const std::string& what, double value) {
+  if (!std::isfinite(value) || value < 0.0) {
+    throw std::invalid_argument(fmt::format("{}={} must be a finite number >= 0", what, value));
+  }
+}
+
+// The exact min-max split over part weights w(j, i) (units j..i-1), then the
+// least sum of squares among the splits that reach the min-max.
+template <typename Weight>
+std::vector<int> splitBy(int n, int parts, const Weight& w) {
+  if (parts < 1 || parts > n) {
+    throw std::invalid_argument(fmt::format("cannot split {} units into {} non-empty stages", n, parts));
+  }
+  // f[k][i]: the least possible max over the first i units in k parts.
+  const size_t N = static_cast<size_t>(n) + 1;
+  std::vector<double> f(static_cast<size_t>(parts + 1) * N, kInf);
+  auto F = [&](int k, int i) -> double& { return f[static_cast<size_t>(k) * N + i]; };
+  F(0, 0) = 0.0;
+  for (int k = 1; k <= parts; ++k) {
+    // k parts need i >= k; the rest (parts - k) need n - i >= parts - k.
+    for (int i = k; i <= n - (parts - k); ++i) {
+      double best = kInf;
+      for (int j = i - 1; j >= k - 1; --j) {
+        const double wij = w(j, i);
+        if (wij >= best) {
+          // w(j, i) only grows as j falls when the weights are >= 0.
+          break;
+        }
+        best = std::min(best, std::max(F(k - 1, j), wij));
+      }
+      F(k, i) = best;
+    }
+  }
+  const double bound = F(parts, n);
+  // g[k][i]: least sum of squares with every part <= bound; back pointers.
+  std::vector<double> g(static_cast<size_t>(parts + 1) * N, kInf);
+  std::vector<int> from(static_cast<size_t>(parts + 1) * N, -1);
+  auto G = [&](int k, int i) -> double& { return g[static_cast<size_t>(k) * N + i]; };
+  G(0, 0) = 0.0;
+  for (int k = 1; k <= parts; ++k) {
+    for (int i = k; i <= n - (parts - k); ++i) {
+      for (int j = i - 1; j >= k - 1; --j) {
+        const double wij = w(j, i);
+        if (wij > bound) break;
+        const double prev = G(k - 1, j);
+        if (prev == kInf) continue;
+        const double value = prev + wij * wij;
+        if (value < G(k, i)) {
+          G(k, i) = value;
+          from[static_cast<size_t>(k) * N + i] = j;
+        }
+      }
+    }
+  }
+  std::vector<int> starts(static_cast<size_t>(parts));
+  int i = n;
+  for (int k = parts; k >= 1; --k) {
+    const int j = from[static_cast<size_t>(k) * N + i];
+    starts[k - 1] = j;
+    i = j;
+  }
+  return starts;
+}
+
+// A (schedule, v, m) triple, built and lowered once.
+struct Built {
+  Schedule lowered;
+  std::vector<std::vector<std::pair<int, int>>> events;  // per rank: (stage, +1 hold / -1 free)
+  std::vector<int64_t> actions;                          // per rank, in the lowered program
+  std::vector<int64_t> computes;                         // per rank and stage: compute actions
+};
+
+Built build(const std::string& name, int p, int v, int m) {
+  Schedule compute = makeSchedule(name, ScheduleSpec{p, v, m});
+  const bool split = compute.splitsBackward();
+  Built b;
+  b.events.resize(static_cast<size_t>(p));
+  for (int r = 0; r < p; ++r) {
+    auto& ev = b.events[r];
+    ev.reserve(compute.programs[r].size());
+    for (const Action& a : compute.programs[r]) {
+      if (a.kind == ActionKind::Forward) ev.emplace_back(a.stage, +1);
+      else if (a.kind == ActionKind::FullBackward || (split && a.kind == ActionKind::BackwardWeight))
+        ev.emplace_back(a.stage, -1);
+    }
+  }
+  LowerOptions options;
+  options.grad_reduce = false;  // no data parallelism on a sheet
+  b.lowered = lower(compute, options);
+  for (const auto& program : b.lowered.programs) b.actions.push_back(static_cast<int64_t>(program.size()));
+  return b;
+}
+
+// Everything about the sheet at one microbatch size and one split.
+struct Staged {
+  int S = 0;
+  std::vector<int> starts;
+  std::vector<double> F, I, W;          // per stage, at this microbatch size
+  std::vector<double> saved, input, output, params;  // bytes per stage
+  std::vector<double> link_seconds;     // per producing stage: bytes / bandwidth of its link
+};
+
+double linkBandwidth(const CostSheet& sheet, int rank_a, int rank_b) {
+  if (sheet.ranks_per_node > 0 && rank_a / sheet.ranks_per_node != rank_b / sheet.ranks_per_node &&
+      sheet.inter_node_bandwidth > 0.0) {
+    return sheet.inter_node_bandwidth;
+  }
+  return sheet.link_bandwidth;
+}
+
+Staged stage(const CostSheet& sheet, const std::vector<int>& starts, double scale,
+             const std::vector<int>& placement) {
+  Staged st;
+  st.S = static_cast<int>(starts.size());
+  st.starts = starts;
+  const int n = static_cast<int>(sheet.units.size());
+  for (int s = 0; s < st.S; ++s) {
+    const int begin = starts[s], end = s + 1 < st.S ? starts[s + 1] : n;
+    double f = 0, i = 0, w = 0, saved = 0, params = 0;
+    for (int u = begin; u < end; ++u) {
+      const UnitCost& c = sheet.units[u];
+      f += c.forward;
+      i += c.backward_input;
+      w += c.backward_weight;
+      saved += c.saved_bytes;
+      params += c.param_bytes;
+    }
+    st.F.push_back(f * scale);
+    st.I.push_back(i * scale);
+    st.W.push_back(w * scale);
+    st.saved.push_back(saved * scale);
+    st.params.push_back(params);
+    st.input.push_back((begin == 0 ? sheet.input_bytes : sheet.units[begin - 1].output_bytes) * scale);
+    st.output.push_back(sheet.units[end - 1].output_bytes * scale);
+    double seconds = 0.0;
+    if (s + 1 < st.S) {
+      const double bw = linkBandwidth(sheet, placement[s], placement[s + 1]);
+      seconds = bw > 0.0 ? st.output.back() / bw : 0.0;
+    }
+    st.link_seconds.push_back(seconds);
+  }
+  return st;
+}
+
+struct Memory {
+  std::vector<double> peak;  // per rank
+  std::vector<bool> recompute;
+  bool fits = true;
+  double max_peak = 0.0;
+  int worst_rank = 0;
+};
+
+double savedOf(const Staged& st, const std::vector<bool>& rec, int s) {
+  return rec[s] ? st.input[s] : st.saved[s];
+}
+
+// NOTE [Planner memory model] for one rank.
+double rankPeak(const CostSheet& sheet, const Staged& st, const Built& b, const std::vector<int>& placement,
+                const std::vector<bool>& rec, int r) {
+  const double state = 1.0 + sheet.grad_bytes_per_param_byte + sheet.optimizer_bytes_per_param_byte;
+  double fixed = 0.0, transient = 0.0;
+  for (int s = 0; s < st.S; ++s) {
+    if (placement[s] != r) continue;
+    fixed += st.params[s] * state;
+    if (s > 0 && placement[s - 1] != r) fixed += st.input[s];
+    if (s + 1 < st.S && placement[s + 1] != r) fixed += st.output[s];
+    if (rec[s]) transient = std::max(transient, st.saved[s]);
+  }
+  double live = 0.0, peak = 0.0;
+  for (const auto& [s, delta] : b.events[r]) {
+    live += delta * savedOf(st, rec, s);
+    peak = std::max(peak, live);
+  }
+  return fixed + peak + transient;
+}
+
+// NOTE [Recompute choice].
+Memory chooseRecompute(const CostSheet& sheet, const Staged& st, const Built& b, const std::vector<int>& placement,
+                       const std::vector<bool>& forced, bool allow) {
+  Memory mem;
+  const int p = static_cast<int>(b.events.size());
+  mem.recompute = forced.empty() ? std::vector<bool>(st.S, false) : forced;
+  mem.peak.assign(p, 0.0);
+  const double limit = sheet.memory_limit;
+  for (int r = 0; r < p; ++r) {
+    double peak = rankPeak(sheet, st, b, placement, mem.recompute, r);
+    if (forced.empty() && allow && limit > 0.0 && peak > limit) {
+      std::vector<int> order;
+      for (int s = 0; s < st.S; ++s) {
+        if (placement[s] == r && st.saved[s] > st.input[s]) order.push_back(s);
+      }
+      std::stable_sort(order.begin(), order.end(), [&](int a, int c) {
+        return st.saved[a] - st.input[a] > st.saved[c] - st.input[c];
+      });
+      for (int s : order) {
+        mem.recompute[s] = true;
+        peak = rankPeak(sheet, st, b, placement, mem.recompute, r);
+        if (peak <= limit) break;
+      }
+    }
+    mem.peak[r] = peak;
+    if (peak > mem.max_peak) {
+      mem.max_peak = peak;
+      mem.worst_rank = r;
+    }
+  }
+  mem.fits = limit <= 0.0 || mem.max_peak <= limit;
+  return mem;
+}
+
+CostModel costModel(const CostSheet& sheet, const Staged& st, const std::vector<bool>& rec) {
+  CostModel model;
+  model.stage_costs.resize(st.S);
+  for (int s = 0; s < st.S; ++s) {
+    KindCosts& c = model.stage_costs[s];
+    const double extra = rec[s] ? st.F[s] : 0.0;  // recompute: one more forward before the backward
+    c.forward = st.F[s];
+    c.backward = st.I[s] + st.W[s] + extra;
+    c.backward_input = st.I[s] + extra;
+    c.backward_weight = st.W[s];
+  }
+  model.comm_latency = sheet.link_latency;
+  model.action_overhead = sheet.action_overhead;
+  // Per-link rates: each producer's bytes expressed as seconds at bandwidth 1.
+  model.comm_bandwidth = 1.0;
+  model.stage_output_bytes = st.link_seconds;
+  return model;
+}
+
+// The busiest rank's compute plus its per-action overhead: no simulation can
+// finish earlier (NOTE [Planner pruning]).
+double lowerBound(const CostSheet& sheet, const Staged& st, const Built& b, const std::vector<int>& placement,
+                  const std::vector<bool>& rec, int m) {
+  std::vector<double> busy(b.actions.size(), 0.0);
+  for (int s = 0; s < st.S; ++s) {
+    busy[placement[s]] += m * (st.F[s] + st.I[s] + st.W[s] + (rec[s] ? st.F[s] : 0.0));
+  }
+  double bound = 0.0;
+  for (size_t r = 0; r < busy.size(); ++r) {
+    bound = std::max(bound, busy[r] + sheet.action_overhead * static_cast<double>(b.actions[r]));
+  }
+  return bound;
+}
+
+Plan makePlan(const std::string& name, int v, int m, int64_t mb_samples, const Staged& st, bool comm_aware,
+              const Memory& mem, double step) {
+  Plan plan;
+  plan.schedule = name;
+  plan.stages_per_rank = v;
+  plan.num_microbatches = m;
+  plan.microbatch_samples = mb_samples;
+  plan.stage_starts = st.starts;
+  plan.recompute = mem.recompute;
+  plan.comm_aware_split = comm_aware;
+  plan.step_seconds = step;
+  plan.peak_bytes = mem.peak;
+  for (int s = 0; s < st.S; ++s) {
+    plan.stage_seconds.push_back(st.F[s] + st.I[s] + st.W[s] + (mem.recompute[s] ? st.F[s] : 0.0));
+  }
+  return plan;
+}
+
+std::vector<double> unitWeights(const CostSheet& sheet) {
+  std::vector<double> w;
+  for (const auto& u : sheet.units) w.push_back(u.forward + u.backward_input + u.backward_weight);
+  return w;
+}
+
+std::vector<double> prefix(const std::vector<double>& w) {
+  std::vector<double> p(w.size() + 1, 0.0);
+  for (size_t i = 0; i < w.size(); ++i) p[i + 1] = p[i] + w[i];
+  return p;
+}
+
+std::vector<int> computeSplit(const CostSheet& sheet, int parts) {
+  const auto P = prefix(unitWeights(sheet));
+  return splitBy(static_cast<int>(sheet.units.size()), parts, [&](int j, int i) { return P[i] - P[j]; });
+}
+
+// Stage weight plus the round trip of its output over the link, at the
+// reference microbatch (compute and bytes scale alike; latency does not, a
+// small distortion the simulation then judges).
+std::vector<int> commAwareSplit(const CostSheet& sheet, int parts) {
+  const auto P = prefix(unitWeights(sheet));
+  const int n = static_cast<int>(sheet.units.size());
+  std::vector<double> cut(n, 0.0);
+  const double bw = sheet.inter_node_bandwidth > 0.0 && sheet.ranks_per_node > 0
+                        ? std::min(sheet.link_bandwidth > 0.0 ? sheet.link_bandwidth : kInf, sheet.inter_node_bandwidth)
+                        : sheet.link_bandwidth;
+  for (int u = 0; u < n; ++u) {
+    cut[u] = 2.0 * (sheet.link_latency + (bw > 0.0 && bw < kInf ? sheet.units[u].output_bytes / bw : 0.0));
+  }
+  return splitBy(n, parts, [&](int j, int i) { return P[i] - P[j] + (i < n ? cut[i - 1] : 0.0); });
+}
+
+bool better(const Plan& a, const Plan& b) {
+  if (a.step_seconds != b.step_seconds) return a.step_seconds < b.step_seconds;
+  const double pa = *std::max_element(a.peak_bytes.begin(), a.peak_bytes.end());
+  const double pb = *std::max_element(b.peak_bytes.begin(), b.peak_bytes.end());
+  return pa < pb;
+}
+
+std::string recomputeText(const std::vector<bool>& rec) {
+  int on = 0;
+  for (bool b : rec) on += b;
+  if (on == 0) return "no recompute";
+  return fmt::format("recompute on {} of {} stages", on, rec.size());
+}
+
+}  // namespace
+
+void checkSheet(const CostSheet& sheet) {
+  if (sheet.units.empty()) throw std::invalid_argument("the cost sheet has no units");
+  for (size_t u = 0; u < sheet.units.size(); ++u) {
+    const UnitCost& c = sheet.units[u];
+    const std::string where = fmt::format("units[{}] ('{}').", u, c.name);
+    checkFinite(where + "forward", c.forward);
+    checkFinite(where + "backward_input", c.backward_input);
+    checkFinite(where + "backward_weight", c.backward_weight);
+    checkFinite(where + "saved_bytes", c.saved_bytes);
+    checkFinite(where + "param_bytes", c.param_bytes);
+    checkFinite(where + "output_bytes", c.output_bytes);
+  }
+  if (sheet.pp_size < 1) throw std::invalid_argument(fmt::format("pp_size={} must be >= 1", sheet.pp_size));
+  if (static_cast<size_t>(sheet.pp_size) > sheet.units.size()) {
+    throw std::invalid_argument(fmt::format("pp_size={} is more than the sheet's {} units: every rank needs a unit",
+                                            sheet.pp_size, sheet.units.size()));
+  }
+  if (sheet.global_batch < 1) {
+    throw std::invalid_argument(fmt::format("global_batch={} must be >= 1", sheet.global_batch));
+  }
+  if (sheet.reference_microbatch < 1) {
+    throw std::invalid_argument(fmt::format("reference_microbatch={} must be >= 1", sheet.reference_microbatch));
+  }
+  if (sheet.ranks_per_node < 0) {
+    throw std::invalid_argument(fmt::format("ranks_per_node={} must be >= 0", sheet.ranks_per_node));
+  }
+  checkFinite("input_bytes", sheet.input_bytes);
+  checkFinite("action_overhead", sheet.action_overhead);
+  checkFinite("link_latency", sheet.link_latency);
+  checkFinite("link_bandwidth", sheet.link_bandwidth);
+  checkFinite("inter_node_bandwidth", sheet.inter_node_bandwidth);
+  checkFinite("grad_bytes_per_param_byte", sheet.grad_bytes_per_param_byte);
+  checkFinite("optimizer_bytes_per_param_byte", sheet.optimizer_bytes_per_param_byte);
+  checkFinite("memory_limit", sheet.memory_limit);
+}
+
+std::vector<int> minMaxSplit(const std::vector<double>& weights, int parts) {
+  for (size_t i = 0; i < weights.size(); ++i) checkFinite(fmt::format("weights[{}]", i), weights[i]);
+  const auto P = prefix(weights);
+  return splitBy(static_cast<int>(weights.size()), parts, [&](int j, int i) { return P[i] - P[j]; });
+}
+
+Plan evaluatePlan(const CostSheet& sheet, const std::string& name, int v, int m,
+                  const std::vector<int>& stage_starts, const std::vector<bool>& recompute) {
+  checkSheet(sheet);
+  const int p = sheet.pp_size, S = p * v, n = static_cast<int>(sheet.units.size());
+  if (v < 1 || m < 1) {
+    throw std::invalid_argument(fmt::format("stages_per_rank={} and num_microbatches={} must be >= 1", v, m));
+  }
+  if (static_cast<int>(stage_starts.size()) != S) {
+    throw std::invalid_argument(fmt::format("stage_starts has {} entries; pp_size={} x stages_per_rank={} needs {}",
+                                            stage_starts.size(), p, v, S));
+  }
+  for (int s = 0; s < S; ++s) {
+    const int lo = s == 0 ? 0 : stage_starts[s - 1] + 1;
+    if ((s == 0 && stage_starts[0] != 0) || stage_starts[s] < lo || stage_starts[s] >= n) {
+      throw std::invalid_argument(fmt::format(
+          "stage_starts[{}]={} is not a valid start: starts must begin at 0 and increase, below {} units", s,
+          stage_starts[s], n));
+    }
+  }
+  if (!recompute.empty() && static_cast<int>(recompute.size()) != S) {
+    throw std::invalid_argument(fmt::format("recompute has {} flags for {} stages", recompute.size(), S));
+  }
+  if (sheet.global_batch % m != 0) {
+    throw std::invalid_argument(fmt::format("num_microbatches={} must divide global_batch={}", m, sheet.global_batch));
+  }
+  const int64_t mb = sheet.global_batch / m;
+  const double scale = static_cast<double>(mb) / static_cast<double>(sheet.reference_microbatch);
+  const Built b = build(name, p, v, m);
+  const auto placement = b.lowered.stage_to_rank;
+  const Staged st = stage(sheet, stage_starts, scale, placement);
+  const Memory mem =
+      chooseRecompute(sheet, st, b, placement, recompute.empty() ? std::vector<bool>(S, false) : recompute, false);
+  const double step = simulate(b.lowered, costModel(sheet, st, mem.recompute)).makespan;
+  return makePlan(name, v, m, mb, st, false, mem, step);
+}
+
+PlanResult planPipeline(const CostSheet& sheet, const SearchOptions& options) {
+  const auto t0 = std::chrono::steady_clock::now();
+  checkSheet(sheet);
+  if (options.top_k < 1) throw std::invalid_argument(fmt::format("top_k={} must be >= 1", options.top_k));
+  const auto known = scheduleNames();
+  std::vector<std::string> names = options.schedules.empty() ? known : options.schedules;
+  for (const auto& name : names) {
+    if (std::find(known.begin(), known.end(), name) == known.end()) {
+      throw std::invalid_argument(fmt::format("unknown schedule '{}'; known schedules: {}", name,
+                                              fmt::join(known, ", ")));
+    }
+  }
+  const std::vector<int> vs = options.stages_per_rank.empty() ? std::vector<int>{1, 2, 4} : options.stages_per_rank;
+  for (int v : vs) {
+    if (v < 1) throw std::invalid_argument(fmt::format("stages_per_rank={} must be >= 1", v));
+  }
+  std::vector<int> ms = options.microbatch_counts;
+  if (ms.empty()) {
+    for (int64_t d = 1; d <= sheet.global_batch && d <= (1 << 20); ++d) {
+      if (sheet.global_batch % d == 0) ms.push_back(static_cast<int>(d));
+    }
+  }
+  for (int m : ms) {
+    if (m < 1 || m > sheet.global_batch || sheet.global_batch % m != 0) {
+      throw std::invalid_argument(fmt::format(
+          "num_microbatches={} must divide global_batch={} (a microbatch is a whole number of samples >= 1)", m,
+          sheet.global_batch));
+    }
+  }
+  const int p = sheet.pp_size, n = static_cast<int>(sheet.units.size());
+  const size_t k = static_cast<size_t>(options.top_k);
+
+  PlanResult result;
+  std::vector<Plan>& top = result.top;
+  std::vector<Rejection> over;  // simulated without the recompute the limit forced, or not fitting
+  std::map<int, std::vector<int>> base_splits, comm_splits;
+  double smallest_peak = kInf;
+  std::string smallest_what;
+  bool any_valid = false;
+
+  auto kth = [&]() { return top.size() < k ? kInf : top.back().step_seconds; };
+  auto insert = [&](Plan plan) {
+    for (auto it = top.begin(); it != top.end(); ++it) {
+      if (it->schedule == plan.schedule && it->stages_per_rank == plan.stages_per_rank &&
+          it->num_microbatches == plan.num_microbatches) {
+        if (!better(plan, *it)) return;
+        top.erase(it);
+        break;
+      }
+    }
+    auto pos = std::find_if(top.begin(), top.end(), [&](const Plan& q) { return better(plan, q); });
+    top.insert(pos, std::move(plan));
+    if (top.size() > k) top.pop_back();
+  };
+
+  for (const auto& name : names) {
+    for (int v : vs) {
+      if (v == 1 && options.stages_per_rank.empty() && (name == "interleaved_1f1b" || name == "looped_bfs")) {
+        continue;  // 1f1b and gpipe
+      }
+      const int S = p * v;
+      if (S > n) {
+        result.rejected.push_back({name, v, 0,
+                                   fmt::format("pp_size={} x stages_per_rank={} = {} stages is more than the {} units",
+                                               p, v, S, n)});
+        continue;
+      }
+      bool reported = false;
+      for (int m : ms) {
+        Built b;
+        try {
+          b = build(name, p, v, m);
+        } catch (const std::exception& e) {  // ScheduleError: the triple is not one the schedule takes
+          if (!reported) result.rejected.push_back({name, v, m, e.what()});
+          reported = true;
+          continue;
+        }
+        any_valid = true;
+        const auto& placement = b.lowered.stage_to_rank;
+        const int64_t mb = sheet.global_batch / m;
+        const double scale = static_cast<double>(mb) / static_cast<double>(sheet.reference_microbatch);
+        if (!base_splits.count(S)) {
+          base_splits[S] = computeSplit(sheet, S);
+          comm_splits[S] = commAwareSplit(sheet, S);
+        }
+        std::vector<std::pair<const std::vector<int>*, bool>> splits = {{&base_splits[S], false}};
+        if (options.comm_aware_split && comm_splits[S] != base_splits[S]) splits.push_back({&comm_splits[S], true});
+        for (const auto& [starts, comm_aware] : splits) {
+          ++result.candidates;
+          const Staged st = stage(sheet, *starts, scale, placement);
+          const Memory mem = chooseRecompute(sheet, st, b, placement, {}, options.allow_recompute);
+          if (mem.max_peak < smallest_peak) {
+            smallest_peak = mem.max_peak;
+            smallest_what = fmt::format("{} v={} m={} ({}), on rank {}", name, v, m,
+                                        recomputeText(mem.recompute), mem.worst_rank);
+          }
+          const bool forced = std::find(mem.recompute.begin(), mem.recompute.end(), true) != mem.recompute.end();
+          if (!mem.fits || forced) {
+            // The plan without the recompute the limit forced (or with it, not
+            // fitting): worth a simulation only if it might have won.
+            const std::vector<bool> none(st.S, false);
+            const Memory bare = chooseRecompute(sheet, st, b, placement, none, false);
+            const double bound = lowerBound(sheet, st, b, placement, none, m);
+            const double best = top.empty() ? kInf : top.front().step_seconds;
+            if (bound < best) {
+              try {
+                const double step = simulate(b.lowered, costModel(sheet, st, none)).makespan;
+                ++result.simulations;
+                over.push_back({name, v, m,
+                                fmt::format("peak {} on rank {} over memory_limit {}", gib(bare.max_peak),
+                                            bare.worst_rank, gib(sheet.memory_limit)),
+                                step, bare.max_peak});
+              } catch (const std::exception&) {
+              }
+            }
+          }
+          if (!mem.fits) continue;
+          if (lowerBound(sheet, st, b, placement, mem.recompute, m) >= kth()) continue;
+          double step;
+          try {
+            step = simulate(b.lowered, costModel(sheet, st, mem.recompute)).makespan;
+          } catch (const std::exception& e) {  // DeadlockError
+            if (!reported) result.rejected.push_back({name, v, m, e.what()});
+            reported = true;
+            continue;
+          }
+          ++result.simulations;
+          insert(makePlan(name, v, m, mb, st, comm_aware, mem, step));
+        }
+      }
+    }
+  }
+  if (!any_valid) {
+    std::string why;
+    for (const auto& r : result.rejected) why += fmt::format("\n  {} v={}: {}", r.schedule, r.stages_per_rank, r.reason);
+    throw std::invalid_argument(fmt::format("no (schedule, stages_per_rank, num_microbatches) is valid for pp_size={} "
+                                            "and global_batch={}:{}",
+                                            p, sheet.global_batch, why));
+  }
+  if (top.empty()) {
+    throw std::invalid_argument(fmt::format(
+        "no plan fits memory_limit={} per rank: the smallest predicted peak is {}, from {}; it needs a limit of at "
+        "least that, more pipeline ranks, or less per rank (smaller microbatches, less optimizer state)",
+        gib(sheet.memory_limit), gib(smallest_peak), smallest_what));
+  }
+  result.best = top.front();
+  // Over-limit candidates that would have beaten the winner, fastest first.
+  std::stable_sort(over.begin(), over.end(),
+                   [](const Rejection& a, const Rejection& b) { return a.step_seconds < b.step_seconds; });
+  size_t kept = 0;
+  for (auto& r : over) {
+    if (kept == k || !(r.step_seconds < result.best.step_seconds)) break;
+    bool dup = false;
+    for (const auto& q : result.rejected) {
+      dup |= q.schedule == r.schedule && q.stages_per_rank == r.stages_per_rank &&
+             q.num_microbatches == r.num_microbatches && q.reason == r.reason;
+    }
+    if (dup) continue;
+    result.rejected.push_back(std::move(r));
+    ++kept;
+  }
+  result.search_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return result;
+}
+
+}  // namespace mpmd

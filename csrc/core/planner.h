@@ -1,0 +1,171 @@
+// Planner: the pipeline plan with the lowest predicted step time under a
+// memory limit, from a cost sheet (issue 21, items 3 and 6).
+//
+// A CostSheet describes a model as an ordered list of units (a block, the
+// embedding, the head): per unit its forward, input-gradient (I) and
+// weight-gradient (W) times and its bytes. planPipeline searches, for the
+// sheet's pipeline size p:
+//   - schedule: every name of scheduleNames() the project builds for the
+//     (p, v, m) triple; makeSchedule's own checks decide validity (its
+//     ScheduleError and the simulator's DeadlockError reject a triple).
+//     interleaved_1f1b and looped_bfs with v = 1 are 1f1b and gpipe and are
+//     not tried twice;
+//   - stages per rank v in {1, 2, 4} (the schedule's checks reject the v it
+//     cannot take: zbv and dualpipev take exactly 2, 1f1b and zero_bubble 1);
+//   - microbatch count m: the divisors of global_batch (a microbatch is at
+//     least one sample; the schedules reject m below what they need);
+//   - stage split: the exact min-max contiguous split of the units into p*v
+//     stages on their compute time F + I + W (ties: the least sum of squared
+//     stage times), and a communication-aware variant whose stage weight adds
+//     the round trip of its output over the link (activation forward,
+//     gradient back: 2 * (latency + bytes / bandwidth));
+//   - recompute per stage, none or full, chosen greedily (NOTE [Recompute
+//     choice]), never 2^S.
+// Objective: the simulated makespan (simulator.h) of the lowered schedule
+// with per-stage costs, the sheet's action overhead, link latency and
+// per-link bandwidth and per-stage output bytes. Constraint: the predicted
+// peak bytes of every rank <= memory_limit (NOTE [Planner memory model]).
+//
+// NOTE [Microbatch scaling]: a sheet's times and per-microbatch bytes are
+// measured (or computed) at reference_microbatch samples per microbatch. At
+// b = global_batch / m samples every time and every per-microbatch byte count
+// scales by b / reference_microbatch (linear: no fixed kernel cost; the fixed
+// cost per action is action_overhead, which does not scale).
+//
+// NOTE [Planner memory model]: the predicted peak of rank r is
+//   static:      sum over its stages of param_bytes * (1 + grad_bytes_per_param_byte
+//                + optimizer_bytes_per_param_byte);
+//   activations: the peak, over the rank's compute program in order, of the
+//                saved bytes held: F(s, mb) adds the stage's saved bytes per
+//                microbatch, its backward frees them: B, or W in schedules
+//                that split the backward (the W half needs the layer inputs,
+//                which are most of what a forward saves, so I is taken to
+//                free nothing: a conservative rule);
+//   recompute:   a recomputed stage saves only its input (the output bytes of
+//                the unit before it, input_bytes for the first), and rebuilds
+//                its activations for one microbatch during its backward: the
+//                rank's peak adds the largest such stage's full saved bytes;
+//   transfers:   one microbatch's buffer per cross-rank edge end: a stage
+//                whose producer is on another rank holds its input (the
+//                received activation), one whose consumer is on another rank
+//                holds its output bytes (the received gradient).
+// Stages on the same rank hand values over without a buffer.
+//
+// NOTE [Recompute choice]: for each (schedule, v, m, split) the planner first
+// predicts memory with no recompute; a rank over the limit turns recompute on
+// for its stages, the one that frees the most bytes first, until it fits or
+// all its stages recompute. A candidate that does not fit with every stage
+// recomputed is rejected before it is simulated. Recompute is never chosen
+// where it is not needed: it only adds time.
+//
+// NOTE [Planner pruning]: a candidate is simulated only if it fits and its
+// lower bound (the busiest rank's compute time plus one action overhead per
+// compute action) is below the k-th best makespan found so far. The schedule
+// and its lowering are built once per (schedule, v, m); the splits once per
+// stage count. candidates counts every (schedule, v, m, split) looked at,
+// simulations the ones simulated.
+#pragma once
+
+#include <cstdint>
+#include <limits>
+#include <string>
+#include <vector>
+
+namespace mpmd {
+
+struct UnitCost {
+  std::string name;               // e.g. "layers.3"; a plan names its cuts by it
+  double forward = 0.0;           // seconds per microbatch (NOTE [Microbatch scaling])
+  double backward_input = 0.0;    // I: the input gradient
+  double backward_weight = 0.0;   // W: the weight gradient; B = I + W
+  double saved_bytes = 0.0;       // held from its forward to its backward, per microbatch
+  double param_bytes = 0.0;       // its parameters
+  double output_bytes = 0.0;      // what crosses a cut right after it, per microbatch
+};
+
+struct CostSheet {
+  std::vector<UnitCost> units;          // in model order; at least pp_size of them
+  int64_t global_batch = 1;             // samples per step (per pipeline replica)
+  int64_t reference_microbatch = 1;     // samples at which the costs were taken
+  double input_bytes = 0.0;             // the model input per microbatch (stage 0's recompute)
+  double action_overhead = 0.0;         // seconds per action (NOTE [Action overhead])
+  double link_latency = 0.0;            // seconds per transfer
+  double link_bandwidth = 0.0;          // bytes/s between ranks; 0 = infinite
+  // Ranks [k*ranks_per_node, (k+1)*ranks_per_node) share a node; a transfer
+  // between nodes runs at inter_node_bandwidth (0 = link_bandwidth). 0 = one node.
+  int ranks_per_node = 0;
+  double inter_node_bandwidth = 0.0;
+  double grad_bytes_per_param_byte = 1.0;
+  double optimizer_bytes_per_param_byte = 2.0;  // AdamW: two states the size of the parameters
+  int pp_size = 1;
+  double memory_limit = 0.0;            // bytes per rank; 0 = none
+};
+
+// Throws std::invalid_argument naming the field and value: no units, a
+// negative or non-finite cost, pp_size < 1 or above the number of units,
+// global_batch or reference_microbatch < 1, a bad node size.
+void checkSheet(const CostSheet& sheet);
+
+struct SearchOptions {
+  std::vector<std::string> schedules;     // empty: all of scheduleNames()
+  std::vector<int> stages_per_rank;       // empty: {1, 2, 4}
+  std::vector<int> microbatch_counts;     // empty: every divisor of global_batch
+  int top_k = 5;                          // >= 1
+  bool comm_aware_split = true;           // also try the communication-aware split
+  bool allow_recompute = true;
+};
+
+struct Plan {
+  std::string schedule;
+  int stages_per_rank = 1;
+  int num_microbatches = 1;
+  int64_t microbatch_samples = 1;
+  std::vector<int> stage_starts;          // unit index where each stage starts; [0] == 0
+  std::vector<bool> recompute;            // per stage
+  bool comm_aware_split = false;          // which split variant
+  double step_seconds = 0.0;              // predicted (simulated) step
+  std::vector<double> peak_bytes;         // predicted, per rank
+  std::vector<double> stage_seconds;      // per stage: F + B of one microbatch
+};
+
+// A candidate that lost for a reason other than its time.
+struct Rejection {
+  std::string schedule;
+  int stages_per_rank = 1;
+  int num_microbatches = 1;
+  std::string reason;                     // e.g. the schedule's error, "peak ... over memory_limit ..."
+  double step_seconds = std::numeric_limits<double>::quiet_NaN();  // if simulated
+  double max_peak_bytes = 0.0;            // 0 when never predicted
+};
+
+struct PlanResult {
+  Plan best;
+  std::vector<Plan> top;                  // best first, at most top_k, distinct (schedule, v, m)
+  std::vector<Rejection> rejected;        // invalid triples (one per schedule and v) and the
+                                          // fastest ones over the memory limit (at most top_k)
+  int64_t candidates = 0;                 // (schedule, v, m, split) looked at
+  int64_t simulations = 0;                // of which simulated (NOTE [Planner pruning])
+  double search_seconds = 0.0;
+};
+
+// The search (see above). Throws std::invalid_argument for a bad sheet or
+// options, when no (schedule, v, m) is valid, and when nothing fits the
+// memory limit: the message names the smallest predicted peak, the limit and
+// the plan that gave it. Deterministic: the same input gives the same result.
+PlanResult planPipeline(const CostSheet& sheet, const SearchOptions& options = {});
+
+// One given plan on the sheet: `stage_starts` (p*v entries, increasing,
+// starting at 0) and `recompute` (p*v flags, or empty for none). Returns the
+// plan with step_seconds, peak_bytes and stage_seconds filled; does not apply
+// the memory limit. Throws std::invalid_argument for a bad split or an
+// invalid schedule (its ScheduleError).
+Plan evaluatePlan(const CostSheet& sheet, const std::string& schedule, int stages_per_rank,
+                  int num_microbatches, const std::vector<int>& stage_starts,
+                  const std::vector<bool>& recompute = {});
+
+// The exact min-max contiguous split of `weights` into `parts` non-empty
+// parts (ties: least sum of squares); returns where each part starts.
+// Throws std::invalid_argument when parts < 1 or parts > weights.size().
+std::vector<int> minMaxSplit(const std::vector<double>& weights, int parts);
+
+}  // namespace mpmd

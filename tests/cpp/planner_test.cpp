@@ -1,0 +1,193 @@
+// Planner: the min-max split, the search under a memory limit, its errors.
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <stdexcept>
+#include <string>
+
+#include <gtest/gtest.h>
+
+#include "core/planner.h"
+
+namespace mpmd {
+namespace {
+
+// n transformer-like units: an embedding, n - 2 equal blocks, a heavy head.
+CostSheet sheetOf(int blocks, int pp, int64_t batch) {
+  CostSheet sheet;
+  sheet.units.push_back({"embed", 0.1, 0.1, 0.0, 1e6, 4e6, 1e6});
+  for (int i = 0; i < blocks; ++i) {
+    sheet.units.push_back({"blocks." + std::to_string(i), 1.0, 1.0, 1.0, 8e6, 2e6, 1e6});
+  }
+  sheet.units.push_back({"head", 2.0, 2.0, 2.0, 16e6, 4e6, 0.0});
+  sheet.global_batch = batch;
+  sheet.input_bytes = 1e4;
+  sheet.action_overhead = 0.01;
+  sheet.link_latency = 0.005;
+  sheet.link_bandwidth = 1e9;
+  sheet.pp_size = pp;
+  return sheet;
+}
+
+double maxOf(const std::vector<double>& v) { return *std::max_element(v.begin(), v.end()); }
+
+std::string whatOf(const std::function<void()>& fn) {
+  try {
+    fn();
+  } catch (const std::invalid_argument& e) {
+    return e.what();
+  }
+  return "";
+}
+
+TEST(Planner, MinMaxSplitFindsTheKnownOptimum) {
+  // 1..9 into 3: [1..5]=15 [6 7]=13 [8 9]=17; no split has a max below 17.
+  EXPECT_EQ(minMaxSplit({1, 2, 3, 4, 5, 6, 7, 8, 9}, 3), (std::vector<int>{0, 5, 7}));
+  // A heavy unit gets a stage of its own; ties go to the least sum of squares.
+  EXPECT_EQ(minMaxSplit({1, 1, 1, 1, 10, 1, 1, 1, 1}, 3), (std::vector<int>{0, 4, 5}));
+  EXPECT_EQ(minMaxSplit({2, 2, 2, 2}, 4), (std::vector<int>{0, 1, 2, 3}));
+  EXPECT_NE(whatOf([] { minMaxSplit({1, 2}, 3); }).find("cannot split 2 units into 3"), std::string::npos);
+}
+
+TEST(Planner, BestPlanIsTheFirstOfTheTopAndMatchesItsOwnEvaluation) {
+  const CostSheet sheet = sheetOf(14, 4, 16);
+  const PlanResult r = planPipeline(sheet);
+  ASSERT_FALSE(r.top.empty());
+  EXPECT_EQ(r.best.schedule, r.top.front().schedule);
+  for (size_t i = 1; i < r.top.size(); ++i) EXPECT_LE(r.top[i - 1].step_seconds, r.top[i].step_seconds);
+  EXPECT_GT(r.candidates, 0);
+  EXPECT_GT(r.simulations, 0);
+  EXPECT_LE(r.simulations, 2 * r.candidates);
+  const Plan& b = r.best;
+  EXPECT_EQ(b.stage_starts.size(), static_cast<size_t>(4 * b.stages_per_rank));
+  EXPECT_EQ(b.peak_bytes.size(), 4u);
+  const Plan again = evaluatePlan(sheet, b.schedule, b.stages_per_rank, b.num_microbatches, b.stage_starts,
+                                  b.recompute);
+  EXPECT_DOUBLE_EQ(again.step_seconds, b.step_seconds);
+  EXPECT_EQ(again.peak_bytes, b.peak_bytes);
+  // The winner is no slower than 1F1B on the same split at every m it tried.
+  for (int m : {4, 8, 16}) {
+    const Plan one = evaluatePlan(sheet, "1f1b", 1, m, minMaxSplit({0.2, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 6}, 4));
+    EXPECT_LE(b.step_seconds, one.step_seconds + 1e-12) << "m=" << m;
+  }
+}
+
+TEST(Planner, MemoryModelCountsStateActivationsAndBuffers) {
+  // 2 ranks, 1F1B, one unit per stage, m = 2: rank 0 holds 2 forwards.
+  CostSheet sheet;
+  sheet.units = {{"a", 1, 1, 1, 100, 10, 7}, {"b", 1, 1, 1, 50, 20, 3}};
+  sheet.global_batch = 2;
+  sheet.pp_size = 2;
+  const Plan plan = evaluatePlan(sheet, "1f1b", 1, 2, {0, 1});
+  // rank 0: params 10 * (1 + 1 + 2) + 2 * 100 saved + 7 (gradient buffer).
+  EXPECT_DOUBLE_EQ(plan.peak_bytes[0], 40 + 200 + 7);
+  // rank 1: 20 * 4 + 1 * 50 + 7 (received activation).
+  EXPECT_DOUBLE_EQ(plan.peak_bytes[1], 80 + 50 + 7);
+  // Recompute on stage 0 keeps only its input (0 bytes) plus one rebuilt microbatch.
+  const Plan rec = evaluatePlan(sheet, "1f1b", 1, 2, {0, 1}, {true, false});
+  EXPECT_DOUBLE_EQ(rec.peak_bytes[0], 40 + 0 + 100 + 7);
+  EXPECT_GT(rec.step_seconds, plan.step_seconds);  // one more forward per backward
+}
+
+TEST(Planner, AnInfeasibleLimitNamesTheSmallestPeakTheLimitAndThePlan) {
+  CostSheet sheet = sheetOf(6, 2, 8);
+  sheet.memory_limit = 1000;
+  const std::string what = whatOf([&] { planPipeline(sheet); });
+  EXPECT_NE(what.find("no plan fits memory_limit="), std::string::npos) << what;
+  EXPECT_NE(what.find("(1000 bytes)"), std::string::npos) << what;
+  EXPECT_NE(what.find("smallest predicted peak is"), std::string::npos) << what;
+  EXPECT_NE(what.find(" v="), std::string::npos) << what;
+  EXPECT_NE(what.find(" m="), std::string::npos) << what;
+  // The named peak is the smallest: with that limit a plan fits.
+  const size_t at = what.find("(", what.find("smallest predicted peak is"));
+  const double peak = std::stod(what.substr(at + 1));
+  sheet.memory_limit = peak;
+  EXPECT_NO_THROW(planPipeline(sheet));
+}
+
+TEST(Planner, ALimitBelowTheWinnersPeakForcesRecomputeOrAnotherPlan) {
+  CostSheet sheet = sheetOf(14, 4, 16);
+  const PlanResult free = planPipeline(sheet);
+  sheet.memory_limit = maxOf(free.best.peak_bytes) * 0.9;
+  const PlanResult tight = planPipeline(sheet);
+  const Plan& b = tight.best;
+  EXPECT_LE(maxOf(b.peak_bytes), sheet.memory_limit);
+  for (const Plan& p : tight.top) EXPECT_LE(maxOf(p.peak_bytes), sheet.memory_limit);
+  const bool recomputes = std::find(b.recompute.begin(), b.recompute.end(), true) != b.recompute.end();
+  const bool other = b.schedule != free.best.schedule || b.num_microbatches != free.best.num_microbatches ||
+                     b.stages_per_rank != free.best.stages_per_rank;
+  EXPECT_TRUE(recomputes || other);
+  EXPECT_GE(b.step_seconds, free.best.step_seconds);
+  // The unconstrained winner is among the rejected, over the limit, with its time.
+  bool named = false;
+  for (const Rejection& r : tight.rejected) {
+    named |= r.schedule == free.best.schedule && r.num_microbatches == free.best.num_microbatches &&
+             r.reason.find("over memory_limit") != std::string::npos;
+  }
+  EXPECT_TRUE(named);
+}
+
+TEST(Planner, ConstraintsRestrictTheSearch) {
+  const CostSheet sheet = sheetOf(14, 4, 16);
+  SearchOptions options;
+  options.schedules = {"1f1b"};
+  options.microbatch_counts = {8};
+  const PlanResult r = planPipeline(sheet, options);
+  EXPECT_EQ(r.best.schedule, "1f1b");
+  EXPECT_EQ(r.best.num_microbatches, 8);
+  EXPECT_EQ(r.best.stages_per_rank, 1);
+  options.microbatch_counts = {3};
+  EXPECT_NE(whatOf([&] { planPipeline(sheet, options); }).find("num_microbatches=3 must divide global_batch=16"),
+            std::string::npos);
+  options = {};
+  options.schedules = {"zbv"};
+  options.microbatch_counts = {2};  // zbv needs m >= p
+  EXPECT_NE(whatOf([&] { planPipeline(sheet, options); }).find("num_microbatches=2 must be >= num_ranks=4 for zbv"),
+            std::string::npos);
+}
+
+TEST(Planner, BadSheetsNameTheValue) {
+  CostSheet sheet = sheetOf(2, 2, 4);
+  sheet.units[1].forward = -1;
+  EXPECT_NE(whatOf([&] { planPipeline(sheet); }).find("units[1] ('blocks.0').forward=-1"), std::string::npos);
+  sheet = sheetOf(2, 5, 4);
+  EXPECT_NE(whatOf([&] { planPipeline(sheet); }).find("pp_size=5 is more than the sheet's 4 units"),
+            std::string::npos);
+  sheet = sheetOf(2, 2, 0);
+  EXPECT_NE(whatOf([&] { planPipeline(sheet); }).find("global_batch=0"), std::string::npos);
+}
+
+TEST(Planner, TheSearchIsDeterministic) {
+  CostSheet sheet = sheetOf(30, 4, 32);
+  sheet.memory_limit = 1.2e9;
+  const PlanResult a = planPipeline(sheet), b = planPipeline(sheet);
+  ASSERT_EQ(a.top.size(), b.top.size());
+  for (size_t i = 0; i < a.top.size(); ++i) {
+    EXPECT_EQ(a.top[i].schedule, b.top[i].schedule);
+    EXPECT_EQ(a.top[i].num_microbatches, b.top[i].num_microbatches);
+    EXPECT_EQ(a.top[i].stage_starts, b.top[i].stage_starts);
+    EXPECT_EQ(a.top[i].recompute, b.top[i].recompute);
+    EXPECT_EQ(a.top[i].step_seconds, b.top[i].step_seconds);
+    EXPECT_EQ(a.top[i].peak_bytes, b.top[i].peak_bytes);
+  }
+  EXPECT_EQ(a.candidates, b.candidates);
+  EXPECT_EQ(a.simulations, b.simulations);
+}
+
+TEST(Planner, SearchTimeFor64UnitsOnEightRanksIsPrinted) {
+  // Printed, never asserted: timing never decides a test.
+  CostSheet sheet = sheetOf(62, 8, 64);
+  sheet.ranks_per_node = 4;
+  sheet.inter_node_bandwidth = 1e8;
+  const auto t0 = std::chrono::steady_clock::now();
+  const PlanResult r = planPipeline(sheet);
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  std::printf("[planner] 64 units x p=8, batch 64: %.3f s, %lld candidates (%lld simulated), %.0f candidates/s; "
+              "best %s v=%d m=%d step %.3f\n",
+              s, static_cast<long long>(r.candidates), static_cast<long long>(r.simulations), r.candidates / s,
+              r.best.schedule.c_str(), r.best.stages_per_rank, r.best.num_microbatches, r.best.step_seconds);
+  EXPECT_EQ(r.best.stage_starts.size(), static_cast<size_t>(8 * r.best.stages_per_rank));
+}
+
+}  // namespace
+}  // namespace mpmd
