@@ -268,3 +268,92 @@ def split_backward(
     weight_grad_outputs: list[int],
     is_projection: list[bool] = ...,
 ) -> BackwardSplit: ...
+
+# Planner (csrc/python/planner.cpp, core/planner.h).
+class UnitCost:
+    name: str
+    forward: float
+    backward_input: float
+    backward_weight: float
+    saved_bytes: float
+    param_bytes: float
+    output_bytes: float
+    def __init__(self) -> None: ...
+
+class CostSheet:
+    units: list[UnitCost]
+    global_batch: int
+    reference_microbatch: int
+    input_bytes: float
+    action_overhead: float
+    link_latency: float
+    link_bandwidth: float
+    ranks_per_node: int
+    inter_node_bandwidth: float
+    grad_bytes_per_param_byte: float
+    optimizer_bytes_per_param_byte: float
+    pp_size: int
+    memory_limit: float
+    def __init__(self) -> None: ...
+
+class SearchOptions:
+    schedules: list[str]
+    stages_per_rank: list[int]
+    microbatch_counts: list[int]
+    top_k: int
+    comm_aware_split: bool
+    allow_recompute: bool
+    def __init__(self) -> None: ...
+
+class PlanCandidate:
+    schedule: str
+    stages_per_rank: int
+    num_microbatches: int
+    microbatch_samples: int
+    stage_starts: list[int]
+    recompute: list[bool]
+    comm_aware_split: bool
+    step_seconds: float
+    peak_bytes: list[float]
+    stage_seconds: list[float]
+    def __init__(self) -> None: ...
+
+class Rejection:
+    @property
+    def schedule(self) -> str: ...
+    @property
+    def stages_per_rank(self) -> int: ...
+    @property
+    def num_microbatches(self) -> int: ...
+    @property
+    def reason(self) -> str: ...
+    @property
+    def step_seconds(self) -> float: ...
+    @property
+    def max_peak_bytes(self) -> float: ...
+
+class PlanResult:
+    @property
+    def best(self) -> PlanCandidate: ...
+    @property
+    def top(self) -> list[PlanCandidate]: ...
+    @property
+    def rejected(self) -> list[Rejection]: ...
+    @property
+    def candidates(self) -> int: ...
+    @property
+    def simulations(self) -> int: ...
+    @property
+    def search_seconds(self) -> float: ...
+
+def check_sheet(sheet: CostSheet) -> None: ...
+def plan_pipeline(sheet: CostSheet, options: SearchOptions = ...) -> PlanResult: ...
+def evaluate_plan(
+    sheet: CostSheet,
+    schedule: str,
+    stages_per_rank: int,
+    num_microbatches: int,
+    stage_starts: list[int],
+    recompute: list[bool] = ...,
+) -> PlanCandidate: ...
+def min_max_split(weights: list[float], parts: int) -> list[int]: ...

@@ -17,5 +17,6 @@ void bindSchedules(pybind11::module_& m);  // schedules.cpp
 void bindSimulator(pybind11::module_& m);  // simulator.cpp
 void bindGraph(pybind11::module_& m);      // graph.cpp
 void bindBackwardSplit(pybind11::module_& m);  // backward_split.cpp
+void bindPlanner(pybind11::module_& m);        // planner.cpp
 
 }  // namespace mpmd::python

@@ -14,4 +14,5 @@ PYBIND11_MODULE(_C, m) {
   mpmd::python::bindSimulator(m);
   mpmd::python::bindGraph(m);
   mpmd::python::bindBackwardSplit(m);
+  mpmd::python::bindPlanner(m);
 }
