@@ -28,7 +28,8 @@ from torch_mpmd import training
 from torch_mpmd.config import (PipelineConfig, Resolved, check_stage_count, positive_int,
                                settings_signature)
 from torch_mpmd.graph.stage import set_path, split_model
-from torch_mpmd.microbatch import (check_target_batch, first_microbatch, merge_microbatches,
+from torch_mpmd.microbatch import (check_target_batch, explicit_microbatches,
+                                   first_microbatch, merge_microbatches,
                                    split_tree)
 from torch_mpmd.parallel import meta_init
 from torch_mpmd.parallel.lockstep import PipelineError, pipeline_call
@@ -36,7 +37,8 @@ from torch_mpmd.parallel.sharding import ParamShards
 from torch_mpmd.programs.loss import callable_name, needs_target
 from torch_mpmd.programs.stage_programs import resolve_compiler
 from torch_mpmd.runtime import trace
-from torch_mpmd.runtime.captures import CaptureCache, capture_key, describe_key
+from torch_mpmd.runtime.captures import (CaptureCache, capture_key, describe_key,
+                                        microbatch_misfit)
 from torch_mpmd.runtime.outputs import deliver_outputs
 from torch_mpmd.runtime.rank import RankRuntime, StagedModel
 from torch_mpmd.runtime.view import RankView
@@ -406,27 +408,30 @@ class Pipeline(torch.nn.Module):
     # ------------------------------------------------------------ running
     @pipeline_call("step")
     @_holding_parameters
-    def step(self, *args: Any, target: Any = None, **kwargs: Any) -> torch.Tensor:
+    def step(self, *args: Any, target: Any = None, microbatches: Any = None,
+             targets: Any = None, **kwargs: Any) -> torch.Tensor:
         """Forward and backward of all microbatches per the schedule; accumulates
         into this rank's parameters the gradient of the mean of the microbatches'
         losses (the loss contract: :func:`pipeline`), or with a token-weighted
         ``loss_fn`` (returning ``(sum, count)``) of the global sum over the
-        global count; returns that loss on every rank. Needs grad mode (``eval_step`` is the step without backward)."""
+        global count; returns that loss on every rank. Needs grad mode (``eval_step`` is the step without backward).
+
+        The batch (``args``, ``kwargs``, ``target``) is split along dim 0
+        into ``num_microbatches``. Or give the microbatches themselves:
+        ``microbatches=[(args0, kwargs0), (args1, kwargs1), ...]`` with
+        ``targets=[t0, t1, ...]``, of shapes free to differ (with
+        ``dynamic=True``) and of a count free to differ per call where the
+        schedule (given by name) runs it. Every rank of a pipeline is given
+        the same list; each derives every transfer's shape from it."""
         # Local checks every rank makes alike, before any communication.
         if not torch.is_grad_enabled():
             raise RuntimeError("Pipeline.step() runs backward and needs grad mode, but it was "
                                "called under torch.no_grad() or inference_mode(); use "
                                "eval_step() for the loss without backward, or the pipeline "
                                "call for outputs")
-        self._check_target(target)
-        m = self.num_microbatches
-        args0, kwargs0 = first_microbatch(args, kwargs, m)
-        if target is not None:  # split alike, or it would broadcast silently
-            check_target_batch(args, kwargs, target)
-        targets = split_tree(target, m, "target") if target is not None else [None] * m
-        rt = self._ensure_built(args0, kwargs0)
-        inputs = self._mpmd_split.named_microbatches(args, kwargs, m)
-        rt.use_shapes(inputs[0])  # (before building: the programs' sizes)
+        rt, inputs, targets = self._call_microbatches(args, kwargs, target, microbatches,
+                                                      targets)
+        rt.use_microbatches(inputs)  # (before building: the programs' sizes)
         rt.prepare_programs(inputs, targets, self.config.loss_fn)
         params = list(self.parameters())
         # NOTE [Token-weighted losses] (training.py): gradients held before the
@@ -560,7 +565,8 @@ class Pipeline(torch.nn.Module):
 
     @pipeline_call("forward")
     @_holding_parameters
-    def forward(self, *args: Any, output_rank: int | None = None, **kwargs: Any) -> Any:
+    def forward(self, *args: Any, output_rank: int | None = None, microbatches: Any = None,
+                **kwargs: Any) -> Any:
         """Forward only (no autograd state kept), in the schedule's forward order.
 
         ``output_rank=None``: the output on every rank of the pipeline (a
@@ -568,24 +574,30 @@ class Pipeline(torch.nn.Module):
         group (``pipe.rank``): the output on that rank only, None on the others
         (one point-to-point transfer per output tensor, none when it is the
         last stage's rank): a large output (logits) need not reach every rank.
-        With a mesh, each replica delivers to its own rank ``output_rank``."""
+        With a mesh, each replica delivers to its own rank ``output_rank``.
+        ``microbatches=[(args, kwargs), ...]`` (as ``step`` takes them): the
+        list of their outputs instead of one merged output."""
         self._check_output_rank(output_rank)
-        m = self.num_microbatches
-        rt, inputs = self._forward_only(args, kwargs, [None] * m, eval_loss=False)
+        rt, inputs, _ = self._call_microbatches(args, kwargs, None, microbatches, None,
+                                                loss=False)
+        self._forward_only(rt, inputs, [None] * len(inputs), eval_loss=False)
         try:
             outputs = []
-            for k in range(m):
+            for k in range(len(inputs)):
                 flat = deliver_outputs(rt, self._mpmd_split.ir, rt.runner.outputs.get(k),
-                                       output_rank, self.device)
+                                       output_rank, self.device, k)
                 if flat is not None:
                     outputs.append(self._mpmd_split.captured.rebuild_output(flat, inputs[k]))
         finally:
             rt.runner.end_step()
+        if microbatches is not None:
+            return outputs or None
         return merge_microbatches(outputs) if outputs else None
 
     @pipeline_call("eval")
     @_holding_parameters
-    def eval_step(self, *args: Any, target: Any = None, **kwargs: Any) -> torch.Tensor:
+    def eval_step(self, *args: Any, target: Any = None, microbatches: Any = None,
+                  targets: Any = None, **kwargs: Any) -> torch.Tensor:
         """Forward and loss of every microbatch, in the schedule's forward order,
         with no autograd graph kept and no gradient touched; returns the mean
         loss on every rank (over the microbatches, and over the data-parallel
@@ -593,14 +605,12 @@ class Pipeline(torch.nn.Module):
         splits them; the loss is ``loss_fn``'s, or the model's own with
         ``loss_fn=None``. It runs in the module's current train/eval mode:
         call ``pipe.eval()`` before (and ``pipe.train()`` after) to turn
-        dropout off; each mode keeps its own capture."""
-        self._check_target(target)
-        m = self.num_microbatches
-        if target is not None:
-            check_target_batch(args, kwargs, target)
-        targets = split_tree(target, m, "target") if target is not None else [None] * m
+        dropout off; each mode keeps its own capture. ``microbatches=`` and
+        ``targets=``: as ``step`` takes them."""
         with torch.no_grad():
-            rt, _ = self._forward_only(args, kwargs, targets, eval_loss=True)
+            rt, inputs, targets = self._call_microbatches(args, kwargs, target, microbatches,
+                                                          targets)
+            self._forward_only(rt, inputs, targets, eval_loss=True)
             try:
                 loss, self.last_token_count = training.step_loss(rt, self.device)
                 return loss
@@ -645,17 +655,65 @@ class Pipeline(torch.nn.Module):
             raise ValueError(f"output_rank={output_rank!r} must be None (every rank) or a rank "
                              f"of the pipeline group, 0 to {self.pp_size - 1}")
 
-    def _forward_only(self, args: tuple, kwargs: dict, targets: list[Any], *,
-                      eval_loss: bool) -> tuple[RankRuntime, list[dict[str, Any]]]:
-        """Run the forward part of the schedule over the batch's microbatches;
-        the last stage leaves its outputs (or with ``eval_loss`` its losses) in
-        the runner. The caller ends the runner's step."""
-        m = self.num_microbatches
-        rt = self._ensure_built(*first_microbatch(args, kwargs, m))
-        inputs = self._mpmd_split.named_microbatches(args, kwargs, m)
+    def _call_microbatches(self, args: tuple, kwargs: dict, target: Any, microbatches: Any,
+                           targets: Any, *, loss: bool = True
+                           ) -> tuple[RankRuntime, list[dict[str, Any]], list[Any]]:
+        """A call's runtime (capturing on first use), its microbatches' named
+        inputs and their targets: the batch split into ``num_microbatches``,
+        or the caller's ``microbatches`` list. Every check is local and alike
+        on every rank, before any communication. ``loss``: the call computes
+        the loss (targets are checked against ``loss_fn``)."""
+        if microbatches is None:
+            if targets is not None:
+                raise ValueError("targets= goes with microbatches=[...]; for a batch, pass its "
+                                 "target as target=")
+            if loss:
+                self._check_target(target)
+            m = self.num_microbatches
+            args0, kwargs0 = first_microbatch(args, kwargs, m)
+            if target is not None:  # split alike, or it would broadcast silently
+                check_target_batch(args, kwargs, target)
+            split_targets = split_tree(target, m, "target") if target is not None else [None] * m
+            rt = self._ensure_built(args0, kwargs0)
+            return rt, self._mpmd_split.named_microbatches(args, kwargs, m), split_targets
+        mbs, split_targets = explicit_microbatches(microbatches, targets, args=args,
+                                                   kwargs=kwargs, target=target)
+        if loss:
+            given = {t is not None for t in split_targets}
+            if len(given) > 1:
+                raise ValueError("targets= has a target for some microbatches and None for "
+                                 "others: give every microbatch its target, or none")
+            self._check_target(split_targets[0])
+        for i, ((a, k), t) in enumerate(zip(mbs, split_targets)):
+            if t is not None:
+                try:
+                    check_target_batch(a, k, t)
+                except ValueError as e:
+                    raise ValueError(f"microbatch {i}: {e}") from None
+        rt = self._ensure_built(*mbs[0])
+        inputs = []
+        for i, (a, k) in enumerate(mbs):
+            try:
+                inputs.append(self._mpmd_split.named_inputs(a, k))
+            except ValueError as e:
+                if i == 0:
+                    raise
+                hint = ("" if self._mpmd_split.sizes else "; microbatches of different shapes "
+                        "need pipeline(dynamic=True) (one capture for every size), or pad them "
+                        "to one shape")
+                raise ValueError(f"microbatch {i}: {e}{hint}") from None
+        why = microbatch_misfit(rt, self._mpmd_split, inputs, split_targets)
+        if why is not None:
+            raise ValueError(why)
+        return rt, inputs, split_targets
+
+    def _forward_only(self, rt: RankRuntime, inputs: list[dict[str, Any]], targets: list[Any],
+                      *, eval_loss: bool) -> None:
+        """Run the forward part of the schedule over the microbatches; the last
+        stage leaves its outputs (or with ``eval_loss`` its losses) in the
+        runner. The caller ends the runner's step."""
         run_step(rt, EVAL if eval_loss else FORWARD, self.calls, self.device, inputs=inputs,
                  targets=targets, loss_fn=self.config.loss_fn if eval_loss else None)
-        return rt, inputs
 
 
 def _default_device(module: torch.nn.Module) -> torch.device:

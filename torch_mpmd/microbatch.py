@@ -4,6 +4,9 @@
 target along dim 0 into ``num_microbatches`` equal chunks; non-tensors, and
 tensors wrapped in :class:`Replicate`, go whole to every microbatch. A batch
 that does not divide is a ValueError naming the argument and the sizes.
+A caller may instead give the microbatches themselves
+(``step(microbatches=[(args, kwargs), ...], targets=[...])``), of shapes free
+to differ: :func:`explicit_microbatches` checks that list.
 """
 
 from __future__ import annotations
@@ -15,8 +18,7 @@ import torch
 import torch.utils._pytree as pytree
 
 __all__ = ["Replicate", "split_microbatches", "first_microbatch", "split_tree",
-           "check_target_batch",
-           "merge_microbatches"]
+           "check_target_batch", "explicit_microbatches", "merge_microbatches"]
 
 
 class Replicate:
@@ -144,3 +146,45 @@ def merge_microbatches(outputs: Sequence[Any]) -> Any:
         else:
             merged.append(first)
     return pytree.tree_unflatten(merged, spec)
+
+
+def explicit_microbatches(microbatches: Any, targets: Any, *, args: Sequence[Any] = (),
+                          kwargs: Mapping[str, Any] | None = None, target: Any = None
+                          ) -> tuple[list[tuple[tuple, dict]], list[Any]]:
+    """A call's ``microbatches=`` list as ``[(args, kwargs)]`` and its
+    ``targets=`` as one entry per microbatch (None each without targets).
+    Each entry is a pair (tuple of positional arguments, dict of keyword
+    arguments). ValueError naming the entry for anything else, for a
+    ``targets`` list of another length, and for a batch (``args``,
+    ``kwargs``, ``target``) passed beside the list."""
+    if args or kwargs or target is not None:
+        given = ", ".join(w for w, v in (("positional arguments", args), ("keyword arguments",
+                                         kwargs), ("target=", target is not None)) if v)
+        raise ValueError(f"microbatches= was given together with a batch ({given}): pass "
+                         "either the batch (split into num_microbatches along dim 0) or the "
+                         "microbatches themselves, with targets=[...] for their targets")
+    if isinstance(microbatches, (torch.Tensor, Mapping)) or not isinstance(microbatches,
+                                                                            Sequence):
+        raise ValueError(f"microbatches= must be a list of (args, kwargs) pairs, one per "
+                         f"microbatch; got a {type(microbatches).__name__}")
+    if not microbatches:
+        raise ValueError("microbatches= is empty: a call needs at least one microbatch")
+    out: list[tuple[tuple, dict]] = []
+    for i, entry in enumerate(microbatches):
+        if (not isinstance(entry, (tuple, list)) or len(entry) != 2 or
+                not isinstance(entry[0], (tuple, list)) or not isinstance(entry[1], Mapping)):
+            what = (f"a {type(entry).__name__} of length {len(entry)}"
+                    if isinstance(entry, (tuple, list)) else f"a {type(entry).__name__}")
+            raise ValueError(f"microbatches[{i}] is {what}; each microbatch is a pair (tuple "
+                             "of positional arguments, dict of keyword arguments), e.g. "
+                             "((input_ids,), {}) or ((), {'input_ids': ids})")
+        out.append((tuple(entry[0]), dict(entry[1])))
+    if targets is None:
+        return out, [None] * len(out)
+    if isinstance(targets, torch.Tensor) or not isinstance(targets, Sequence):
+        raise ValueError(f"targets= must be a list with one target per microbatch; got a "
+                         f"{type(targets).__name__}")
+    if len(targets) != len(out):
+        raise ValueError(f"targets= has {len(targets)} entries for {len(out)} microbatches; "
+                         "give one target per microbatch")
+    return out, list(targets)

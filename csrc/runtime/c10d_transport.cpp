@@ -97,6 +97,10 @@ C10dTransport::C10dTransport(c10::intrusive_ptr<c10d::ProcessGroup> up,
 }
 
 const std::vector<at::Tensor>& C10dTransport::specsOf(const TransferKey& key, int peer) const {
+  if (!mb_specs_.empty()) {
+    auto own = mb_specs_.find({key.producer, key.consumer, key.backward, key.microbatch});
+    if (own != mb_specs_.end()) return own->second;
+  }
   auto it = specs_.find({key.producer, key.consumer, key.backward});
   if (it == specs_.end()) {
     throw TransportError(peer, "no tensor specs for " + describe(key) +

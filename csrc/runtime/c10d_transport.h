@@ -40,6 +40,10 @@ namespace mpmd::runtime {
 // whose shape and dtype the transferred tensors have.
 using EdgeKey = std::tuple<int, int, bool>;  // (producer, consumer, backward)
 using EdgeSpecs = std::map<EdgeKey, std::vector<at::Tensor>>;
+// Specs of one microbatch's values on one stage edge and direction, where
+// they differ from the edge's (NOTE [Microbatch specs]).
+using MicrobatchKey = std::tuple<int, int, bool, int>;  // (producer, consumer, backward, mb)
+using MicrobatchSpecs = std::map<MicrobatchKey, std::vector<at::Tensor>>;
 
 class C10dTransport : public Transport {
  public:
@@ -55,6 +59,16 @@ class C10dTransport : public Transport {
   // Zeros of the captured shapes and dtypes, on the transport's device.
   std::unique_ptr<PendingTransfer> sendStandIn(int peer, const TransferKey& key) override;
 
+  // NOTE [Microbatch specs]: every rank is given the same microbatches and
+  // derives every transfer's shape from them, so no shape travels. A step
+  // whose sizes differ from the last replaces the edge specs (setSpecs); a
+  // step whose microbatches differ from one another (explicit microbatches)
+  // also sets, for the microbatches that differ, their own specs, which
+  // override the edge's until the next setMicrobatchSpecs. Both are called
+  // between executor runs only (never while one runs).
+  void setSpecs(EdgeSpecs specs) { specs_ = std::move(specs); }
+  void setMicrobatchSpecs(MicrobatchSpecs specs) { mb_specs_ = std::move(specs); }
+
   int rank() const { return rank_; }
   bool stagesThroughHost() const { return host_staging_; }
 
@@ -64,6 +78,7 @@ class C10dTransport : public Transport {
 
   c10::intrusive_ptr<c10d::ProcessGroup> up_, down_;
   EdgeSpecs specs_;
+  MicrobatchSpecs mb_specs_;  // NOTE [Microbatch specs]
   at::Device device_;
   bool host_staging_;  // NOTE [Host staging]
   int tag_;

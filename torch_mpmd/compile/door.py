@@ -403,10 +403,11 @@ class Door:
         if keep_graph:
             rt = _lockstep(pipe, "forward", self._forward_keeping_graph, args, kwargs)
         else:
-            rt, _ = pipe._forward_only(args, kwargs, [None] * m, eval_loss=False)
+            rt, inputs, _ = pipe._call_microbatches(args, kwargs, None, None, None, loss=False)
+            pipe._forward_only(rt, inputs, [None] * m, eval_loss=False)
         try:
             per_mb = [deliver_outputs(rt, pipe.split.ir, rt.runner.outputs.get(k), None,
-                                      pipe.device) for k in range(m)]
+                                      pipe.device, k) for k in range(m)]
         finally:
             if not keep_graph:
                 rt.runner.end_step()

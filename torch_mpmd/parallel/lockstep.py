@@ -420,13 +420,40 @@ class Ledger:
         return None
 
     # -------------------------------------------------------- a call's exchanges
-    def begin(self, kind: str, *, timeout_s: float, step: int, digest: int) -> None:
+    def begin(self, kind: str, *, timeout_s: float, step: int, digest: int,
+              microbatches: tuple[int, int] = (0, 0),
+              pipelines: Sequence[Sequence[int]] = ()) -> None:
         """The begin exchange of a call that runs the executor: raises
-        PipelineError when a rank failed before it or the ranks disagree."""
+        PipelineError when a rank failed before it or the ranks disagree.
+        ``microbatches``: (count, digest of their sizes) of this rank's call,
+        which must be the same on every rank of each of ``pipelines`` (global
+        ranks; data-parallel replicas may be given different microbatches)."""
         self.check_usable(kind)
-        outcome = self.exchange(kind, timeout_s=timeout_s, step=step, digest=digest)
+        outcome = self.exchange(kind, timeout_s=timeout_s, step=step, digest=digest,
+                                payload=(*microbatches, 0))
         self.phase = _RUNNING
         self.raise_for(outcome, kind, ended=False)
+        differ = self._microbatch_disagreement(outcome.rows, pipelines)
+        if differ is not None:  # found before any transfer: every rank raises, still in step
+            err = PipelineError(f"{self.name(self.me)}: {kind} not run: {differ}; the ranks "
+                                "are still in step and the pipeline can be called again.",
+                                rank=self.me)
+            err._mpmd_settled = True
+            raise err
+
+    def _microbatch_disagreement(self, table: list[list[int]],
+                                 pipelines: Sequence[Sequence[int]]) -> str | None:
+        p0 = _F["p0"]
+        for ranks in pipelines:
+            rows = {r: table[self.ranks.index(r)] for r in ranks if r in self.ranks}
+            if len({(row[p0], row[p0 + 1]) for row in rows.values()}) > 1:
+                listing = ", ".join(f"{self.name(r)}: {row[p0]} microbatch(es), sizes "
+                                    f"{row[p0 + 1] & (2**64 - 1):016x}"
+                                    for r, row in rows.items())
+                return ("the ranks of one pipeline were given different microbatches (every "
+                        "rank of a pipeline must be given the same microbatch list, or the "
+                        f"same batch: {listing})")
+        return None
 
     def end(self, kind: str, *, timeout_s: float, step: int, digest: int,
             failure: str | None = None, payload: Sequence[int] = (0, 0, 0)) -> Outcome:

@@ -20,7 +20,7 @@ import torch.utils._pytree as pytree
 if TYPE_CHECKING:
     from torch_mpmd.runtime.rank import RankRuntime
 
-__all__ = ["CaptureCache", "capture_key", "describe_key", "unfit"]
+__all__ = ["CaptureCache", "capture_key", "describe_key", "microbatch_misfit", "unfit"]
 
 Capture = tuple["RankRuntime", Any]  # (the rank's runtime, its SplitModel)
 
@@ -118,3 +118,50 @@ def describe_key(sig: tuple | None) -> str:
     frozen = len(trainable) - sum(trainable)
     return (f"[{shapes}] ({'training' if all(modes) else 'eval' if not any(modes) else 'mixed'}"
             f"{f', {frozen} of {len(trainable)} parameters frozen' if frozen else ''})")
+
+
+def microbatch_misfit(runtime: RankRuntime, split: Any, inputs: Sequence[Mapping[str, Any]],
+                      targets: Sequence[Any]) -> str | None:
+    """Why a capture made from the first of a call's explicit microbatches
+    (their named inputs) cannot run them all, naming the microbatch and the
+    values; None when it can. A static capture runs one shape: every
+    microbatch must have the first's input and target shapes. A dynamic one
+    runs every size its guards admit, with the static dims and dtypes of
+    the first."""
+    first = inputs[0]
+    shapes = runtime.model.shapes
+    for i, named in enumerate(inputs[1:], start=1):
+        for name, value in named.items():
+            ref = first.get(name)
+            if not isinstance(value, torch.Tensor) or not isinstance(ref, torch.Tensor):
+                continue
+            if value.dtype != ref.dtype:
+                return (f"microbatch {i}'s input {name!r} is {value.dtype}, microbatch 0's "
+                        f"{ref.dtype}: every microbatch needs the dtypes of the first")
+            if shapes is None and value.shape != ref.shape:
+                return (f"microbatch {i}'s input {name!r} has shape {tuple(value.shape)}, "
+                        f"microbatch 0's {tuple(ref.shape)}: microbatches of different shapes "
+                        "need pipeline(dynamic=True) (one capture for every size), or pad them "
+                        "to one shape")
+            example = shapes.inputs.get(name) if shapes is not None else None
+            if isinstance(example, torch.Tensor):
+                for d, (n, want) in enumerate(zip(value.shape, example.shape)):
+                    if isinstance(want, int) and n != want:
+                        return (f"microbatch {i}'s input {name!r} has size {n} in dim {d}, "
+                                f"where the capture (from microbatch 0) is specialized to "
+                                f"{want}; keep that dim at {want} in every microbatch")
+        if shapes is not None:
+            why = shapes.violation(shapes.key(named))
+            if why is not None:
+                return (f"microbatch {i}'s sizes cannot run on the capture made from "
+                        f"microbatch 0: {why}")
+    if shapes is None and targets and targets[0] is not None:
+        ref = [tuple(t.shape) if isinstance(t, torch.Tensor) else t
+               for t in pytree.tree_leaves(targets[0])]
+        for i, t in enumerate(targets[1:], start=1):
+            got = [tuple(x.shape) if isinstance(x, torch.Tensor) else x
+                   for x in pytree.tree_leaves(t)]
+            if got != ref:
+                return (f"targets[{i}] has shapes {got}, targets[0] {ref}: with dynamic=False "
+                        "every microbatch has the first's shapes")
+    return None

@@ -26,11 +26,12 @@ _OUTPUT_TAG = 0x6D6F  # p2p tag of outputs sent to one rank (the executor's tran
 
 
 def deliver_outputs(rt: RankRuntime, ir: Any, flat: tuple | None, output_rank: int | None,
-                    device: torch.device) -> tuple | None:
-    """The last stage's flat outputs of one microbatch (``flat``, None on other
-    ranks): on every rank (``output_rank`` None), else on ``output_rank`` only
-    (None elsewhere). ``ir``: the capture's graph IR (its output node gives the
-    shapes). Collective over the ranks that take part."""
+                    device: torch.device, mb: int = 0) -> tuple | None:
+    """The last stage's flat outputs of microbatch ``mb`` of the call just run
+    (``flat``, None on other ranks): on every rank (``output_rank`` None), else
+    on ``output_rank`` only (None elsewhere). ``ir``: the capture's graph IR
+    (its output node gives the shapes; a dynamic capture's are evaluated for
+    the microbatch's sizes). Collective over the ranks that take part."""
     if output_rank is not None and rt.rank not in (output_rank, rt.last_rank):
         return None
     out_node = ir.fx_nodes[-1]
@@ -41,7 +42,7 @@ def deliver_outputs(rt: RankRuntime, ir: Any, flat: tuple | None, output_rank: i
         meta = spec.meta.get("example_value") if isinstance(spec, torch.fx.Node) else spec
         if isinstance(meta, torch.Tensor):
             t = (flat[i].detach().contiguous() if flat is not None else
-                 torch.empty(meta.shape, dtype=meta.dtype, device=device))
+                 torch.empty(_concrete_shape(rt, meta, mb), dtype=meta.dtype, device=device))
             if output_rank is None:
                 rt.broadcast_from_last(t, f"model output {i}")
             elif output_rank != rt.last_rank:
@@ -54,6 +55,15 @@ def deliver_outputs(rt: RankRuntime, ir: Any, flat: tuple | None, output_rank: i
         else:
             result.append(spec)
     return tuple(result) if output_rank is None or rt.rank == output_rank else None
+
+
+def _concrete_shape(rt: RankRuntime, meta: torch.Tensor, mb: int) -> tuple[int, ...]:
+    """An output's shape in microbatch ``mb``: the capture's, its symbols
+    bound by the microbatch's sizes (a dynamic capture)."""
+    shapes = rt.model.shapes
+    if shapes is None or all(isinstance(d, int) for d in meta.shape):
+        return tuple(meta.shape)
+    return shapes.expected(meta, shapes.key(rt.runner.inputs[mb]))
 
 
 def _send_output(rt: RankRuntime, t: torch.Tensor, i: int, output_rank: int) -> None:

@@ -141,6 +141,9 @@ class ProgramRunner(StageRunner):
         dynamic = self.shapes is not None  # programs for any sizes: key by rank, dtype
         if dynamic and self._target_fakes:
             self._check_target(inputs[0], leaves)
+            if self._mb_sizes is not None:  # microbatches of their own sizes: each target
+                for k in range(1, len(inputs)):
+                    self._check_target(inputs[k], pytree.tree_leaves(targets[k]), k)
         key = (id(loss_fn), str(spec),
                tuple(((t.dim() if dynamic else tuple(t.shape)), t.dtype)
                      if isinstance(t, torch.Tensor) else repr(t) for t in leaves),
@@ -210,7 +213,8 @@ class ProgramRunner(StageRunner):
             run_backward="B" in kinds, compiler=self.compiler,
             hooks_run_later=self.hooks_run_later)
 
-    def _check_target(self, inputs0: Mapping[str, Any], leaves: Sequence[Any]) -> None:
+    def _check_target(self, inputs0: Mapping[str, Any], leaves: Sequence[Any],
+                      mb: int = 0) -> None:
         """The programs relate the target's sizes to the inputs' as they were at
         capture (shapes.SymbolicShapes.symbolic_like): a target that does not
         follow them is an error here, not a wrong loss."""
@@ -219,7 +223,8 @@ class ProgramRunner(StageRunner):
             want = self.shapes.expected(fake, key)
             if isinstance(t, torch.Tensor) and tuple(t.shape) != want:
                 raise ValueError(
-                    f"target leaf {i} has microbatch shape {tuple(t.shape)}; the stage programs "
+                    f"target leaf {i} has {f'in microbatch {mb} ' if mb else ''}microbatch "
+                    f"shape {tuple(t.shape)}; the stage programs "
                     f"were built for a target of shape {want} with these inputs (its sizes "
                     "follow the inputs' as at capture); keep that relation, or use "
                     "dynamic=False")
@@ -314,14 +319,16 @@ class ProgramRunner(StageRunner):
             raise RuntimeError(f"stage {stage}: no gradient arrived for its output {k}")
         return tangents
 
-    def _send_grads(self, plan: "_StagePlan", by_slot: dict[int, torch.Tensor]
+    def _send_grads(self, plan: "_StagePlan", by_slot: dict[int, torch.Tensor], mb: int
                     ) -> list[list[torch.Tensor]]:
         out = []
         for row in plan.grad_rows:
             grads = []
-            for slot, meta in row:
+            for slot, node, meta in row:
                 g = by_slot.get(slot)
                 if g is None:  # the value did not reach the loss: a zero gradient
+                    if self.mb_meta:  # microbatches of their own sizes
+                        meta = self.meta_of(node, mb)
                     g = torch.zeros(meta.shape, dtype=meta.dtype, device=self.device)
                 grads.append(g)
             out.append(grads)
@@ -340,7 +347,7 @@ class ProgramRunner(StageRunner):
                 by_slot, carry = self._backward(plan.prog, stage, state, tangents, input_only)
         else:
             by_slot, carry = self._backward(plan.prog, stage, state, tangents, input_only)
-        return (self._send_grads(plan, by_slot) if plan.grad_rows else []), carry
+        return (self._send_grads(plan, by_slot, mb) if plan.grad_rows else []), carry
 
     def _backward(self, prog: StagePrograms, stage: int, state: list[torch.Tensor],
                   tangents: list[torch.Tensor], input_only: bool
@@ -417,7 +424,7 @@ class _StagePlan:
     tangent_sources: list[tuple[int, int, int]]  # (consumer, value, tangent position)
     check_tangents: bool               # some tangent has no source: check each step
     loss_tangent: int                  # the loss's tangent position (-1: not the last stage)
-    grad_rows: list[list[tuple[int, torch.Tensor]]]  # per producer: (slot, meta)
+    grad_rows: list[list[tuple[int, int, torch.Tensor]]]  # per producer: (slot, node, meta)
 
     @classmethod
     def build(cls, runner: "ProgramRunner", stage: int) -> "_StagePlan":
@@ -443,5 +450,5 @@ class _StagePlan:
             saved_from=off + prog.num_outputs, zero_tangents=zeros, tangent_sources=sources,
             check_tangents=len(covered - {-1}) < len(prog.tangent_outputs),
             loss_tangent=loss_tangent,
-            grad_rows=[[(st.received_index[v.node], layout.meta[v.node])
+            grad_rows=[[(st.received_index[v.node], v.node, layout.meta[v.node])
                         for v in layout.backward[(p, stage)]] for p in st.producers])

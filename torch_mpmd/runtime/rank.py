@@ -273,10 +273,18 @@ class RankRuntime:
         self.executor = self._executor(self.schedule.to_text())
         self._forward_executor: Any = None
         self._backward_executor: Any = None
-        # A dynamic capture: per step's sizes, the transfer shapes, transport and
-        # executors (see use_shapes); starts at the capture's own sizes.
+        # A dynamic capture: the sizes the transfers are sized for now (see
+        # use_microbatches); starts at the capture's own sizes.
         self._shape_key = model.shapes.hint_key() if model.shapes is not None else None
-        self._by_shape: dict[tuple[int, ...], list[Any]] = {}
+        self._concrete: dict[tuple[int, ...], dict[int, torch.Tensor]] = {}
+        self._mixed = False  # the transport holds per-microbatch specs
+        self._call_microbatches = (0, 0)  # (count, sizes digest): use_microbatches
+        self._fitted: Any = None  # the microbatches use_microbatches fitted last
+        self._schedule_source = schedule
+        self._shard = shards is not None
+        self._reshard_after_forward = reshard_after_forward
+        # Per microbatch count: the schedule and its executors (use_microbatch_count).
+        self._by_count: dict[int, list[Any]] = {}
         self._programs: dict[str, list[list[Action]]] = {}
         self.tied_groups = self._tied_groups()
         _LIVE.add(self)
@@ -290,11 +298,15 @@ class RankRuntime:
             self.ledger.uses(self._groups())
 
     # ------------------------------------------------------------ construction
-    def _compute_kinds(self) -> dict[int, set[str]]:
-        """Per local stage, the names of the compute kinds (F, B, I, W) this
-        rank's program runs."""
-        kinds: dict[int, set[str]] = {s: set() for s in self.local_stages}
-        for action in self.schedule.actions[self.rank]:
+    def _compute_kinds(self, schedule: Schedule | None = None,
+                       rank: int | None = None) -> dict[int, set[str]]:
+        """Per stage of pipeline rank ``rank`` (default this rank), the names
+        of the compute kinds (F, B, I, W) its program runs (in ``schedule``,
+        default the runtime's)."""
+        rank = self.rank if rank is None else rank
+        kinds: dict[int, set[str]] = {s: set() for s in range(self.model.num_stages)
+                                      if self.stage_to_rank[s] == rank}
+        for action in (schedule or self.schedule).actions[rank]:
             if action.is_compute:
                 kinds[action.stage].add(kind_name(action.kind))
         return kinds
@@ -492,9 +504,11 @@ class RankRuntime:
         return (groups + [g for g, _ in getattr(self, "tied_groups", [])] +
                 [g.group for g in (tied.groups if tied is not None else ())])
 
-    def _reduce_order(self, rank: int) -> list[int]:
-        """The stages of pipeline rank ``rank``'s REDUCE_GRAD actions, in program order."""
-        return [a.stage for a in self.schedule.actions[rank] if a.kind == ActionKind.REDUCE_GRAD]
+    def _reduce_order(self, rank: int, schedule: Schedule | None = None) -> list[int]:
+        """The stages of pipeline rank ``rank``'s REDUCE_GRAD actions, in
+        program order (of ``schedule``, default the runtime's)."""
+        return [a.stage for a in (schedule or self.schedule).actions[rank]
+                if a.kind == ActionKind.REDUCE_GRAD]
 
     def _data_parallel(self) -> DataParallel | ShardedStages:
         order = self._reduce_order(self.rank)
@@ -519,7 +533,7 @@ class RankRuntime:
         references (NOTE [Release at exit]); the runtime cannot step afterwards."""
         self.executor = self._forward_executor = self._backward_executor = None
         self.transport = None
-        self._by_shape = {}
+        self._by_count = {}
         if groups:
             self.group = self.dp_group = self.dp = self.tied = None
             self.tied_groups = []
@@ -540,33 +554,107 @@ class RankRuntime:
             self.ledger.raise_for(outcome, "waiting for the other ranks to build their stage "
                                   "programs", ended=False)
 
-    def use_shapes(self, inputs0: Mapping[str, Any]) -> None:
-        """Size every transfer for this step's inputs (first microbatch's named
-        inputs) when the capture is dynamic: each rank evaluates the symbolic
-        shapes itself, no message needed. A no-op for static captures and
-        when the sizes are those of the previous step."""
+    def use_microbatches(self, inputs: Sequence[Mapping[str, Any]]) -> None:
+        """Fit the runtime to a call's microbatches (their named inputs), on
+        every rank alike and before anything is sent: the schedule for their
+        count (:meth:`use_microbatch_count`), and, for a dynamic capture, every
+        transfer's size for their sizes. Each rank evaluates the symbolic
+        shapes itself from the microbatches it is given, so no shape travels
+        (NOTE [Microbatch specs] in csrc/runtime/c10d_transport.h): the
+        transport's edge specs follow the first microbatch, and the
+        microbatches whose sizes differ from it get their own."""
+        if inputs is self._fitted:  # (Pipeline.step fits before building programs)
+            return
+        self._fitted = inputs
+        self.use_microbatch_count(len(inputs))
+        self._call_microbatches = (len(inputs), self.microbatch_digest(inputs))
         shapes = self.model.shapes
         if shapes is None:
             return
-        key = shapes.key(inputs0)
-        if key == self._shape_key:
+        keys = [shapes.key(named) for named in inputs]
+        key = keys[0]
+        if key != self._shape_key:
+            self.layout.meta.update(self._concrete_meta(key))  # the runner reads this dict
+            if self.transport is not None:
+                self.transport.set_specs(self.layout.specs())
+            self.runner.shapes_changed()
+            self._shape_key = key
+        own = {mb: k for mb, k in enumerate(keys) if k != key}
+        self.runner.use_microbatch_shapes(
+            keys if own else None, {mb: self._concrete_meta(k) for mb, k in own.items()})
+        if self.transport is not None and (own or self._mixed):
+            self.transport.set_microbatch_specs(
+                {(p, c, grad, mb): specs for mb, k in own.items()
+                 for (p, c, grad), specs in self.layout.specs_for(self._concrete_meta(k)).items()})
+            self._mixed = bool(own)
+
+    def _concrete_meta(self, key: tuple[int, ...]) -> dict[int, torch.Tensor]:
+        """Node id -> meta tensor of each transferred value for sizes ``key``."""
+        meta = self._concrete.get(key)
+        if meta is None:
+            meta = self._concrete[key] = self.model.shapes.concrete(key)
+        return meta
+
+    def microbatch_digest(self, inputs: Sequence[Mapping[str, Any]]) -> int:
+        """A digest of a call's microbatch count and sizes (nonzero), which the
+        ranks of one pipeline compare in the call's begin exchange: ranks given
+        different microbatches stop there, before any transfer."""
+        shapes = self.model.shapes
+        sizes = [tuple(shapes.key(named)) for named in inputs] if shapes is not None else []
+        h = hashlib.sha256(repr((len(inputs), sizes)).encode()).digest()
+        return _int64(int.from_bytes(h[:8], "little")) or 1
+
+    def use_microbatch_count(self, m: int) -> None:
+        """Run the next calls with ``m`` microbatches: the schedule of that
+        count (built once per count, from the pipeline's schedule name) and its
+        executors. ValueError, on every rank alike, for a count the schedule
+        cannot run or one whose program differs in what the runtime was built
+        for (the compute kinds, the order of gradient reductions)."""
+        current = self.schedule.num_microbatches
+        if m == current:
             return
-        if self._shape_key is not None and self._shape_key not in self._by_shape:
-            self._by_shape[self._shape_key] = [dict(self.layout.meta), self.transport,
-                                              self.executor, self._forward_executor,
-                                              self._backward_executor]
-        cached = self._by_shape.get(key)
+        self._by_count[current] = [self.schedule, self.executor, self._forward_executor,
+                                   self._backward_executor, self._programs]
+        cached = self._by_count.get(m)
         if cached is None:
-            self.layout.meta.update(shapes.concrete(key))
-            self.transport = self._transport() if self.pp_size > 1 else None
-            cached = [dict(self.layout.meta), self.transport,
-                      self._executor(self.schedule.to_text()), None, None]
-            self._by_shape[key] = cached
-        self.layout.meta.update(cached[0])  # the runner reads the same dict
-        (_, self.transport, self.executor, self._forward_executor,
-         self._backward_executor) = cached
-        self.runner.shapes_changed()
-        self._shape_key = key
+            source = self._schedule_source
+            if not (isinstance(source, str) and source in schedule_names()):
+                raise ValueError(
+                    f"this call has {m} microbatches, but the pipeline's schedule is given "
+                    f"for num_microbatches={current} (a Schedule or a file): only a schedule "
+                    "given by name is built for each microbatch count")
+            sched = resolve_schedule(source, pp_size=self.pp_size,
+                                     num_stages=self.model.num_stages, num_microbatches=m,
+                                     edges=self.layout.edges(), shard=self._shard,
+                                     reshard_after_forward=self._reshard_after_forward)
+            self._check_same_program_shape(sched, m)
+            cached = [sched, None, None, None, {}]
+            self._by_count[m] = cached
+        self.schedule, self.executor, self._forward_executor, self._backward_executor, \
+            self._programs = cached
+        if self.executor is None:
+            self.executor = cached[1] = self._executor(self.schedule.to_text())
+
+    def _check_same_program_shape(self, sched: Schedule, m: int) -> None:
+        """The schedule for ``m`` microbatches asks nothing of any rank that
+        its programs, built for the first schedule, lack (checked for every
+        rank, so that all raise alike)."""
+        base = self.schedule
+        for r in range(self.pp_size):
+            built = self._compute_kinds(base, r)
+            extra = {s: sorted(k - built[s]) for s, k in self._compute_kinds(sched, r).items()
+                     if k - built[s]}
+            if extra:
+                raise ValueError(f"schedule '{sched.name}' with {m} microbatches runs "
+                                 f"{extra} on pipeline rank {r}, which its programs for "
+                                 f"{base.num_microbatches} microbatches do not: use a "
+                                 "microbatch count the schedule runs alike")
+            if self._reduce_order(r, sched) != self._reduce_order(r):
+                raise ValueError(f"schedule '{sched.name}' reduces gradients in stage order "
+                                 f"{self._reduce_order(r, sched)} on pipeline rank {r} with "
+                                 f"{m} microbatches, {self._reduce_order(r)} with "
+                                 f"{base.num_microbatches}: use a microbatch count the "
+                                 "schedule runs alike")
 
     @property
     def forward_executor(self) -> Any:
@@ -585,8 +673,8 @@ class RankRuntime:
         return self._backward_executor
 
     def _remember(self, slot: int, executor: Any) -> Any:
-        """Keep a lazily built executor with the current sizes' (use_shapes)."""
-        cached = self._by_shape.get(self._shape_key) if self._shape_key is not None else None
+        """Keep a lazily built executor with its microbatch count's (use_microbatch_count)."""
+        cached = self._by_count.get(self.schedule.num_microbatches)
         if cached is not None:
             cached[slot] = executor
         return executor
@@ -622,7 +710,8 @@ class RankRuntime:
             self.dp.begin_run()
         try:
             if ledger is not None:
-                ledger.begin(kind, timeout_s=self.timeout_s, step=step, digest=self.digest)
+                ledger.begin(kind, timeout_s=self.timeout_s, step=step, digest=self.digest,
+                             microbatches=self._call_microbatches, pipelines=self.replicas)
             if isinstance(self.dp, ShardedStages) and kind != "step":
                 # Forward-only programs carry no UNSHARD: gather every local
                 # stage now, in stage order, so that a rank whose compute fails

@@ -108,11 +108,16 @@ class EdgeLayout:
 
     def specs(self, device: str = "meta") -> dict[tuple[int, int, bool], list[torch.Tensor]]:
         """Transport specs: an empty tensor of each transferred value's shape and dtype."""
+        return self.specs_for(self.meta, device)
+
+    def specs_for(self, meta: Mapping[int, torch.Tensor], device: str = "meta"
+                  ) -> dict[tuple[int, int, bool], list[torch.Tensor]]:
+        """Transport specs for the values' shapes ``meta`` (node id -> tensor)."""
         out: dict[tuple[int, int, bool], list[torch.Tensor]] = {}
         for (p, c), values in self.forward.items():
             for backward, vs in ((False, values), (True, self.backward[(p, c)])):
                 out[(p, c, backward)] = [
-                    torch.empty(self.meta[v.node].shape, dtype=self.meta[v.node].dtype,
+                    torch.empty(meta[v.node].shape, dtype=meta[v.node].dtype,
                                 device=device) for v in vs]
         return out
 
@@ -257,7 +262,12 @@ class StageRunner:
         # training forward (per graph: plain or split) and reused after. Every
         # microbatch of a capture has the same shapes, so the figure is the same
         # each time; the hooks cost a Python call per saved tensor.
-        self._bytes_per_forward: dict[tuple[int, bool], int] = {}
+        self._bytes_per_forward: dict[tuple[int, bool, Any], int] = {}
+        # Explicit microbatches of different sizes (use_microbatch_shapes): each
+        # microbatch's sizes (the saved-bytes key), and the transferred values'
+        # shapes of those that differ from the layout's (their zero gradients).
+        self._mb_sizes: Sequence[Any] | None = None
+        self.mb_meta: dict[int, Mapping[int, torch.Tensor]] = {}
         # NOTE [Seeding only random stages]: whether a stage's forward (and loss)
         # draws random numbers, per (stage, split graph, training), found on its
         # first run by comparing the generators' states around it. A stage that
@@ -316,6 +326,19 @@ class StageRunner:
             s for s, st in self.stages.items()
             if wanted and any(n in wanted for n in st.signature.user_inputs)) if training \
             else frozenset()
+
+    def use_microbatch_shapes(self, sizes: Sequence[Any] | None,
+                              meta: Mapping[int, Mapping[int, torch.Tensor]]) -> None:
+        """The next calls' microbatches differ in size (RankRuntime.use_microbatches):
+        ``sizes``, one hashable per microbatch (None: all alike), and per
+        microbatch that differs from the layout the shapes of its values."""
+        self._mb_sizes = sizes
+        self.mb_meta = dict(meta)
+
+    def meta_of(self, node: int, mb: int) -> torch.Tensor:
+        """The shape and dtype value ``node`` has in microbatch ``mb``."""
+        own = self.mb_meta.get(mb)
+        return own[node] if own is not None else self.layout.meta[node]
 
     def end_step(self) -> None:
         """Drop what a step left behind (after an error, or forward-only runs)."""
@@ -388,7 +411,8 @@ class StageRunner:
             _seed_rng(stage_seed(self.seed, self.step, stage, mb))
             rng_before = _rng_states() if draws is None else None
         module = st.wplan.module if split else st.module
-        measured = self._bytes_per_forward.get((stage, split)) if training else 0
+        size_key = (stage, split, self._mb_sizes[mb] if self._mb_sizes is not None else None)
+        measured = self._bytes_per_forward.get(size_key) if training else 0
         if (measured is not None and torch.is_grad_enabled() == training and
                 not torch.autograd.profiler._is_profiler_enabled):
             # The common case, kept lean: NOTE [Saved-bytes accounting].
@@ -400,7 +424,7 @@ class StageRunner:
                 result = module.forward(*args)
             if measured is None:
                 measured = ctx.saved_bytes(st.module)
-                self._bytes_per_forward[(stage, split)] = measured
+                self._bytes_per_forward[size_key] = measured
         zs: list[torch.Tensor] = []
         xs: list[torch.Tensor] = []
         if split:
@@ -492,7 +516,7 @@ class StageRunner:
                 total[v.node] = g if v.node not in total else total[v.node] + g
         return [total.get(n) for n in saved.root_nodes]
 
-    def _input_grads(self, stage: int, saved: _Saved,
+    def _input_grads(self, stage: int, mb: int, saved: _Saved,
                      grads: Sequence[torch.Tensor | None]) -> list[list[torch.Tensor]]:
         st = self.stages[stage]
         out = []
@@ -501,7 +525,7 @@ class StageRunner:
             for v in self.layout.backward[(p, stage)]:
                 g = grads[st.received_index[v.node]]
                 if g is None:  # the value did not reach the roots: a zero gradient
-                    meta = self.layout.meta[v.node]
+                    meta = self.meta_of(v.node, mb)
                     leaf = saved.leaves[st.received_index[v.node]]
                     g = torch.zeros(meta.shape, dtype=meta.dtype,
                                     device=leaf.device if leaf is not None else None)
@@ -544,7 +568,7 @@ class StageRunner:
         finally:
             if label is not None:
                 label.__exit__(None, None, None)
-        result = (self._input_grads(stage, saved, input_grads) if saved.leaves else
+        result = (self._input_grads(stage, mb, saved, input_grads) if saved.leaves else
                   [[] for _ in self.stages[stage].producers])  # nothing received
         if input_only:  # keep only what W needs: the roots and their gradients
             saved.roots, saved.root_nodes = list(roots), [-1] * len(roots)

@@ -159,7 +159,7 @@ def run_step(rt: "RankRuntime", part: Part, history: CallHistory, device: torch.
     executor = getattr(rt, _EXECUTORS[part.executor])
     rng = None
     if part.begins:
-        rt.use_shapes(inputs[0])
+        rt.use_microbatches(inputs)
         rng = RngState(device)
         rt.runner.begin_step(inputs, targets, loss_fn, rt.seed, history.step,
                              training=part.training, outputs_as_roots=part.outputs_as_roots,

@@ -344,6 +344,33 @@ PYBIND11_MODULE(_runtime, m) {
            "Transport over the process groups named `up_group`/`down_group` (group_name; the "
            "same name twice for gloo). specs: {(producer, consumer, backward): [tensor, ...]} "
            "giving the shape and dtype of each transferred tensor (meta tensors are fine).")
+      .def(
+          "set_specs",
+          [](C10dTransport& self, const py::dict& specs) {
+            EdgeSpecs edge_specs;
+            for (const auto& [key, tensors] : specs) {
+              edge_specs[key.cast<std::tuple<int, int, bool>>()] =
+                  tensors.cast<std::vector<at::Tensor>>();
+            }
+            self.setSpecs(std::move(edge_specs));
+          },
+          py::arg("specs"),
+          "Replace the edge specs (same form as the constructor's), between runs: a step whose "
+          "sizes differ from the last (NOTE [Microbatch specs] in c10d_transport.h).")
+      .def(
+          "set_microbatch_specs",
+          [](C10dTransport& self, const py::dict& specs) {
+            MicrobatchSpecs mb_specs;
+            for (const auto& [key, tensors] : specs) {
+              mb_specs[key.cast<std::tuple<int, int, bool, int>>()] =
+                  tensors.cast<std::vector<at::Tensor>>();
+            }
+            self.setMicrobatchSpecs(std::move(mb_specs));
+          },
+          py::arg("specs"),
+          "Per-microbatch specs {(producer, consumer, backward, microbatch): [tensor, ...]} "
+          "overriding the edge's for those microbatches until the next call ({} clears them), "
+          "set between runs (NOTE [Microbatch specs] in c10d_transport.h).")
       .def_property_readonly("rank", &C10dTransport::rank);
 
   m.def("keep_until_exit", [](const std::string& group_name) {

@@ -1,0 +1,190 @@
+"""Ranks of tests/test_microbatches.py: explicit microbatches of different
+lengths (``step(microbatches=[(args, kwargs), ...], targets=[...])``) against
+one process computing the same microbatches.
+
+A small language model (embedding, four tanh layers, head) on token
+sequences, each microbatch of its own length, so every activation and
+gradient crossing a stage has the microbatch's own shape. The reference is
+the loss contract computed in one process: the mean over microbatches of the
+per-microbatch loss (scalar loss_fn), or the sum of token losses over the
+token count (a ``(sum, count)`` loss_fn). Per case: a step against the
+reference (loss, every gradient), a second step with another mix and another
+microbatch count, eval_step and the forward call with microbatches, and a
+run of 20 mixes that must reuse the one capture and the one set of programs.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+import torch_mpmd as mpmd
+from dist_harness import run_grid
+from optim_replay import full
+
+V, D = 32, 16
+RTOL, ATOL = 1e-5, 1e-6
+
+
+class LM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(V, D)
+        self.layers = nn.ModuleList(nn.Linear(D, D) for _ in range(4))
+        self.head = nn.Linear(D, V)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.emb(x)
+        for layer in self.layers:
+            h = torch.tanh(layer(h))
+        return self.head(h)
+
+
+def mean_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
+
+
+def token_loss(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    total = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100,
+                            reduction="sum")
+    return total, (labels != -100).sum()
+
+
+def microbatches(lengths: list[int], seed: int, rows: int = 2
+                 ) -> tuple[list[tuple[tuple, dict]], list[torch.Tensor]]:
+    """One microbatch of ``rows`` sequences per length; the labels mask the
+    last position of each row (-100), so token counts differ too."""
+    g = torch.Generator().manual_seed(seed)
+    mbs, targets = [], []
+    for n in lengths:
+        x = torch.randint(0, V, (rows, n), generator=g)
+        y = torch.randint(0, V, (rows, n), generator=g)
+        y[:, -1] = -100
+        mbs.append(((x,), {}))
+        targets.append(y)
+    return mbs, targets
+
+
+def reference(model: nn.Module, mbs: list, targets: list, loss_fn: Any) -> torch.Tensor:
+    """The loss contract in one process, with its gradients in ``model``."""
+    model.zero_grad()
+    if loss_fn is token_loss:
+        pairs = [token_loss(model(*a, **k), t) for (a, k), t in zip(mbs, targets)]
+        loss = sum(s for s, _ in pairs) / sum(int(n) for _, n in pairs)
+    else:
+        loss = sum(mean_loss(model(*a, **k), t) for (a, k), t in zip(mbs, targets)) / len(mbs)
+    loss.backward()
+    return loss.detach()
+
+
+def _diff(got: torch.Tensor | None, want: torch.Tensor | None) -> float:
+    """max |got - want| scaled so that <= 1 is within tolerance; inf when missing."""
+    if got is None or want is None or got.shape != want.shape:
+        return float("inf")
+    got, want = got.detach().double(), want.detach().double()
+    return float(((got - want).abs() / (ATOL + RTOL * want.abs())).max())
+
+
+def _compare(pipe: Any, ref: nn.Module, loss: torch.Tensor, want: torch.Tensor
+             ) -> dict[str, Any]:
+    ref_grads = {n: p.grad for n, p in ref.named_parameters()}
+    return {"loss": _diff(loss, want),
+            "grads": {n: _diff(full(p.grad), ref_grads[n]) for n, p in pipe.named_parameters()}}
+
+
+# Mixes of lengths (each length a microbatch); the first two are compared
+# with one process, the rest only run (the compile count).
+FIRST = [7, 3, 12, 5]
+SECOND = [4, 9, 2, 6, 11, 3]
+
+
+def train(case: dict[str, Any]) -> dict[str, Any]:
+    loss_fn = token_loss if case.get("loss") == "token" else mean_loss
+    torch.manual_seed(0)
+    model = LM()
+    ref = copy.deepcopy(model)
+    spr = case.get("spr", 1)
+    splits = ["layers.2"] if spr == 1 else ["layers.1", "layers.2", "layers.3"]
+    pipe = mpmd.pipeline(model, loss_fn=loss_fn, schedule=case["schedule"],
+                         num_microbatches=len(FIRST), split_points=splits, dynamic=True,
+                         compile=case.get("compile", False))
+    res: dict[str, Any] = {}
+    mbs, targets = microbatches(FIRST, seed=1)
+    want = reference(ref, mbs, targets, loss_fn)
+    res["first"] = _compare(pipe, ref, pipe.step(microbatches=mbs, targets=targets), want)
+    res["local"] = [n for n, _ in pipe.named_parameters()]  # (captured: this rank's)
+    view = pipe.inspect()
+    res["functional"] = view.uses_programs
+    programs = {s: id(p) for s, p in view.programs.items()}
+    # Another mix, and another microbatch count (the schedule for 6).
+    pipe.zero_grad()
+    mbs, targets = microbatches(SECOND, seed=2)
+    want = reference(ref, mbs, targets, loss_fn)
+    res["second"] = _compare(pipe, ref, pipe.step(microbatches=mbs, targets=targets), want)
+    with torch.no_grad():
+        res["eval"] = _diff(pipe.eval_step(microbatches=mbs, targets=targets), want)
+        outs = pipe(microbatches=mbs)
+        res["outputs"] = max(_diff(o, ref(*a, **k)) for o, (a, k) in zip(outs, mbs))
+        res["output_shapes"] = [list(o.shape) for o in outs]
+    # Twenty mixes more: one capture, the same programs.
+    g = torch.Generator().manual_seed(5)
+    for i in range(case.get("mixes", 20)):
+        count = 4 + i % 3
+        lengths = torch.randint(2, 16, (count,), generator=g).tolist()
+        mbs, targets = microbatches(lengths, seed=10 + i)
+        pipe.step(microbatches=mbs, targets=targets)
+    view = pipe.inspect()
+    res["captures"] = view.captures
+    res["same_programs"] = {s: id(p) for s, p in view.programs.items()} == programs
+    return res
+
+
+def errors(case: dict[str, Any]) -> dict[str, Any]:
+    """Each bad input: the error's type and message on this rank (None: no error)."""
+    out: dict[str, Any] = {}
+
+    def attempt(name: str, fn: Any) -> None:
+        try:
+            fn()
+            out[name] = None
+        except Exception as e:  # noqa: BLE001 (the test reads the type and message)
+            out[name] = f"{type(e).__name__}: {e}"
+
+    def fresh(**settings: Any) -> Any:
+        torch.manual_seed(0)
+        return mpmd.pipeline(LM(), loss_fn=mean_loss, num_microbatches=4, timeout=30,
+                             **{"schedule": "1f1b", "dynamic": True,
+                                "split_points": ["layers.2"], **settings})
+
+    mbs, targets = microbatches(FIRST, seed=1)
+    # Different shapes on a static capture (first: Dynamo would otherwise
+    # remember the dynamic captures below for this forward).
+    attempt("static", lambda: fresh(dynamic=False).step(microbatches=mbs, targets=targets))
+    # Ranks given lists of different lengths (rank 1 drops the last microbatch).
+    rank = dist.get_rank()
+    mine = mbs if rank == 0 else mbs[:-1]
+    attempt("ranks_differ", lambda: fresh().step(microbatches=mine,
+                                                 targets=targets[:len(mine)]))
+    # A count the schedule cannot run: dualpipev needs m >= 2 * pp.
+    attempt("too_few", lambda: fresh(schedule="dualpipev", split_points=[
+        "layers.1", "layers.2", "layers.3"]).step(microbatches=mbs[:3], targets=targets[:3]))
+    # Malformed entries, targets of another count, a batch beside the list.
+    pipe = fresh()
+    attempt("entry", lambda: pipe.step(microbatches=[mbs[0][0][0]], targets=targets[:1]))
+    attempt("targets", lambda: pipe.step(microbatches=mbs, targets=targets[:2]))
+    attempt("both", lambda: pipe.step(mbs[0][0][0], microbatches=mbs, targets=targets))
+    # A microbatch whose target does not hold its samples.
+    attempt("target_rows", lambda: pipe.step(microbatches=mbs,
+                                             targets=[targets[0][:1], *targets[1:]]))
+    # The pipeline still steps after the local errors.
+    attempt("after", lambda: pipe.step(microbatches=mbs, targets=targets))
+    return out
+
+
+def grid(cases: list[dict[str, Any]]) -> dict[str, Any]:
+    return run_grid(cases, {"train": train, "errors": errors})

@@ -1,0 +1,61 @@
+"""Explicit microbatches of different lengths (``step(microbatches=[...],
+targets=[...])``): each schedule's step equals one process computing the same
+microbatches (losses, every gradient), with FX and Inductor programs, with a
+microbatch count that changes between steps; eval_step and the forward call
+take them too; twenty mixes of lengths reuse one capture and one set of
+programs; bad input is a clear error before any transfer
+(tests/microbatch_worker.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from dist_harness import GridRun
+
+SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("looped_bfs", 2),
+             ("zero_bubble", 1), ("zbv", 2), ("dualpipev", 2)]
+CASES = ([dict(id=f"fx-{s}", kind="train", schedule=s, spr=spr,
+               mixes=20 if s == "1f1b" else 3) for s, spr in SCHEDULES]
+         + [dict(id="fx-token-zero_bubble", kind="train", schedule="zero_bubble", loss="token",
+                 mixes=3),
+            dict(id="inductor-zero_bubble", kind="train", schedule="zero_bubble", compile=True,
+                 mixes=20),
+            dict(id="errors", kind="errors")])
+_GRID = GridRun(2, "microbatch_worker:grid", CASES, task="microbatches", timeout=900)
+
+
+@pytest.mark.parametrize("case", [c["id"] for c in CASES if c["kind"] == "train"])
+def test_microbatches_of_different_lengths_equal_one_process(case):
+    held = set()
+    for rank, r in enumerate(_GRID.results(case)):
+        held |= set(r["local"])
+        for step in ("first", "second"):
+            assert r[step]["loss"] <= 1, f"rank {rank} {step}: loss off by {r[step]['loss']}"
+            assert r[step]["grads"], f"rank {rank} holds no parameter"
+            bad = {n: d for n, d in r[step]["grads"].items() if d > 1}
+            assert not bad, f"rank {rank} {step}: gradients off (inf: missing): {bad}"
+        assert r["eval"] <= 1, f"rank {rank}: eval_step's loss off by {r['eval']}"
+        assert r["outputs"] <= 1, f"rank {rank}: outputs off by {r['outputs']}"
+        assert [s[1] for s in r["output_shapes"]] == [4, 9, 2, 6, 11, 3], r["output_shapes"]
+        assert r["functional"], f"rank {rank}: ran under autograd, not stage programs"
+        assert r["captures"] == 1, f"rank {rank}: {r['captures']} captures"
+        assert r["same_programs"], f"rank {rank}: the stage programs were built again"
+    assert len(held) == 11, sorted(held)
+
+
+def test_bad_microbatches_are_clear_errors_on_every_rank():
+    for rank, r in enumerate(_GRID.results("errors")):
+        assert r["ranks_differ"] and "given different microbatches" in r["ranks_differ"], \
+            (rank, r["ranks_differ"])
+        assert r["ranks_differ"].startswith("PipelineError"), r["ranks_differ"]
+        assert r["too_few"] and "num_microbatches=3 must be >= 2 * num_ranks=2" in \
+            r["too_few"], (rank, r["too_few"])
+        assert r["static"] and "need pipeline(dynamic=True)" in r["static"], r["static"]
+        assert r["entry"] and "microbatches[0] is a Tensor" in r["entry"], r["entry"]
+        assert r["targets"] and "targets= has 2 entries for 4 microbatches" in r["targets"], \
+            r["targets"]
+        assert r["both"] and "together with a batch (positional arguments)" in r["both"], \
+            r["both"]
+        assert r["target_rows"] and "microbatch 0: target has batch size 1" in \
+            r["target_rows"], r["target_rows"]
+        assert r["after"] is None, r["after"]
