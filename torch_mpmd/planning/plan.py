@@ -1,0 +1,314 @@
+"""Plans: the planner's choice (schedule, microbatches, stages per rank, split, recompute) and why.
+
+``plan_from_sheet`` runs the C++ search (csrc/core/planner.h) on a
+``CostSheet`` and returns a ``Plan``: the fields ``pipeline()`` takes
+(``schedule``, ``num_microbatches``, ``stages_per_rank``, ``split_points``:
+the names of the units where stages 1.. start) plus ``recompute`` per stage
+and the predictions (``predicted_step_s``, ``predicted_peak_bytes`` per rank),
+all simulated, never measured. ``evaluate_plan`` predicts a plan the caller
+fixes (a published configuration, a hand-edited plan).
+
+Contract: ``Plan.from_json(plan.to_json()) == plan``; the search record
+(``plan.search``: the top candidates, the rejected ones, the counts) travels
+with the plan for ``describe()`` and in its JSON but takes no part in
+equality. Errors are ``ValueError`` naming the values: a bad sheet, a
+constraint no schedule takes, a split naming no unit, and, when nothing fits
+the memory limit, the smallest predicted peak, the limit and the plan that
+gave it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Optional, Union
+
+from torch_mpmd import _C
+from torch_mpmd.planning.sheet import CostSheet
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+__all__ = ["Candidate", "Plan", "Rejected", "SearchRecord", "evaluate_plan", "plan_from_sheet"]
+
+_GIB = float(1 << 30)
+
+
+def _gib(nbytes: float) -> str:
+    return f"{nbytes / _GIB:.2f} GiB"
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One candidate the search kept: its fields and predictions."""
+
+    schedule: str
+    stages_per_rank: int
+    num_microbatches: int
+    split_points: tuple[str, ...]
+    recompute: tuple[bool, ...]
+    predicted_step_s: float
+    predicted_peak_bytes: tuple[float, ...]
+    comm_aware_split: bool = False
+
+
+@dataclass(frozen=True)
+class Rejected:
+    """A candidate that lost for a reason other than its time (``step_s``: None if never simulated)."""
+
+    schedule: str
+    stages_per_rank: int
+    num_microbatches: int
+    reason: str
+    step_s: Optional[float] = None
+    max_peak_bytes: float = 0.0
+
+
+@dataclass(frozen=True)
+class SearchRecord:
+    """What the search saw: its best candidates, the rejected, the counts and its time."""
+
+    top: tuple[Candidate, ...] = ()
+    rejected: tuple[Rejected, ...] = ()
+    candidates: int = 0
+    simulations: int = 0
+    search_s: float = 0.0
+    memory_limit: float = 0.0
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A pipeline plan and its simulated predictions; see the module docstring."""
+
+    schedule: str
+    num_microbatches: int
+    stages_per_rank: int
+    split_points: tuple[str, ...]
+    recompute: tuple[bool, ...]
+    predicted_step_s: float
+    predicted_peak_bytes: tuple[float, ...]
+    search: Optional[SearchRecord] = field(default=None, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "split_points", tuple(self.split_points))
+        object.__setattr__(self, "recompute", tuple(bool(r) for r in self.recompute))
+        object.__setattr__(self, "predicted_peak_bytes", tuple(float(b) for b in self.predicted_peak_bytes))
+        stages = len(self.split_points) + 1
+        if len(self.recompute) != stages:
+            raise ValueError(f"recompute has {len(self.recompute)} flags for {stages} stages "
+                             f"(split_points={list(self.split_points)})")
+
+    # -- JSON -------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "search"}
+        out["split_points"] = list(self.split_points)
+        out["recompute"] = list(self.recompute)
+        out["predicted_peak_bytes"] = list(self.predicted_peak_bytes)
+        if self.search is not None:
+            out["search"] = dataclasses.asdict(self.search)
+        return out
+
+    def to_json(self, path: Optional[PathLike] = None) -> str:
+        """The plan as JSON text (with its search record); also written to ``path`` when given."""
+        text = json.dumps(self.to_dict(), indent=1)
+        if path is not None:
+            with open(path, "w") as f:
+                f.write(text + "\n")
+        return text
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "Plan":
+        if not isinstance(data, Mapping):
+            raise ValueError(f"a plan is a JSON object, got {type(data).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown key {unknown[0]!r} in the plan; known: {', '.join(sorted(known))}")
+        missing = sorted(known - set(data) - {"search"})
+        if missing:
+            raise ValueError(f"the plan has no {missing[0]!r}")
+        values = dict(data)
+        search = values.pop("search", None)
+        if search is not None:
+            search = SearchRecord(
+                top=tuple(Candidate(**{**c, "split_points": tuple(c["split_points"]),
+                                       "recompute": tuple(c["recompute"]),
+                                       "predicted_peak_bytes": tuple(c["predicted_peak_bytes"])})
+                          for c in search.get("top", ())),
+                rejected=tuple(Rejected(**r) for r in search.get("rejected", ())),
+                **{k: v for k, v in search.items() if k not in ("top", "rejected")})
+        return cls(**values, search=search)
+
+    @classmethod
+    def from_json(cls, text_or_path: Union[str, "os.PathLike[str]"]) -> "Plan":
+        """A plan from JSON text, or from the file at a path."""
+        text = str(text_or_path)
+        if isinstance(text_or_path, os.PathLike) or not text.lstrip().startswith("{"):
+            with open(text_or_path) as f:
+                text = f.read()
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"the plan is not valid JSON: {e}") from None
+        return cls.from_dict(data)
+
+    # -- text -------------------------------------------------------------
+    def describe(self) -> str:
+        """The plan, the top candidates and why the winner won (all simulated)."""
+        peaks = ", ".join(_gib(b) for b in self.predicted_peak_bytes)
+        rec = [s for s, r in enumerate(self.recompute) if r]
+        lines = [
+            f"plan (simulated): {self.schedule}, stages_per_rank={self.stages_per_rank}, "
+            f"num_microbatches={self.num_microbatches}",
+            f"  split_points: {_short(self.split_points)}",
+            f"  recompute: {'stages ' + ', '.join(map(str, rec)) if rec else 'none'}",
+            f"  predicted step: {self.predicted_step_s:.4g} s",
+            f"  predicted peak per rank: {peaks}",
+        ]
+        search = self.search
+        if search is None:
+            return "\n".join(lines)
+        limit = f"memory_limit {_gib(search.memory_limit)}" if search.memory_limit else "no memory limit"
+        rate = search.candidates / search.search_s if search.search_s > 0 else math.inf
+        lines.append(f"search: {search.candidates} candidates, {search.simulations} simulated, "
+                     f"{search.search_s * 1e3:.1f} ms ({rate:,.0f} candidates/s), {limit}")
+        if search.top:
+            lines.append("top candidates (least predicted step under the limit wins):")
+            lines.append(f"  {'#':>2} {'schedule':<17} {'v':>2} {'m':>5} {'step s':>10} {'vs best':>8} "
+                         f"{'max peak':>11} {'recompute':>9}  split")
+            best = search.top[0].predicted_step_s
+            for i, c in enumerate(search.top, 1):
+                ratio = c.predicted_step_s / best if best > 0 else 1.0
+                lines.append(
+                    f"  {i:>2} {c.schedule:<17} {c.stages_per_rank:>2} {c.num_microbatches:>5} "
+                    f"{c.predicted_step_s:>10.4g} {ratio:>7.3f}x {_gib(max(c.predicted_peak_bytes)):>11} "
+                    f"{sum(c.recompute):>4}/{len(c.recompute):<4}  "
+                    f"{'comm-aware ' if c.comm_aware_split else ''}{_short(c.split_points)}")
+        faster = [r for r in search.rejected if r.step_s is not None]
+        invalid = [r for r in search.rejected if r.step_s is None]
+        if faster:
+            lines.append("faster, but over the memory limit (rejected):")
+            for r in faster:
+                lines.append(f"  {r.schedule} v={r.stages_per_rank} m={r.num_microbatches}: "
+                             f"{r.step_s:.4g} s; {r.reason}")
+        if invalid:
+            lines.append("not valid for this pipeline (rejected):")
+            for r in invalid:
+                lines.append(f"  {r.schedule} v={r.stages_per_rank}: {r.reason}")
+        return "\n".join(lines)
+
+
+def _short(names: Sequence[str], keep: int = 6) -> str:
+    if len(names) <= keep:
+        return "[" + ", ".join(names) + "]"
+    return "[" + ", ".join(names[:keep]) + f", ... ({len(names)} cuts)]"
+
+
+def _as_list(what: str, value: object, kind: type) -> list:
+    if value is None:
+        return []
+    if isinstance(value, kind):
+        return [value]
+    if isinstance(value, Iterable) and not isinstance(value, (str, bytes)):
+        out = list(value)
+        if all(isinstance(x, kind) and not isinstance(x, bool) for x in out):
+            return out
+    raise ValueError(f"{what}={value!r} must be a {kind.__name__} or a list of them")
+
+
+def _candidate(sheet: CostSheet, c: _C.PlanCandidate) -> Candidate:
+    return Candidate(
+        schedule=c.schedule,
+        stages_per_rank=c.stages_per_rank,
+        num_microbatches=c.num_microbatches,
+        split_points=tuple(sheet.units[i].name for i in c.stage_starts[1:]),
+        recompute=tuple(c.recompute),
+        predicted_step_s=c.step_seconds,
+        predicted_peak_bytes=tuple(c.peak_bytes),
+        comm_aware_split=c.comm_aware_split,
+    )
+
+
+def _plan(c: Candidate, search: Optional[SearchRecord]) -> Plan:
+    return Plan(schedule=c.schedule, num_microbatches=c.num_microbatches,
+                stages_per_rank=c.stages_per_rank, split_points=c.split_points,
+                recompute=c.recompute, predicted_step_s=c.predicted_step_s,
+                predicted_peak_bytes=c.predicted_peak_bytes, search=search)
+
+
+def plan_from_sheet(
+    sheet: CostSheet,
+    *,
+    memory_limit: Optional[float] = None,
+    schedules: Union[None, str, Sequence[str]] = None,
+    num_microbatches: Union[None, int, Sequence[int]] = None,
+    stages_per_rank: Union[None, int, Sequence[int]] = None,
+    recompute: bool = True,
+    top_k: int = 5,
+) -> Plan:
+    """The plan with the least simulated step whose predicted peak fits.
+
+    ``memory_limit`` (bytes per rank; 0 for none) overrides the sheet's.
+    ``schedules``, ``num_microbatches`` and ``stages_per_rank`` restrict the
+    search to the given values (one or a list); ``recompute=False`` never
+    recomputes. ``top_k`` candidates are kept for ``describe()``.
+    """
+    if not isinstance(sheet, CostSheet):
+        raise ValueError(f"sheet must be a CostSheet, got {type(sheet).__name__}")
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
+        raise ValueError(f"top_k={top_k!r} must be an int >= 1")
+    options = _C.SearchOptions()
+    options.schedules = _as_list("schedules", schedules, str)
+    options.microbatch_counts = _as_list("num_microbatches", num_microbatches, int)
+    options.stages_per_rank = _as_list("stages_per_rank", stages_per_rank, int)
+    options.allow_recompute = bool(recompute)
+    options.top_k = top_k
+    cpp = sheet.to_cpp(memory_limit)
+    result = _C.plan_pipeline(cpp, options)
+    search = SearchRecord(
+        top=tuple(_candidate(sheet, c) for c in result.top),
+        rejected=tuple(Rejected(r.schedule, r.stages_per_rank, r.num_microbatches, r.reason,
+                                None if math.isnan(r.step_seconds) else r.step_seconds,
+                                r.max_peak_bytes) for r in result.rejected),
+        candidates=result.candidates,
+        simulations=result.simulations,
+        search_s=result.search_seconds,
+        memory_limit=cpp.memory_limit,
+    )
+    return _plan(_candidate(sheet, result.best), search)
+
+
+def evaluate_plan(
+    sheet: CostSheet,
+    schedule: str,
+    *,
+    num_microbatches: int,
+    stages_per_rank: Optional[int] = None,
+    split_points: Optional[Sequence[str]] = None,
+    recompute: Optional[Sequence[bool]] = None,
+) -> Plan:
+    """The simulated step and peak of one plan the caller fixes (no limit applied).
+
+    ``split_points``: unit names where stages 1.. start (``None``: the
+    min-max split on F + I + W); ``stages_per_rank``: ``None`` takes 2 for
+    the V schedules, else 1; ``recompute``: per stage (``None``: none).
+    """
+    if not isinstance(sheet, CostSheet):
+        raise ValueError(f"sheet must be a CostSheet, got {type(sheet).__name__}")
+    v = stages_per_rank if stages_per_rank is not None else (2 if schedule in ("zbv", "dualpipev") else 1)
+    stages = sheet.pp_size * v
+    if split_points is None:
+        weights = [u.forward + u.backward_input + u.backward_weight for u in sheet.units]
+        starts = list(_C.min_max_split(weights, stages))
+    else:
+        names = list(split_points)
+        if len(names) != stages - 1:
+            raise ValueError(f"split_points has {len(names)} names; pp_size={sheet.pp_size} x "
+                             f"stages_per_rank={v} stages need {stages - 1}")
+        starts = [0] + [sheet.index_of(n) for n in names]
+    flags = [bool(r) for r in recompute] if recompute is not None else []
+    c = _C.evaluate_plan(sheet.to_cpp(), schedule, v, num_microbatches, starts, flags)
+    return _plan(_candidate(sheet, c), None)
