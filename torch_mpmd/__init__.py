@@ -5,7 +5,8 @@ only the compiled ``torch_mpmd._C`` extension. The torch-dependent names
 (``pipeline``, ``Pipeline``, ``PipelineConfig``, ``PipelineError``,
 ``Replicate``, ``pipeline_of``, ``stage_boundary``, ``split_model``,
 ``SplitModel``, ``CaptureError``, ``pack``, ``document_mask``) and modules
-(``checkpoint``, ``trace``, ``packing``) are imported on first access.
+(``checkpoint``, ``trace``, ``packing``) are imported on first access, and so is
+``planning`` (plans from a cost sheet; it needs only ``_C``).
 """
 
 import atexit
@@ -18,7 +19,7 @@ from torch_mpmd import schedules
 __version__ = "0.1.0"
 
 # Public name -> module that defines it; imported lazily (they need torch).
-_SUBMODULES = ("checkpoint", "trace", "packing")  # imported on first access (they need torch)
+_SUBMODULES = ("checkpoint", "trace", "packing", "planning")  # imported on first access
 
 _LAZY = {
     "stage_boundary": "torch_mpmd.graph.markers",
@@ -35,7 +36,7 @@ _LAZY = {
     "document_mask": "torch_mpmd.packing",
 }
 
-__all__ = ["__version__", "schedules", "checkpoint", "trace", "packing", "pack", "document_mask", "pipeline", "Pipeline", "PipelineConfig", "PipelineError",
+__all__ = ["__version__", "schedules", "checkpoint", "trace", "packing", "planning", "pack", "document_mask", "pipeline", "Pipeline", "PipelineConfig", "PipelineError",
            "Replicate", "pipeline_of",
            "stage_boundary", "split_model", "SplitModel", "CaptureError"]
 
