@@ -131,6 +131,7 @@ class CostModel:
     comm_bandwidth: float
     message_bytes: float
     stage_output_bytes: list[float]
+    microbatch_scale: list[float]
     def __init__(self) -> None: ...
 
 class SimulationResult:

@@ -6,7 +6,9 @@ only the compiled ``torch_mpmd._C`` extension. The torch-dependent names
 ``Replicate``, ``pipeline_of``, ``stage_boundary``, ``split_model``,
 ``SplitModel``, ``CaptureError``, ``pack``, ``document_mask``) and modules
 (``checkpoint``, ``trace``, ``packing``) are imported on first access, and so is
-``planning`` (plans from a cost sheet; it needs only ``_C``).
+``planning`` (plans from a cost sheet; it needs only ``_C``) and ``ordering``
+(``microbatch_order``, ``microbatch_sizes``: an order of microbatches of
+different sizes that shortens the step).
 """
 
 import atexit
@@ -19,7 +21,7 @@ from torch_mpmd import schedules
 __version__ = "0.1.0"
 
 # Public name -> module that defines it; imported lazily (they need torch).
-_SUBMODULES = ("checkpoint", "trace", "packing", "planning")  # imported on first access
+_SUBMODULES = ("checkpoint", "trace", "packing", "planning", "ordering")  # imported on first access
 
 _LAZY = {
     "stage_boundary": "torch_mpmd.graph.markers",
@@ -34,9 +36,12 @@ _LAZY = {
     "pipeline_of": "torch_mpmd.compile.door",
     "pack": "torch_mpmd.packing",
     "document_mask": "torch_mpmd.packing",
+    "microbatch_order": "torch_mpmd.ordering",
+    "microbatch_sizes": "torch_mpmd.ordering",
 }
 
-__all__ = ["__version__", "schedules", "checkpoint", "trace", "packing", "planning", "pack", "document_mask", "pipeline", "Pipeline", "PipelineConfig", "PipelineError",
+__all__ = ["__version__", "schedules", "checkpoint", "trace", "packing", "planning", "ordering", "pack", "document_mask",
+           "microbatch_order", "microbatch_sizes", "pipeline", "Pipeline", "PipelineConfig", "PipelineError",
            "Replicate", "pipeline_of",
            "stage_boundary", "split_model", "SplitModel", "CaptureError"]
 

@@ -13,11 +13,12 @@ namespace mpmd {
 double CostModel::computeCost(const Action& action) const {
   const KindCosts& c =
       static_cast<size_t>(action.stage) < stage_costs.size() ? stage_costs[action.stage] : costs;
+  const double scale = microbatchScale(action.microbatch);  // NOTE [Microbatch costs]
   switch (action.kind) {
-    case ActionKind::Forward: return c.forward;
-    case ActionKind::FullBackward: return c.backward;
-    case ActionKind::BackwardInput: return c.backward_input;
-    case ActionKind::BackwardWeight: return c.backward_weight;
+    case ActionKind::Forward: return c.forward * scale;
+    case ActionKind::FullBackward: return c.backward * scale;
+    case ActionKind::BackwardInput: return c.backward_input * scale;
+    case ActionKind::BackwardWeight: return c.backward_weight * scale;
     case ActionKind::ReduceGrad: return c.reduce_grad;
     case ActionKind::Unshard: return c.unshard;
     case ActionKind::Reshard: return c.reshard;
@@ -29,9 +30,10 @@ double CostModel::transferTime(const Action& send) const {
   // Activations are the producer's output; gradients are the consumer's
   // input gradient, the same size as the producer's output.
   const int producer = send.kind == ActionKind::SendF ? send.stage : send.peer_stage;
-  const double bytes = static_cast<size_t>(producer) < stage_output_bytes.size()
-                           ? stage_output_bytes[producer]
-                           : message_bytes;
+  const double bytes = (static_cast<size_t>(producer) < stage_output_bytes.size()
+                            ? stage_output_bytes[producer]
+                            : message_bytes) *
+                       microbatchScale(send.microbatch);
   return comm_latency + (comm_bandwidth > 0.0 ? bytes / comm_bandwidth : 0.0);
 }
 
@@ -101,10 +103,10 @@ struct CostTable {
     for (int st = 0; st < num_stages; ++st) {
       for (int k = 0; k < kNumActionKinds; ++k) {
         compute[static_cast<size_t>(st) * kNumActionKinds + k] =
-            model.computeCost(Action{st, static_cast<ActionKind>(k), 0, -1});
+            model.computeCost(Action{st, static_cast<ActionKind>(k), -1, -1});  // unscaled
       }
-      const Action send{st, ActionKind::SendF, 0, st + 1};  // producer is `st`
-      transfer_time[st] = model.transferTime(send);
+      const Action send{st, ActionKind::SendF, -1, st + 1};  // producer is `st`, unscaled
+      transfer_time[st] = model.transferTime(send) - model.comm_latency;
       transfer_bytes[st] = messageBytes(model, send);
     }
   }
@@ -208,9 +210,10 @@ SimulationResult simulate(const Schedule& s, const CostModel& model, bool record
         if (slot.arrival < 0.0) {
           // A valid slot has both stages in range.
           const int producer = a.kind == ActionKind::SendF ? a.stage : a.peer_stage;
-          slot.arrival = t + table.transfer_time[producer];
+          const double scale = model.microbatchScale(a.microbatch);  // NOTE [Microbatch costs]
+          slot.arrival = t + model.comm_latency + table.transfer_time[producer] * scale;
           result.messages += 1;
-          result.comm_bytes += table.transfer_bytes[producer];
+          result.comm_bytes += table.transfer_bytes[producer] * scale;
           if (slot.waiter >= 0) {
             runnable.push_back(slot.waiter);
             // Ranks resume often and out of the cache: fetch where it resumes.
@@ -223,9 +226,11 @@ SimulationResult simulate(const Schedule& s, const CostModel& model, bool record
         // Unvalidated input may name a stage out of range: cost it as
         // computeCost does, with no gather to wait for.
         const bool known = static_cast<size_t>(a.stage) < num_stages;
-        const double cost = known ? table.compute[static_cast<size_t>(a.stage) * kNumActionKinds +
-                                                  static_cast<size_t>(a.kind)]
-                                  : model.computeCost(a);
+        const double cost =
+            known ? table.compute[static_cast<size_t>(a.stage) * kNumActionKinds +
+                                  static_cast<size_t>(a.kind)] *
+                        (isCompute(a.kind) ? model.microbatchScale(a.microbatch) : 1.0)
+                  : model.computeCost(a);
         t += overhead;
         if (a.kind == ActionKind::Unshard || a.kind == ActionKind::ReduceGrad) {
           // Issued at t, run on the collective stream; the rank goes on.

@@ -62,6 +62,18 @@ struct CostModel {
   double message_bytes = 0.0;          // bytes per transfer
   std::vector<double> stage_output_bytes;  // per producing stage; overrides message_bytes
   std::vector<CrossRankReduce> cross_rank_reduces;  // posted at REDUCE_GRAD (see above)
+  // NOTE [Microbatch costs]: microbatches of different sizes (explicit
+  // microbatches of different lengths) cost in proportion: microbatch k's
+  // F, B, I and W costs and its transfers' bytes are multiplied by
+  // microbatch_scale[k] (the latency per message is not). Empty, or a
+  // microbatch past its end: 1.
+  std::vector<double> microbatch_scale;
+
+  double microbatchScale(int32_t microbatch) const {
+    return microbatch >= 0 && static_cast<size_t>(microbatch) < microbatch_scale.size()
+               ? microbatch_scale[microbatch]
+               : 1.0;
+  }
 
   double computeCost(const Action& action) const;
   double transferTime(const Action& send) const;

@@ -61,6 +61,29 @@ TEST(Simulator, ActionOverheadPrecedesEveryActionOnTheCriticalPath) {
   EXPECT_DOUBLE_EQ(r.timeline[0][0].start, 0.25);      // F0 begins after its overhead
 }
 
+TEST(Simulator, MicrobatchScaleMultipliesComputeAndBytesNotLatency) {
+  // NOTE [Microbatch costs]: microbatch 0 costs half, microbatch 1 twice a
+  // mean one. GPipe on two ranks: rank 0 F0 [0, 0.5], F1 [0.5, 2.5]; rank 1
+  // F0 after 0.5 + its message (latency 0.1 + 0.5 * 1), F1 after 2.5 + 0.1 +
+  // 2 * 1; busy per rank: 3 * (0.5 + 2).
+  Schedule s = lower(scheduleFromRows({0, 1}, 2, {"0F0 0F1 0B1 0B0", "1F0 1F1 1B1 1B0"}));
+  CostModel model;
+  model.microbatch_scale = {0.5, 2.0};
+  model.comm_latency = 0.1;
+  model.comm_bandwidth = 10.0;
+  model.message_bytes = 10.0;  // 1.0 per mean message
+  SimulationResult r = simulate(s, model, /*record_timeline=*/true);
+  EXPECT_EQ(r.busy, (std::vector<double>{7.5, 7.5}));
+  EXPECT_DOUBLE_EQ(r.comm_bytes, 2 * 10.0 * (0.5 + 2.0));
+  EXPECT_DOUBLE_EQ(r.timeline[1][1].start, 0.5 + 0.1 + 0.5);  // rank 1's F0 (after its RECV)
+  EXPECT_DOUBLE_EQ(r.timeline[1][1].end, 0.5 + 0.1 + 0.5 + 0.5);
+  CostModel uniform = model;
+  uniform.microbatch_scale = {1.0, 1.0};
+  CostModel none = model;
+  none.microbatch_scale.clear();
+  EXPECT_DOUBLE_EQ(simulate(s, uniform).makespan, simulate(s, none).makespan);
+}
+
 TEST(Simulator, PerStageCostsApply) {
   Schedule s = lower(scheduleFromRows({0, 1}, 1, {"0F0 0B0", "1F0 1B0"}));
   CostModel model;

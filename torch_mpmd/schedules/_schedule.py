@@ -200,6 +200,7 @@ class Schedule:
         timeline: bool = False,
         cross_rank_reduces: Sequence[tuple[Sequence[int], float]] = (),
         action_overhead: float = 0.0,
+        microbatch_costs: Optional[Sequence[float]] = None,
     ) -> SimulationResult:
         """Simulate all ranks; a compute-only schedule is lowered first.
 
@@ -217,12 +218,16 @@ class Schedule:
         ``action_overhead``: the runtime's own time per action, spent by the
         rank before each one it runs (dispatch, posting a transfer; measured
         steps show it as the gaps between actions: ``trace.simulate_measured``).
+        ``microbatch_costs``: one relative size per microbatch (its tokens, say)
+        for microbatches of different sizes: each one's compute and transfer
+        bytes scale by its size over the mean, so ``costs`` stay a mean
+        microbatch's (NOTE [Microbatch costs] in csrc/core/simulator.h).
         ``comm_bandwidth=0`` means infinite bandwidth. Raises ``ValueError``
         naming a bad key or value and ``DeadlockError`` naming blocked actions.
         """
         model = cost_model(
             costs, stage_costs, self.num_stages, comm_latency, comm_bandwidth, message_bytes,
-            cross_rank_reduces, action_overhead,
+            cross_rank_reduces, action_overhead, microbatch_costs, self.num_microbatches,
         )
         lowered = self if self.is_lowered else self.lower()
         raw = _C.simulate(lowered._cpp, model, bool(timeline))

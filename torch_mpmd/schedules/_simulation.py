@@ -65,6 +65,8 @@ def cost_model(
     message_bytes: float,
     cross_rank_reduces: Sequence[tuple[Sequence[int], float]] = (),
     action_overhead: float = 0.0,
+    microbatch_costs: Optional[Sequence[float]] = None,
+    num_microbatches: int = 0,
 ) -> _C.CostModel:
     """Build a ``_C.CostModel``; ``stage_costs`` entries overlay ``costs``.
 
@@ -73,7 +75,10 @@ def cost_model(
     ``(stages, cost)`` per gradient sum over the ranks of several stages
     (tied weights; csrc/core/simulator.h). ``action_overhead``: the
     runtime's time per action, spent by the rank before each (NOTE [Action
-    overhead] in csrc/core/simulator.h).
+    overhead] in csrc/core/simulator.h). ``microbatch_costs``: one relative
+    size per microbatch (tokens, say); each microbatch's compute and transfer
+    bytes scale by its size over the mean size (NOTE [Microbatch costs]), so
+    the stage costs stay those of a mean microbatch.
     """
     model = _C.CostModel()
     model.costs = _kind_costs(costs, _C.KindCosts(), "costs")
@@ -114,7 +119,22 @@ def cost_model(
         reduce.cost = _non_negative(f"cross_rank_reduces[{i}] cost", cost)
         reduces.append(reduce)
     model.cross_rank_reduces = reduces
+    if microbatch_costs is not None:
+        model.microbatch_scale = microbatch_scale(microbatch_costs, num_microbatches)
     return model
+
+
+def microbatch_scale(microbatch_costs: Sequence[float], num_microbatches: int) -> list[float]:
+    """Each microbatch's size over the mean size (NOTE [Microbatch costs]);
+    ValueError naming a bad entry or a count that is not the schedule's."""
+    sizes = [_non_negative(f"microbatch_costs[{i}]", c) for i, c in enumerate(microbatch_costs)]
+    if len(sizes) != num_microbatches:
+        raise ValueError(f"microbatch_costs has {len(sizes)} entries, the schedule "
+                         f"{num_microbatches} microbatches")
+    mean = sum(sizes) / len(sizes) if sizes else 0.0
+    if mean <= 0:
+        raise ValueError("microbatch_costs are all 0: give each microbatch's relative size")
+    return [c / mean for c in sizes]
 
 
 @dataclass(frozen=True)
