@@ -21,7 +21,13 @@ namespace {
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
 
-std::string gib(double bytes) { return fmt::format("{:.2f} GiB ({:.0f} bytes)", bytes / (1024.0 * 1024 * 1024), bytes); }
+// "1.50 GiB (1610612736 bytes)": readable, and exact for a caller that parses it.
+std::string gib(double bytes) {
+  const double kib = 1024.0, mib = kib * 1024, gib = mib * 1024;
+  if (bytes >= gib) return fmt::format("{:.2f} GiB ({:.0f} bytes)", bytes / gib, bytes);
+  if (bytes >= mib) return fmt::format("{:.2f} MiB ({:.0f} bytes)", bytes / mib, bytes);
+  return fmt::format("{:.2f} KiB ({:.0f} bytes)", bytes / kib, bytes);
+}
 
 void checkFinite(const std::string& what, double value) {
   if (!std::isfinite(value) || value < 0.0) {

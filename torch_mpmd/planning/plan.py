@@ -173,7 +173,7 @@ class Plan:
             return "\n".join(lines)
         limit = f"memory_limit {_gib(search.memory_limit)}" if search.memory_limit else "no memory limit"
         rate = search.candidates / search.search_s if search.search_s > 0 else math.inf
-        lines.append(f"search: {search.candidates} candidates, {search.simulations} simulated, "
+        lines.append(f"search: {search.candidates} candidates, {search.simulations} simulations, "
                      f"{search.search_s * 1e3:.1f} ms ({rate:,.0f} candidates/s), {limit}")
         if search.top:
             lines.append("top candidates (least predicted step under the limit wins):")
