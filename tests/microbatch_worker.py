@@ -126,6 +126,7 @@ def train(case: dict[str, Any]) -> dict[str, Any]:
     mbs, targets = microbatches(SECOND, seed=2)
     want = reference(ref, mbs, targets, loss_fn)
     res["second"] = _compare(pipe, ref, pipe.step(microbatches=mbs, targets=targets), want)
+    res["stats_shapes"] = pipe.last_step_stats["microbatch_shapes"]
     with torch.no_grad():
         res["eval"] = _diff(pipe.eval_step(microbatches=mbs, targets=targets), want)
         outs = pipe(microbatches=mbs)
@@ -142,6 +143,37 @@ def train(case: dict[str, Any]) -> dict[str, Any]:
     res["captures"] = view.captures
     res["same_programs"] = {s: id(p) for s, p in view.programs.items()} == programs
     return res
+
+
+def packed(case: dict[str, Any]) -> dict[str, Any]:
+    """Documents packed into rows (mpmd.pack), each row an explicit microbatch
+    of its own length (Packed.microbatches), the example GPT attending within
+    each document, a token-weighted loss: the step equals the documents run
+    one by one in one process."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+    from gpt_model import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=V, block_size=16, n_layer=4, n_head=2, d_model=16))
+    ref = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(3)
+    docs = [torch.randint(1, V, (n,), generator=g) for n in (5, 9, 3, 7, 12, 2, 6, 4, 11, 5)]
+    rows = mpmd.pack(docs, tokens_per_microbatch=20, pad_to_multiple=2)
+    mbs, targets = rows.microbatches()
+    total = sum(F.cross_entropy(ref(d[None, :-1])[0], d[1:], reduction="sum") for d in docs)
+    count = sum(len(d) - 1 for d in docs)
+    (total / count).backward()
+    pipe = mpmd.pipeline(model, loss_fn=token_loss, schedule=case["schedule"],
+                         num_microbatches=len(mbs), split_points=["blocks.2"], dynamic=True)
+    loss = pipe.step(microbatches=mbs, targets=targets)
+    ref_grads = {n: p.grad for n, p in ref.named_parameters()}
+    return {"lengths": [args[0].shape[1] for args, _ in mbs], "loss": _diff(loss, total / count),
+            "grads": {n: _diff(full(p.grad), ref_grads[n]) for n, p in pipe.named_parameters()},
+            "local": [n for n, _ in pipe.named_parameters()],
+            "all": [n for n, _ in ref.named_parameters()]}
 
 
 def errors(case: dict[str, Any]) -> dict[str, Any]:
@@ -187,4 +219,4 @@ def errors(case: dict[str, Any]) -> dict[str, Any]:
 
 
 def grid(cases: list[dict[str, Any]]) -> dict[str, Any]:
-    return run_grid(cases, {"train": train, "errors": errors})
+    return run_grid(cases, {"train": train, "errors": errors, "packed": packed})

@@ -20,7 +20,8 @@ CASES = ([dict(id=f"fx-{s}", kind="train", schedule=s, spr=spr,
                  mixes=3),
             dict(id="inductor-zero_bubble", kind="train", schedule="zero_bubble", compile=True,
                  mixes=20),
-            dict(id="errors", kind="errors")])
+            dict(id="errors", kind="errors")]
+         + [dict(id=f"packed-{s}", kind="packed", schedule=s) for s in ("1f1b", "zero_bubble")])
 _GRID = GridRun(2, "microbatch_worker:grid", CASES, task="microbatches", timeout=900)
 
 
@@ -37,6 +38,7 @@ def test_microbatches_of_different_lengths_equal_one_process(case):
         assert r["eval"] <= 1, f"rank {rank}: eval_step's loss off by {r['eval']}"
         assert r["outputs"] <= 1, f"rank {rank}: outputs off by {r['outputs']}"
         assert [s[1] for s in r["output_shapes"]] == [4, 9, 2, 6, 11, 3], r["output_shapes"]
+        assert r["stats_shapes"] == [[2, n] for n in (4, 9, 2, 6, 11, 3)], r["stats_shapes"]
         assert r["functional"], f"rank {rank}: ran under autograd, not stage programs"
         assert r["captures"] == 1, f"rank {rank}: {r['captures']} captures"
         assert r["same_programs"], f"rank {rank}: the stage programs were built again"
@@ -59,3 +61,16 @@ def test_bad_microbatches_are_clear_errors_on_every_rank():
         assert r["target_rows"] and "microbatch 0: target has batch size 1" in \
             r["target_rows"], r["target_rows"]
         assert r["after"] is None, r["after"]
+
+
+@pytest.mark.parametrize("case", ["packed-1f1b", "packed-zero_bubble"])
+def test_packed_rows_of_their_own_lengths_train_like_the_documents_one_by_one(case):
+    held, every = set(), set()
+    for rank, r in enumerate(_GRID.results(case)):
+        held |= set(r["local"])
+        every |= set(r["all"])
+        assert len(set(r["lengths"])) > 1, r["lengths"]  # rows of different lengths
+        assert r["loss"] <= 1, f"rank {rank}: loss off by {r['loss']} tolerances"
+        bad = {n: d for n, d in r["grads"].items() if d > 1}
+        assert not bad, f"rank {rank}: gradients off (inf: missing): {bad}"
+    assert held == every, sorted(every - held)

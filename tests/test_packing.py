@@ -67,3 +67,30 @@ def test_a_packed_document_sees_only_itself():
             for start, end in zip(cu, cu[1:]):
                 alone = model(batch["input_ids"][r:r + 1, start:end])[0]
                 torch.testing.assert_close(logits[r, start:end], alone, rtol=1e-5, atol=1e-5)
+
+
+def test_packed_rows_whose_boundaries_do_not_add_up_are_refused_naming_the_row():
+    import dataclasses
+
+    rows = mpmd.pack([torch.arange(1, n + 1) for n in (5, 9, 3, 7)], tokens_per_microbatch=16)
+    with pytest.raises(ValueError, match=r"row 0: document_ids do not follow cu_seqlens "
+                                         r"\[0, 5, 13\]"):
+        dataclasses.replace(rows, cu_seqlens=[torch.tensor([0, 5, 13]), *rows.cu_seqlens[1:]])
+    with pytest.raises(ValueError, match=r"row 1: cu_seqlens \[0, 9, 40\] must rise from 0"):
+        dataclasses.replace(rows, cu_seqlens=[rows.cu_seqlens[0], torch.tensor([0, 9, 40])])
+    with pytest.raises(ValueError, match="row 0: labels has 3 entries, input_ids 14"):
+        dataclasses.replace(rows, labels=[rows.labels[0][:3], *rows.labels[1:]])
+
+
+def test_packed_rows_as_explicit_microbatches_keep_their_own_lengths():
+    rows = mpmd.pack([torch.arange(1, n + 1) for n in (5, 9, 3, 7, 12, 2)],
+                     tokens_per_microbatch=16)
+    mbs, targets = rows.microbatches()
+    assert [tuple(args[0].shape) for args, _ in mbs] == [(1, 16), (1, 10), (1, 12)]
+    assert [tuple(t.shape) for t in targets] == [(1, 16), (1, 10), (1, 12)]
+    assert all(set(kw) == {"position_ids", "document_ids"} for _, kw in mbs)
+    assert torch.equal(mbs[1][1]["position_ids"][0], rows.position_ids[1])
+    two, _ = rows.microbatches(rows_per_microbatch=2)
+    assert [tuple(args[0].shape) for args, _ in two] == [(2, 16), (1, 12)]
+    with pytest.raises(ValueError, match="keys \\['mask'\\] are not per-token fields"):
+        rows.microbatches(keys=("mask",))

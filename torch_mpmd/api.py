@@ -493,7 +493,9 @@ class Pipeline(torch.nn.Module):
         ``peak_buffered`` values, ``peak_state_values`` (values held for
         backward by the executor), ``peak_activation_bytes`` per local stage,
         ``span_s``, ``compute_s`` and the measured ``bubble_fraction``
-        (:func:`torch_mpmd.trace.step_metrics`); with sharded data parallel,
+        (:func:`torch_mpmd.trace.step_metrics`), ``microbatch_shapes`` (the
+        shape of each microbatch's first tensor input: the lengths of
+        explicit microbatches); with sharded data parallel,
         ``collectives``: its all-gathers (count, bytes, seconds, the seconds
         compute waited for them and the share hidden behind other work) and
         reduce-scattered bytes, the peak bytes of gathered parameters held

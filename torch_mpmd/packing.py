@@ -46,8 +46,61 @@ class Packed:
     cu_seqlens: list[torch.Tensor]
     pad_id: int
 
+    def __post_init__(self) -> None:
+        """Every row's fields agree: one entry per token each, and the document
+        boundaries (``cu_seqlens``) add up to the row's documents (ValueError
+        naming the row and the values)."""
+        fields = ("input_ids", "labels", "position_ids", "document_ids", "cu_seqlens")
+        counts = {name: len(getattr(self, name)) for name in fields}
+        if len(set(counts.values())) != 1:
+            raise ValueError(f"packed fields have different row counts: {counts}")
+        for k in range(len(self.input_ids)):
+            length = len(self.input_ids[k])
+            for name in fields[1:4]:
+                if len(getattr(self, name)[k]) != length:
+                    raise ValueError(f"row {k}: {name} has {len(getattr(self, name)[k])} "
+                                     f"entries, input_ids {length}")
+            bounds = [int(b) for b in self.cu_seqlens[k]]
+            if (not bounds or bounds[0] != 0 or any(b <= a for a, b in zip(bounds, bounds[1:]))
+                    or bounds[-1] > length):
+                raise ValueError(f"row {k}: cu_seqlens {bounds} must rise from 0 by each "
+                                 f"document's length to at most the row's {length} tokens")
+            want = torch.full((length,), -1, dtype=torch.long)
+            for doc, (a, b) in enumerate(zip(bounds, bounds[1:])):
+                want[a:b] = doc
+            if not torch.equal(self.document_ids[k].long(), want):
+                raise ValueError(f"row {k}: document_ids do not follow cu_seqlens {bounds} "
+                                 "(document i on tokens cu_seqlens[i] to cu_seqlens[i+1], -1 "
+                                 "on padding)")
+
     def __len__(self) -> int:
         return len(self.input_ids)
+
+    def microbatches(self, rows_per_microbatch: int = 1,
+                     keys: Sequence[str] = ("position_ids", "document_ids")
+                     ) -> tuple[list[tuple[tuple, dict]], list[torch.Tensor]]:
+        """The rows as explicit microbatches (``Pipeline.step(microbatches=,
+        targets=)``): ``rows_per_microbatch`` rows each, padded to their own
+        longest, ``input_ids`` the positional argument, the fields named in
+        ``keys`` keyword arguments, and ``labels`` the targets. Each
+        microbatch keeps its own length: no row is padded to the batch's
+        longest (pass ``dynamic=True`` to the pipeline)."""
+        if isinstance(rows_per_microbatch, bool) or not isinstance(rows_per_microbatch, int) \
+                or rows_per_microbatch < 1:
+            raise ValueError(f"rows_per_microbatch={rows_per_microbatch!r} must be a positive int")
+        unknown = [k for k in keys if k not in ("labels", "position_ids", "document_ids")]
+        if unknown:
+            raise ValueError(f"keys {unknown} are not per-token fields of a packed row "
+                             "(position_ids, document_ids, labels)")
+        mbs, targets = [], []
+        for start in range(0, len(self), rows_per_microbatch):
+            part = Packed(*(getattr(self, f.name)[start:start + rows_per_microbatch]
+                            for f in dataclasses.fields(self) if f.name != "pad_id"),
+                          pad_id=self.pad_id)
+            rows = part.batch()
+            mbs.append(((rows["input_ids"],), {k: rows[k] for k in keys}))
+            targets.append(rows["labels"])
+        return mbs, targets
 
     def batch(self, length: int | None = None) -> dict[str, torch.Tensor]:
         """The rows stacked into ``(rows, length)`` tensors (default length: the

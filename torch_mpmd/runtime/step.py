@@ -79,7 +79,8 @@ class CallHistory:
         kind = rt.kind_of(executor)
         record = trace.StepRecord(kind, int(rt.runner.step), rt.rank, rt.programs(kind),
                                   executor.trace_array, executor.counters,
-                                  dict(rt.runner.peak_bytes))
+                                  dict(rt.runner.peak_bytes),
+                                  tuple(_first_shape(named) for named in rt.runner.inputs))
         self.records.append(record)
         self.last = record
         self._last_stats = None
@@ -103,6 +104,14 @@ class CallHistory:
             if self._last_collectives is not None:
                 self._last_stats["collectives"] = self._last_collectives
         return self._last_stats
+
+
+def _first_shape(named: Mapping[str, Any]) -> tuple[int, ...]:
+    """The shape of a microbatch's first tensor input (() when it has none)."""
+    for value in named.values():
+        if isinstance(value, torch.Tensor):
+            return tuple(value.shape)
+    return ()
 
 
 @dataclass(frozen=True)

@@ -129,6 +129,9 @@ class StepRecord:
     trace: torch.Tensor                     # int64 [actions, 3]: action index, begin, end ns
     counters: dict[str, int]                # the executor's peaks in this call
     peak_activation_bytes: dict[int, int]   # per local stage
+    # Per microbatch, the shape of its first tensor input: the sizes of
+    # explicit microbatches of different lengths ("0F3" is microbatch 3's).
+    microbatch_shapes: tuple[tuple[int, ...], ...] = ()
 
     @property
     def program(self) -> Sequence[Action]:
@@ -146,6 +149,7 @@ class StepRecord:
                 "peak_buffered": self.counters["peak_buffered"],
                 "peak_state_values": self.counters["peak_state_values"],
                 "peak_activation_bytes": dict(self.peak_activation_bytes),
+                "microbatch_shapes": [list(shape) for shape in self.microbatch_shapes],
                 **step_metrics(self.row())}
 
 
