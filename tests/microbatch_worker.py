@@ -176,6 +176,36 @@ def packed(case: dict[str, Any]) -> dict[str, Any]:
             "all": [n for n, _ in ref.named_parameters()]}
 
 
+def bucketed(case: dict[str, Any]) -> dict[str, Any]:
+    """Microbatches of random lengths padded to buckets of 8 and 16
+    (mpmd.bucket_microbatches, every microbatch of a step to the step's
+    largest) on a static capture: one capture per bucket, none after both
+    were seen; the first step equals one process on the unpadded
+    microbatches (the padding's labels are -100)."""
+    torch.manual_seed(0)
+    model = LM()
+    ref = copy.deepcopy(model)
+    pipe = mpmd.pipeline(model, loss_fn=token_loss, schedule=case["schedule"],
+                         num_microbatches=4, split_points=["layers.2"], dynamic=False)
+    g = torch.Generator().manual_seed(9)
+    captures = []
+    res: dict[str, Any] = {}
+    for step in range(8):
+        lengths = ([3, 7, 5, 6] if step == 0 else [12, 4, 9, 2] if step == 1 else
+                   torch.randint(2, 17, (4,), generator=g).tolist())
+        mbs, targets = microbatches(lengths, seed=20 + step)
+        padded, padded_targets = mpmd.bucket_microbatches(mbs, targets, buckets=[8, 16],
+                                                          uniform=True)
+        loss = pipe.step(microbatches=padded, targets=padded_targets)
+        if step == 0:
+            res["first"] = _compare(pipe, ref, loss, reference(ref, mbs, targets, token_loss))
+            res["local"] = [n for n, _ in pipe.named_parameters()]
+        pipe.zero_grad()
+        captures.append(pipe.inspect().captures)
+    res["captures"] = captures
+    return res
+
+
 def errors(case: dict[str, Any]) -> dict[str, Any]:
     """Each bad input: the error's type and message on this rank (None: no error)."""
     out: dict[str, Any] = {}
@@ -219,4 +249,5 @@ def errors(case: dict[str, Any]) -> dict[str, Any]:
 
 
 def grid(cases: list[dict[str, Any]]) -> dict[str, Any]:
-    return run_grid(cases, {"train": train, "errors": errors, "packed": packed})
+    return run_grid(cases, {"train": train, "errors": errors, "packed": packed,
+                            "bucketed": bucketed})

@@ -21,7 +21,8 @@ CASES = ([dict(id=f"fx-{s}", kind="train", schedule=s, spr=spr,
             dict(id="inductor-zero_bubble", kind="train", schedule="zero_bubble", compile=True,
                  mixes=20),
             dict(id="errors", kind="errors")]
-         + [dict(id=f"packed-{s}", kind="packed", schedule=s) for s in ("1f1b", "zero_bubble")])
+         + [dict(id=f"packed-{s}", kind="packed", schedule=s) for s in ("1f1b", "zero_bubble")]
+         + [dict(id="bucketed-zero_bubble", kind="bucketed", schedule="zero_bubble")])
 _GRID = GridRun(2, "microbatch_worker:grid", CASES, task="microbatches", timeout=900)
 
 
@@ -74,3 +75,36 @@ def test_packed_rows_of_their_own_lengths_train_like_the_documents_one_by_one(ca
         bad = {n: d for n, d in r["grads"].items() if d > 1}
         assert not bad, f"rank {rank}: gradients off (inf: missing): {bad}"
     assert held == every, sorted(every - held)
+
+
+def test_buckets_on_a_static_capture_capture_once_per_bucket_and_train_exactly():
+    for rank, r in enumerate(_GRID.results("bucketed-zero_bubble")):
+        assert r["first"]["loss"] <= 1, f"rank {rank}: loss off by {r['first']['loss']}"
+        bad = {n: d for n, d in r["first"]["grads"].items() if d > 1}
+        assert not bad, f"rank {rank}: gradients off (inf: missing): {bad}"
+        # Step 0 pads to 8, step 1 to 16: two captures, then none.
+        assert r["captures"][:2] == [1, 2] and set(r["captures"][2:]) == {2}, r["captures"]
+
+
+def test_bucketing_pads_inputs_and_targets_of_the_microbatch_length_only():
+    import torch
+
+    import torch_mpmd as mpmd
+    from torch_mpmd.microbatch import bucket_length
+
+    mbs = [((torch.ones(2, n, dtype=torch.long), torch.ones(2, 3)),
+            {"pos": torch.arange(n).expand(2, n)}) for n in (5, 9)]
+    out, targets = mpmd.bucket_microbatches(mbs, [torch.ones(2, 5), torch.ones(2, 9)],
+                                            multiple=8, fill={0: 7, "pos": -1})
+    assert [tuple(a[0].shape) for a, _ in out] == [(2, 8), (2, 16)]
+    assert tuple(out[0][0][1].shape) == (2, 3)  # not the microbatch's length: unchanged
+    assert out[0][0][0][0, 5:].tolist() == [7, 7, 7] and out[0][1]["pos"][0, 5:].tolist() == \
+        [-1, -1, -1]
+    assert targets[1][0, 9:].tolist() == [-100.0] * 7
+    assert bucket_length(17, buckets=[8, 16, 32]) == 32
+    with pytest.raises(ValueError, match="length 40 fits none of buckets=\\[8, 16, 32\\]"):
+        bucket_length(40, buckets=[32, 8, 16])
+    with pytest.raises(ValueError, match="exactly one of multiple= .* or buckets="):
+        bucket_length(4)
+    with pytest.raises(ValueError, match="targets has 1 entries for 2 microbatches"):
+        mpmd.bucket_microbatches(mbs, [None], multiple=8)

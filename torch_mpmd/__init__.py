@@ -8,7 +8,8 @@ only the compiled ``torch_mpmd._C`` extension. The torch-dependent names
 (``checkpoint``, ``trace``, ``packing``) are imported on first access, and so is
 ``planning`` (plans from a cost sheet; it needs only ``_C``) and ``ordering``
 (``microbatch_order``, ``microbatch_sizes``: an order of microbatches of
-different sizes that shortens the step).
+different sizes that shortens the step); ``bucket_microbatches`` pads them to
+a few lengths.
 """
 
 import atexit
@@ -37,11 +38,12 @@ _LAZY = {
     "pack": "torch_mpmd.packing",
     "document_mask": "torch_mpmd.packing",
     "microbatch_order": "torch_mpmd.ordering",
+    "bucket_microbatches": "torch_mpmd.microbatch",
     "microbatch_sizes": "torch_mpmd.ordering",
 }
 
 __all__ = ["__version__", "schedules", "checkpoint", "trace", "packing", "planning", "ordering", "pack", "document_mask",
-           "microbatch_order", "microbatch_sizes", "pipeline", "Pipeline", "PipelineConfig", "PipelineError",
+           "microbatch_order", "microbatch_sizes", "bucket_microbatches", "pipeline", "Pipeline", "PipelineConfig", "PipelineError",
            "Replicate", "pipeline_of",
            "stage_boundary", "split_model", "SplitModel", "CaptureError"]
 

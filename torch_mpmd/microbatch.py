@@ -6,7 +6,8 @@ tensors wrapped in :class:`Replicate`, go whole to every microbatch. A batch
 that does not divide is a ValueError naming the argument and the sizes.
 A caller may instead give the microbatches themselves
 (``step(microbatches=[(args, kwargs), ...], targets=[...])``), of shapes free
-to differ: :func:`explicit_microbatches` checks that list.
+to differ: :func:`explicit_microbatches` checks that list, and
+:func:`bucket_microbatches` pads them to a few lengths (buckets).
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ import torch
 import torch.utils._pytree as pytree
 
 __all__ = ["Replicate", "split_microbatches", "first_microbatch", "split_tree",
-           "check_target_batch", "explicit_microbatches", "merge_microbatches"]
+           "check_target_batch", "explicit_microbatches", "merge_microbatches",
+           "bucket_length", "bucket_microbatches"]
 
 
 class Replicate:
@@ -188,3 +190,84 @@ def explicit_microbatches(microbatches: Any, targets: Any, *, args: Sequence[Any
         raise ValueError(f"targets= has {len(targets)} entries for {len(out)} microbatches; "
                          "give one target per microbatch")
     return out, list(targets)
+
+
+def bucket_length(length: int, *, multiple: int | None = None,
+                  buckets: Sequence[int] | None = None) -> int:
+    """The bucket ``length`` pads to: the next multiple of ``multiple``, or
+    the smallest of ``buckets`` that holds it (ValueError when none does)."""
+    if (multiple is None) == (buckets is None):
+        raise ValueError("give exactly one of multiple= (pad to a multiple) or buckets= (a list "
+                         "of lengths)")
+    if multiple is not None:
+        if isinstance(multiple, bool) or not isinstance(multiple, int) or multiple < 1:
+            raise ValueError(f"multiple={multiple!r} must be a positive int")
+        return -(-length // multiple) * multiple
+    fits = [b for b in buckets if b >= length]  # type: ignore[union-attr]
+    if not fits:
+        raise ValueError(f"a microbatch of length {length} fits none of buckets="
+                         f"{sorted(buckets)}; add a bucket of at least {length}")  # type: ignore
+    return min(fits)
+
+
+def _has_dim(t: torch.Tensor, dim: int) -> bool:
+    return -t.dim() <= dim < t.dim()
+
+
+def bucket_microbatches(microbatches: Sequence[tuple[Sequence[Any], Mapping[str, Any]]],
+                        targets: Sequence[Any] | None = None, *, multiple: int | None = None,
+                        buckets: Sequence[int] | None = None, dim: int = 1,
+                        fill: int | float | Mapping[Any, int | float] = 0,
+                        target_fill: int | float = -100, uniform: bool = False
+                        ) -> tuple[list[tuple[tuple, dict]], list[Any]]:
+    """Explicit microbatches padded along ``dim`` to a few lengths (buckets),
+    so that programs see few shapes: with ``dynamic=False`` one capture (and
+    compile) per bucket, none once every bucket was seen; with Inductor,
+    kernels specialized to few sizes.
+
+    A microbatch's length is the size in ``dim`` of its first tensor
+    argument; every tensor argument and target with that size in ``dim`` is
+    padded to the bucket (``bucket_length``) with ``fill`` (one value, or a
+    mapping from positional index or keyword name to its value, default 0)
+    and targets with ``target_fill`` (-100: ignored by cross entropy), others
+    pass unchanged. ``uniform``: every microbatch pads to the largest bucket
+    of the call (a static capture runs one shape per call). The loss must
+    ignore the padded positions (labels of -100), and the model must not
+    let real positions see them (causal attention with padding at the end,
+    or a mask): then padding changes neither loss nor gradients."""
+    import torch.nn.functional as F
+
+    targets = list(targets) if targets is not None else [None] * len(microbatches)
+    if len(targets) != len(microbatches):
+        raise ValueError(f"targets has {len(targets)} entries for {len(microbatches)} "
+                         "microbatches")
+    lengths = []
+    for i, (args, kwargs) in enumerate(microbatches):
+        first = next((v for v in [*args, *kwargs.values()] if isinstance(v, torch.Tensor)),
+                     None)
+        if first is None or not _has_dim(first, dim):
+            raise ValueError(f"microbatch {i} has no tensor argument with a dim {dim} to "
+                             "bucket by")
+        lengths.append(first.shape[dim])
+    padded_to = [bucket_length(n, multiple=multiple, buckets=buckets) for n in lengths]
+    if uniform:
+        padded_to = [max(padded_to)] * len(padded_to)
+
+    def pad(value: Any, n: int, to: int, value_fill: Any) -> Any:
+        if not isinstance(value, torch.Tensor) or not _has_dim(value, dim) \
+                or value.shape[dim] != n or to == n:
+            return value
+        d = dim % value.dim()
+        widths = [0, 0] * (value.dim() - 1 - d) + [0, to - n]
+        return F.pad(value, widths, value=value_fill)
+
+    def fill_of(key: Any) -> Any:
+        return fill.get(key, 0) if isinstance(fill, Mapping) else fill
+
+    out, out_targets = [], []
+    for (args, kwargs), target, n, to in zip(microbatches, targets, lengths, padded_to):
+        out.append((tuple(pad(a, n, to, fill_of(i)) for i, a in enumerate(args)),
+                    {k: pad(v, n, to, fill_of(k)) for k, v in kwargs.items()}))
+        out_targets.append(pytree.tree_map(lambda t: pad(t, n, to, target_fill), target)
+                           if target is not None else None)
+    return out, out_targets
