@@ -243,6 +243,11 @@ def errors(case: dict[str, Any]) -> dict[str, Any]:
     # A microbatch whose target does not hold its samples.
     attempt("target_rows", lambda: pipe.step(microbatches=mbs,
                                              targets=[targets[0][:1], *targets[1:]]))
+    # A microbatch whose sizes break the capture's guards (sizes of 1 are
+    # specialized: the capture from microbatch 0 assumes at least 2).
+    short, short_targets = microbatches([1], seed=4)
+    attempt("guard", lambda: pipe.step(microbatches=mbs + short,
+                                       targets=targets + short_targets))
     # The pipeline still steps after the local errors.
     attempt("after", lambda: pipe.step(microbatches=mbs, targets=targets))
     return out

@@ -61,6 +61,8 @@ def test_bad_microbatches_are_clear_errors_on_every_rank():
             r["both"]
         assert r["target_rows"] and "microbatch 0: target has batch size 1" in \
             r["target_rows"], r["target_rows"]
+        assert r["guard"] and "microbatch 4's sizes cannot run on the capture made from " \
+            "microbatch 0" in r["guard"] and "at least 2" in r["guard"], r["guard"]
         assert r["after"] is None, r["after"]
 
 
