@@ -285,6 +285,25 @@ def test_action_overhead_costs_each_action_of_a_serial_pipeline():
         s.simulate(action_overhead=-1)
 
 
+def test_step_overhead_adds_once_to_the_makespan():
+    s = make("1f1b", p=2, m=4)
+    base = s.simulate(costs={"F": 1, "B": 2}).makespan
+    assert s.simulate(costs={"F": 1, "B": 2}, step_overhead=0.75).makespan == \
+        pytest.approx(base + 0.75)
+    with pytest.raises(ValueError, match="step_overhead"):
+        s.simulate(step_overhead=-1)
+
+
+def test_measured_step_overhead_is_the_wall_time_outside_the_timeline():
+    from torch_mpmd import trace
+
+    s = make("1f1b", p=2, m=2)
+    rows = s.simulate(costs={"F": 1, "B": 2}, timeline=True).timeline
+    span = max(r[-1][2] for r in rows) - min(r[0][1] for r in rows)
+    assert trace.step_overhead(span + 0.5, rows) == pytest.approx(0.5)
+    assert trace.step_overhead(span - 1, rows) == 0.0
+
+
 def test_timeline_covers_every_lowered_action_with_its_cost():
     s = make("1f1b", p=2, m=3)
     result = s.simulate(costs={"F": 1, "B": 2}, timeline=True)

@@ -132,6 +132,7 @@ class CostModel:
     message_bytes: float
     stage_output_bytes: list[float]
     microbatch_scale: list[float]
+    step_overhead: float
     def __init__(self) -> None: ...
 
 class SimulationResult:

@@ -274,7 +274,7 @@ SimulationResult simulate(const Schedule& s, const CostModel& model, bool record
       if (cross_posts[g][r] >= 0) now[r] = std::max(now[r], end);
     }
   }
-  result.makespan = p ? *std::max_element(now.begin(), now.end()) : 0.0;
+  result.makespan = p ? *std::max_element(now.begin(), now.end()) + model.step_overhead : 0.0;
   result.bubble_fraction.resize(p);
   for (int r = 0; r < p; ++r) {
     result.bubble_fraction[r] = result.makespan > 0.0 ? (result.makespan - result.busy[r]) / result.makespan : 0.0;

@@ -58,6 +58,11 @@ struct CostModel {
   // Python around each program, a transfer's posting. A measured step knows
   // it as the gaps between one action's end and the next one's begin.
   double action_overhead = 0.0;
+  // The runtime's fixed time per step, outside every action: the Python
+  // around the executor (the call's checks, the begin and end exchanges, the
+  // loss's delivery, waiting for reductions). Added to the makespan once; a
+  // measured step knows it as its wall time minus its timeline's span.
+  double step_overhead = 0.0;
   double comm_bandwidth = 0.0;         // bytes per time unit; 0 = infinite
   double message_bytes = 0.0;          // bytes per transfer
   std::vector<double> stage_output_bytes;  // per producing stage; overrides message_bytes

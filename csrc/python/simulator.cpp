@@ -52,6 +52,7 @@ void bindSimulator(py::module_& m) {
       .def_readwrite("comm_latency", &CostModel::comm_latency)
       .def_readwrite("action_overhead", &CostModel::action_overhead)
       .def_readwrite("microbatch_scale", &CostModel::microbatch_scale)
+      .def_readwrite("step_overhead", &CostModel::step_overhead)
       .def_readwrite("comm_bandwidth", &CostModel::comm_bandwidth)
       .def_readwrite("message_bytes", &CostModel::message_bytes)
       .def_readwrite("stage_output_bytes", &CostModel::stage_output_bytes)

@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from torch_mpmd.schedules import Action, ActionKind, kind_name
 
-__all__ = ["action_kind", "action_overhead", "rank_timeline", "step_metrics",
+__all__ = ["action_kind", "action_overhead", "step_overhead", "rank_timeline", "step_metrics",
            "bubble_fractions", "transfer_latencies", "StepRecord", "stage_times",
            "gather_timelines", "chrome_trace", "write_chrome_trace", "simulate_measured",
            "save_measured_timeline"]
@@ -276,14 +276,25 @@ def action_overhead(rows: Sequence[Row]) -> float:
     return (sum(g for g in gaps if g <= 10 * typical) + posting) / actions
 
 
+def step_overhead(step_s: float, rows: Sequence[Row]) -> float:
+    """Seconds of a measured step outside its actions: its wall time
+    ``step_s`` (e.g. barrier to barrier) minus the span of its timeline
+    ``rows`` (one call's, Pipeline.timelines()), at least 0."""
+    starts = [row[0][1] for row in rows if row]
+    ends = [row[-1][2] for row in rows if row]
+    return max(0.0, step_s - (max(ends) - min(starts))) if starts else step_s
+
+
 def simulate_measured(schedule: Any, rows: Sequence[Row], *,
-                      comm_latency_s: float = 0.0, action_overhead_s: float = 0.0) -> Any:
+                      comm_latency_s: float = 0.0, action_overhead_s: float = 0.0,
+                      step_overhead_s: float = 0.0) -> Any:
     """The simulator's run of ``schedule`` with each stage's measured median
     F/B/I/W times (ms) from ``rows``, timeline included: what the schedule
-    would do with every message arriving ``comm_latency_s`` after it is sent
-    and ``action_overhead_s`` of runtime before each action (defaults: free
-    communication, no runtime overhead; :func:`transfer_latencies` and
-    :func:`action_overhead` measure them)."""
+    would do with every message arriving ``comm_latency_s`` after it is sent,
+    ``action_overhead_s`` of runtime before each action and
+    ``step_overhead_s`` per step outside the actions (defaults: free
+    communication, no runtime overhead; :func:`transfer_latencies`,
+    :func:`action_overhead` and :func:`step_overhead` measure them)."""
     by_stage_kind: dict[int, dict[str, list[float]]] = {}
     for row in rows:
         for a, s, e in row:
@@ -295,7 +306,8 @@ def simulate_measured(schedule: Any, rows: Sequence[Row], *,
     return schedule.simulate(costs={kind_name(k): 1e-3 for k in _COMPUTE},
                              stage_costs=stage_costs,
                              comm_latency=comm_latency_s * 1e3,
-                             action_overhead=action_overhead_s * 1e3, timeline=True)
+                             action_overhead=action_overhead_s * 1e3,
+                             step_overhead=step_overhead_s * 1e3, timeline=True)
 
 
 def save_measured_timeline(schedule: Any, rows: Sequence[Row],

@@ -201,6 +201,7 @@ class Schedule:
         cross_rank_reduces: Sequence[tuple[Sequence[int], float]] = (),
         action_overhead: float = 0.0,
         microbatch_costs: Optional[Sequence[float]] = None,
+        step_overhead: float = 0.0,
     ) -> SimulationResult:
         """Simulate all ranks; a compute-only schedule is lowered first.
 
@@ -222,12 +223,17 @@ class Schedule:
         for microbatches of different sizes: each one's compute and transfer
         bytes scale by its size over the mean, so ``costs`` stay a mean
         microbatch's (NOTE [Microbatch costs] in csrc/core/simulator.h).
+        ``step_overhead``: the runtime's fixed time per step outside every
+        action (the begin and end exchanges, the Python around the
+        executor), added to the makespan once (``trace.step_overhead``
+        measures it).
         ``comm_bandwidth=0`` means infinite bandwidth. Raises ``ValueError``
         naming a bad key or value and ``DeadlockError`` naming blocked actions.
         """
         model = cost_model(
             costs, stage_costs, self.num_stages, comm_latency, comm_bandwidth, message_bytes,
             cross_rank_reduces, action_overhead, microbatch_costs, self.num_microbatches,
+            step_overhead,
         )
         lowered = self if self.is_lowered else self.lower()
         raw = _C.simulate(lowered._cpp, model, bool(timeline))

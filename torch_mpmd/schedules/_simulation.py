@@ -67,6 +67,7 @@ def cost_model(
     action_overhead: float = 0.0,
     microbatch_costs: Optional[Sequence[float]] = None,
     num_microbatches: int = 0,
+    step_overhead: float = 0.0,
 ) -> _C.CostModel:
     """Build a ``_C.CostModel``; ``stage_costs`` entries overlay ``costs``.
 
@@ -78,7 +79,9 @@ def cost_model(
     overhead] in csrc/core/simulator.h). ``microbatch_costs``: one relative
     size per microbatch (tokens, say); each microbatch's compute and transfer
     bytes scale by its size over the mean size (NOTE [Microbatch costs]), so
-    the stage costs stay those of a mean microbatch.
+    the stage costs stay those of a mean microbatch. ``step_overhead``: the
+    runtime's fixed time per step, outside every action, added to the
+    makespan once.
     """
     model = _C.CostModel()
     model.costs = _kind_costs(costs, _C.KindCosts(), "costs")
@@ -101,6 +104,7 @@ def cost_model(
         ]
     model.comm_latency = _non_negative("comm_latency", comm_latency)
     model.action_overhead = _non_negative("action_overhead", action_overhead)
+    model.step_overhead = _non_negative("step_overhead", step_overhead)
     model.comm_bandwidth = _non_negative("comm_bandwidth", comm_bandwidth)
     model.message_bytes = _non_negative("message_bytes", message_bytes)
     reduces = []
