@@ -287,21 +287,27 @@ def step_overhead(step_s: float, rows: Sequence[Row]) -> float:
 
 def simulate_measured(schedule: Any, rows: Sequence[Row], *,
                       comm_latency_s: float = 0.0, action_overhead_s: float = 0.0,
-                      step_overhead_s: float = 0.0) -> Any:
+                      step_overhead_s: float = 0.0, statistic: str = "median") -> Any:
     """The simulator's run of ``schedule`` with each stage's measured median
     F/B/I/W times (ms) from ``rows``, timeline included: what the schedule
     would do with every message arriving ``comm_latency_s`` after it is sent,
     ``action_overhead_s`` of runtime before each action and
     ``step_overhead_s`` per step outside the actions (defaults: free
     communication, no runtime overhead; :func:`transfer_latencies`,
-    :func:`action_overhead` and :func:`step_overhead` measure them)."""
+    :func:`action_overhead` and :func:`step_overhead` measure them).
+    ``statistic``: "median" (robust to a stray slow action) or "mean" (a
+    step's total compute, which the step time follows) of each stage and
+    kind's measured times."""
+    if statistic not in ("median", "mean"):
+        raise ValueError(f"statistic={statistic!r} must be 'median' or 'mean'")
+    summary = statistics.median if statistic == "median" else statistics.fmean
     by_stage_kind: dict[int, dict[str, list[float]]] = {}
     for row in rows:
         for a, s, e in row:
             if a.is_compute:
                 by_stage_kind.setdefault(a.stage, {}).setdefault(action_kind(a), []).append(
                     (e - s) * 1e3)
-    stage_costs = {st: {k: statistics.median(v) for k, v in kinds.items()}
+    stage_costs = {st: {k: summary(v) for k, v in kinds.items()}
                    for st, kinds in by_stage_kind.items()}
     return schedule.simulate(costs={kind_name(k): 1e-3 for k in _COMPUTE},
                              stage_costs=stage_costs,
