@@ -145,6 +145,29 @@ def train(case: dict[str, Any]) -> dict[str, Any]:
     return res
 
 
+def replicas(case: dict[str, Any]) -> dict[str, Any]:
+    """pp2 x dp2: each data-parallel replica is given its own microbatches (4
+    of some lengths on one, 6 of others on the other) with a token-weighted
+    loss: the step equals one process's token mean over all ten."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
+    replica = mesh.get_local_rank("dp")
+    torch.manual_seed(0)
+    model = LM()
+    ref = copy.deepcopy(model)
+    calls = [microbatches(FIRST, seed=1), microbatches(SECOND, seed=2)]
+    every = [mb for mbs, _ in calls for mb in mbs], [t for _, ts in calls for t in ts]
+    want = reference(ref, *every, token_loss)
+    pipe = mpmd.pipeline(model, loss_fn=token_loss, schedule=case["schedule"],
+                         num_microbatches=4, split_points=["layers.2"], dynamic=True, mesh=mesh,
+                         data_parallel=case.get("data_parallel", "replicate"))
+    mbs, targets = calls[replica]
+    res = _compare(pipe, ref, pipe.step(microbatches=mbs, targets=targets), want)
+    res["local"] = [n for n, _ in pipe.named_parameters()]
+    return res
+
+
 def packed(case: dict[str, Any]) -> dict[str, Any]:
     """Documents packed into rows (mpmd.pack), each row an explicit microbatch
     of its own length (Packed.microbatches), the example GPT attending within
@@ -255,4 +278,4 @@ def errors(case: dict[str, Any]) -> dict[str, Any]:
 
 def grid(cases: list[dict[str, Any]]) -> dict[str, Any]:
     return run_grid(cases, {"train": train, "errors": errors, "packed": packed,
-                            "bucketed": bucketed})
+                            "bucketed": bucketed, "replicas": replicas})

@@ -24,6 +24,9 @@ CASES = ([dict(id=f"fx-{s}", kind="train", schedule=s, spr=spr,
          + [dict(id=f"packed-{s}", kind="packed", schedule=s) for s in ("1f1b", "zero_bubble")]
          + [dict(id="bucketed-zero_bubble", kind="bucketed", schedule="zero_bubble")])
 _GRID = GridRun(2, "microbatch_worker:grid", CASES, task="microbatches", timeout=900)
+_GRID4 = GridRun(4, "microbatch_worker:grid",
+                 [dict(id=f"replicas-{dp}", kind="replicas", schedule="1f1b", data_parallel=dp)
+                  for dp in ("replicate", "shard")], task="microbatches", timeout=600)
 
 
 @pytest.mark.parametrize("case", [c["id"] for c in CASES if c["kind"] == "train"])
@@ -110,3 +113,15 @@ def test_bucketing_pads_inputs_and_targets_of_the_microbatch_length_only():
         bucket_length(4)
     with pytest.raises(ValueError, match="targets has 1 entries for 2 microbatches"):
         mpmd.bucket_microbatches(mbs, [None], multiple=8)
+
+
+@pytest.mark.parametrize("dp", ["replicate", "shard"])
+def test_data_parallel_replicas_take_their_own_microbatches(dp):
+    held = set()
+    for rank, r in enumerate(_GRID4.results(f"replicas-{dp}")):
+        held |= set(r["local"])
+        assert r["loss"] <= 1, f"rank {rank}: loss off by {r['loss']} tolerances"
+        assert r["grads"], f"rank {rank} holds no parameter"
+        bad = {n: d for n, d in r["grads"].items() if d > 1}
+        assert not bad, f"rank {rank}: gradients off (inf: missing): {bad}"
+    assert len(held) == 11, sorted(held)

@@ -142,6 +142,21 @@ def resolve_schedule(schedule: Any, *, pp_size: int, num_stages: int, num_microb
     return sched
 
 
+def _plan_digest(plan: Any, *, dynamic: bool) -> int:
+    """What the ranks compare of their partition plans: its hash, or for a
+    dynamic capture the plan without the transferred values' bytes, which
+    follow the sizes each rank captured with (data-parallel replicas capture
+    from their own first microbatch: the same plan at other sizes)."""
+    if not dynamic:
+        return _int64(plan.hash)
+    structure = (plan.num_stages, list(plan.node_stage),
+                 [(v.node, v.producer_stage, list(v.consumer_stages))
+                  for v in plan.cross_stage_values],
+                 [(p.fqn, list(p.stages)) for p in plan.parameters])
+    digest = hashlib.sha256(repr(structure).encode()).digest()
+    return _int64(int.from_bytes(digest[:8], "little"))
+
+
 def _int64(x: int) -> int:
     x &= 0xFFFFFFFFFFFFFFFF
     return x - (1 << 64) if x >= 1 << 63 else x
@@ -344,7 +359,8 @@ class RankRuntime:
         self.settings = {**settings, "schedule programs (hash)": programs}
         digest = hashlib.sha256(json.dumps(list(self.settings.items())).encode()).digest()
         self.digest = _int64(int.from_bytes(digest[:8], "little")) or 1  # 0: not compared
-        mine = [_int64(self.model.plan.hash), self.digest,
+        mine = [_plan_digest(self.model.plan, dynamic=self.model.shapes is not None),
+                self.digest,
                 _int64(seed if seed is not None else torch.initial_seed())]
         if self.ledger is None:
             return mine[2]
