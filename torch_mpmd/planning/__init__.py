@@ -12,6 +12,13 @@ counts, the exact min-max split (and a communication-aware one), recompute
 per stage where the memory limit needs it; each candidate is simulated with
 the sheet's per-stage costs, action overhead and link rates. Nothing here
 imports torch.
+
+Measured sheets and plans applied (these import torch, on first use):
+``torch_mpmd.planning.profile`` (``mpmd.profile``: a model's per-unit costs
+measured by running its stage programs, cached on disk) and
+``torch_mpmd.planning.auto`` (``mpmd.plan``: profile and search, collective,
+the same plan on every rank; ``pipeline(plan=...)``, ``plan="auto"`` and
+``Pipeline.replan`` use it).
 """
 
 from torch_mpmd.planning.plan import (

@@ -91,6 +91,9 @@ class Plan:
     predicted_step_s: float
     predicted_peak_bytes: tuple[float, ...]
     search: Optional[SearchRecord] = field(default=None, compare=False, repr=False)
+    # The sheet it was planned on (mpmd.plan's profile; Pipeline.replan reads it).
+    # In memory only: not in the JSON, not compared.
+    sheet: Optional[CostSheet] = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "split_points", tuple(self.split_points))
@@ -103,7 +106,8 @@ class Plan:
 
     # -- JSON -------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "search"}
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+               if f.name not in ("search", "sheet")}
         out["split_points"] = list(self.split_points)
         out["recompute"] = list(self.recompute)
         out["predicted_peak_bytes"] = list(self.predicted_peak_bytes)
@@ -123,7 +127,7 @@ class Plan:
     def from_dict(cls, data: Mapping[str, Any]) -> "Plan":
         if not isinstance(data, Mapping):
             raise ValueError(f"a plan is a JSON object, got {type(data).__name__}")
-        known = {f.name for f in dataclasses.fields(cls)}
+        known = {f.name for f in dataclasses.fields(cls)} - {"sheet"}
         unknown = sorted(set(data) - known)
         if unknown:
             raise ValueError(f"unknown key {unknown[0]!r} in the plan; known: {', '.join(sorted(known))}")

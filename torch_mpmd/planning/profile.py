@@ -1,0 +1,505 @@
+"""Profiles: a model's measured per-unit costs as a :class:`CostSheet` (issue 21, item 1).
+
+    sheet = profile(model, (x,), loss_fn=F.cross_entropy, target=y)   # x, y: one step's batch
+    plan = plan_from_sheet(sheet)
+
+Units: by default the model's repeated blocks, cut at module FQNs as a user
+would cut (``split_points``): the children of its largest ``nn.ModuleList``
+(``layers.0`` .. ``layers.N-1``, ``blocks.i``), whatever runs before the first
+block in the first unit and whatever runs after the last block (norm, head,
+loss) in the last; or ``units=[fqn, ...]``, the FQNs where units start (the
+first also holds what runs before it). A unit is named by its FQN, so a
+plan's ``split_points`` (the units where stages 1.. start) are FQNs that
+``pipeline(split_points=...)`` takes.
+
+How it measures (one process, as the pipeline runs): the model is split with
+``split_model`` at every unit boundary at a microbatch of the reference size,
+and a ``ProgramRunner`` runs the stage programs the runtime would run (FX
+graphs, or compiled with ``compile``): F, B, and B's halves I and W, each
+stage on its own, ``repeats`` times after a warm-up; each cost is the
+median. Rule for I and W: both are measured as the runtime runs them (I then
+W, the programs ``_C.split_backward`` cuts B into), then scaled so that
+I + W equals the measured B (the schedules without the split run B; the
+ratio is kept). Saved bytes: what each stage program's forward saves for its
+backward per microbatch (``StagePrograms.saved_bytes``: parameters, inputs
+and views of them excluded; under the autograd fallback, what
+saved_tensors_hooks saw). Parameter bytes: the parameters each unit reads (a
+weight tied across units counts in each). Output bytes: everything that
+crosses the cut right after a unit (values produced at or before it and read
+after it, skip connections included). Input bytes: the model inputs of one
+microbatch.
+
+Sizes: ``microbatch_sizes`` (samples; default the largest divisor of the
+batch at most ``batch / (2 * pp_size)``, i.e. a microbatch of the m = 2p
+plans) are the microbatches measured; with several, each cost is the
+least-squares line through the origin over them (the planner scales costs
+linearly, NOTE [Microbatch scaling] in csrc/core/planner.h), given at the
+first size, the sheet's ``reference_microbatch``.
+
+The runtime and the link: ``action_overhead`` is
+:data:`DEFAULT_ACTION_OVERHEAD_S` (40 us: the runtime's measured cost per
+action on CPU ranks, 19-137 us in BENCHMARKS.md's table). On one process the
+link is :data:`DEFAULT_LINK_LATENCY_S` (150 us, gloo's measured transfer
+latency between two CPU ranks) and :data:`DEFAULT_LINK_BANDWIDTH` (1 GB/s);
+with a ``group`` of more than one rank, pipeline ranks 0 and 1 measure both
+by a ping-pong (median round trip of 4 bytes / 2; the time of 4 MiB one way
+less that latency).
+
+Cache: a JSON file under ``cache_dir`` (default ``$MPMD_PROFILE_CACHE``, else
+``~/.cache/torch_mpmd/profiles``) named by a hash of the model (every module
+class's name and forward source, its parameter and buffer names, shapes and
+dtypes), the batch's and target's shapes and dtypes, the units, the sizes,
+the loss, the device type, the pipeline size and the compile setting. A call
+with the same key loads it (``cache_dir=False``: no cache).
+``measurements`` counts the profiles measured in this process (tests check
+that a second call does not measure).
+
+Collective with a ``group``: rank 0 of the group measures (the ping-pong
+needs rank 1) and broadcasts the sheet's JSON, so every rank returns the
+same sheet.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import inspect
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.utils._pytree as pytree
+
+from torch_mpmd.planning.sheet import CostSheet, Unit
+
+__all__ = ["profile", "find_units", "profile_key", "measurements",
+           "DEFAULT_ACTION_OVERHEAD_S", "DEFAULT_LINK_LATENCY_S", "DEFAULT_LINK_BANDWIDTH"]
+
+DEFAULT_ACTION_OVERHEAD_S = 40e-6
+DEFAULT_LINK_LATENCY_S = 150e-6
+DEFAULT_LINK_BANDWIDTH = 1e9
+_PING_BYTES = 4
+_PONG_BYTES = 4 << 20
+
+# Profiles measured (not loaded from a cache) in this process.
+measurements = 0
+
+
+# ------------------------------------------------------------------ units
+
+
+def find_units(model: torch.nn.Module) -> list[str]:
+    """The FQNs of the children of ``model``'s largest ``nn.ModuleList`` (the
+    first found, shallowest first, on a tie); ValueError when it has none of
+    two or more modules."""
+    best: tuple[int, str] | None = None
+    for name, mod in model.named_modules():
+        if isinstance(mod, torch.nn.ModuleList) and len(mod) >= 2:
+            if best is None or len(mod) > best[0]:
+                best = (len(mod), name)
+    if best is None:
+        raise ValueError(f"{type(model).__name__} has no nn.ModuleList of blocks to cut at; "
+                         "pass units=[module FQNs where units start]")
+    prefix = best[1] + "." if best[1] else ""
+    mods = model.get_submodule(best[1]) if best[1] else model
+    return [f"{prefix}{child}" for child, _ in mods.named_children()]
+
+
+def _check_units(model: torch.nn.Module, units: Sequence[str]) -> list[str]:
+    if isinstance(units, str) or not isinstance(units, Sequence) or not units:
+        raise ValueError(f"units={units!r} must be a non-empty list of module FQNs")
+    out = list(units)
+    known = dict(model.named_modules())
+    for u in out:
+        if not isinstance(u, str) or u not in known or not u:
+            raise ValueError(f"units: {u!r} is not a submodule of {type(model).__name__}")
+    if len(set(out)) != len(out):
+        raise ValueError(f"units={out!r} repeat a name")
+    return out
+
+
+# ------------------------------------------------------------------ sizes
+
+
+def batch_size_of(args: Sequence[Any], kwargs: Mapping[str, Any]) -> int:
+    """The leading size of the first tensor among the inputs (the batch)."""
+    for leaf in pytree.tree_leaves((tuple(args), dict(kwargs))):
+        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
+            return int(leaf.shape[0])
+    raise ValueError("the example inputs hold no tensor with a batch dimension")
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def default_microbatch(batch: int, pp_size: int) -> int:
+    """The largest divisor of ``batch`` at most ``batch / (2 * pp_size)`` (at least 1)."""
+    cap = max(1, batch // (2 * pp_size))
+    return max(d for d in _divisors(batch) if d <= cap)
+
+
+def _sizes(microbatch_sizes: Any, batch: int, pp_size: int) -> list[int]:
+    if microbatch_sizes is None:
+        return [default_microbatch(batch, pp_size)]
+    sizes = [microbatch_sizes] if isinstance(microbatch_sizes, int) else list(microbatch_sizes)
+    if not sizes:
+        raise ValueError("microbatch_sizes=[] must name at least one size")
+    for s in sizes:
+        if isinstance(s, bool) or not isinstance(s, int) or s < 1 or batch % s:
+            raise ValueError(f"microbatch_sizes: {s!r} must be a positive int dividing the "
+                             f"batch of {batch}")
+    return sizes
+
+
+# ------------------------------------------------------------------ cache key
+
+
+def _describe_value(value: Any) -> Any:
+    leaves, spec = pytree.tree_flatten(value)
+    return [str(spec), [(tuple(t.shape), str(t.dtype)) if isinstance(t, torch.Tensor) else repr(t)
+                        for t in leaves]]
+
+
+def _source(cls: type) -> str:
+    try:
+        return inspect.getsource(cls.forward)
+    except (OSError, TypeError, AttributeError):
+        return cls.__qualname__
+
+
+def _loss_label(loss_fn: Any) -> str:
+    from torch_mpmd.programs.loss import loss_label
+    return loss_label(loss_fn)
+
+
+def _compile_key(compile: Any) -> str:
+    if callable(compile) and not isinstance(compile, bool):
+        return f"{getattr(compile, '__module__', '')}.{getattr(compile, '__qualname__', '')}"
+    return repr(compile)
+
+
+def profile_key(model: torch.nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any],
+                target: Any, *, loss_fn: Any, units: Sequence[str], sizes: Sequence[int],
+                compile: Any, pp_size: int, device: str) -> str:
+    """The cache key (a sha256 hex digest) of a profile; see the module docstring."""
+    classes = sorted({type(m) for m in model.modules()}, key=lambda c: c.__qualname__)
+    what = {
+        "classes": [(c.__module__, c.__qualname__, _source(c)) for c in classes],
+        "params": [(n, tuple(p.shape), str(p.dtype), p.requires_grad)
+                   for n, p in model.named_parameters(remove_duplicate=False)],
+        "buffers": [(n, tuple(b.shape), str(b.dtype)) for n, b in model.named_buffers()],
+        "training": model.training,
+        "args": _describe_value(tuple(args)), "kwargs": _describe_value(dict(kwargs)),
+        "target": _describe_value(target), "loss": _loss_label(loss_fn),
+        "units": list(units), "sizes": list(sizes), "compile": _compile_key(compile),
+        "pp_size": pp_size, "device": device, "torch": torch.__version__,
+    }
+    return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def _cache_dir(cache_dir: Any) -> Path | None:
+    if cache_dir is False:
+        return None
+    if cache_dir is None:
+        cache_dir = os.environ.get("MPMD_PROFILE_CACHE") or \
+            os.path.join(os.path.expanduser("~"), ".cache", "torch_mpmd", "profiles")
+    return Path(cache_dir)
+
+
+# ------------------------------------------------------------------ measuring
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed(fn: Callable[[], Any], device: torch.device) -> tuple[Any, float]:
+    _sync(device)
+    start = time.perf_counter()
+    out = fn()
+    _sync(device)
+    return out, time.perf_counter() - start
+
+
+def _device_of(model: torch.nn.Module) -> torch.device:
+    for t in model.parameters():
+        if t.device.type != "meta":
+            return t.device
+    return torch.device("cpu")
+
+
+def _measure_at(model: torch.nn.Module, args: tuple, kwargs: dict, target: Any, *,
+                loss_fn: Any, units: Sequence[str], compile: Any, repeats: int
+                ) -> dict[str, Any]:
+    """One size: per unit F, B, I, W seconds (medians), saved, parameter and output bytes."""
+    from torch_mpmd.graph.stage import split_model
+    from torch_mpmd.programs.stage_programs import resolve_compiler
+    from torch_mpmd.runtime.program_runner import ProgramRunner
+    from torch_mpmd.runtime.rank import StagedModel
+    from torch_mpmd.runtime.runner import EdgeLayout
+
+    device = _device_of(model)
+    with torch.enable_grad():
+        sm = split_model(model, *args, split_points=list(units[1:]) or None, **kwargs)
+    n = sm.num_stages
+    if n != len(units):
+        raise ValueError(f"splitting at units {list(units)} gave {n} stages")
+    staged = StagedModel.from_split(sm)
+    layout = EdgeLayout.build(staged.signatures, staged.example_values)
+    producers: list[list[int]] = [[] for _ in range(n)]
+    consumers: list[list[int]] = [[] for _ in range(n)]
+    for p, c in layout.edges():
+        producers[c].append(p)
+        consumers[p].append(c)
+    runner = ProgramRunner({s: staged.stages[s] for s in range(n)}, staged.signatures, layout,
+                           producers, consumers, staged.rebuild_output, split_backward=True,
+                           compiler=resolve_compiler(compile), device=device,
+                           kinds={s: {"F", "B", "I", "W"} for s in range(n)})
+    inputs = [sm.named_inputs(args, kwargs)]
+    targets = [target]
+    runner.prepare(inputs, targets, loss_fn)
+    times: dict[str, list[list[float]]] = {k: [[] for _ in range(n)] for k in "FBIW"}
+    saved = [0] * n
+    for rep in range(repeats + 1):  # the first is a warm-up
+        runner.begin_step(inputs, targets, loss_fn, 0, rep, training=True)
+        try:
+            for split in (False, True):
+                values: dict[tuple[int, int], Any] = {}
+                states: dict[int, Any] = {}
+                for s in range(n):
+                    (sends, states[s]), t = _timed(
+                        lambda s=s: runner.forward(s, 0, [values[(p, s)] for p in producers[s]]),
+                        device)
+                    if rep and not split:
+                        times["F"][s].append(t)
+                    for c, v in zip(consumers[s], sends):
+                        values[(s, c)] = v
+                if rep == 0 and not split:
+                    saved = [runner.peak_bytes[s] for s in range(n)]
+                grads: dict[tuple[int, int], Any] = {}
+                for s in reversed(range(n)):
+                    out_grads = [grads[(s, c)] for c in consumers[s]]
+                    if split:
+                        (in_grads, carry), t_i = _timed(
+                            lambda: runner.backward(s, 0, out_grads, True, states[s]), device)
+                        _, t_w = _timed(lambda: runner.backward_weight(s, 0, carry), device)
+                        if rep:
+                            times["I"][s].append(t_i)
+                            times["W"][s].append(t_w)
+                    else:
+                        (in_grads, _), t_b = _timed(
+                            lambda: runner.backward(s, 0, out_grads, False, states[s]), device)
+                        if rep:
+                            times["B"][s].append(t_b)
+                    for p, g in zip(producers[s], in_grads):
+                        grads[(p, s)] = g
+                    states.pop(s, None)
+        finally:
+            runner.end_step()
+    med = {k: [statistics.median(v) for v in per] for k, per in times.items()}
+    param_bytes = []
+    for sig in sm.stage_signatures:
+        param_bytes.append(sum(sm.captured.tensors[f].numel() * sm.captured.tensors[f].element_size()
+                               for f in sig.parameters))
+    out_bytes = [0] * n
+    for v in sm.plan.cross_stage_values:
+        last = max(v.consumer_stages)
+        for cut in range(v.producer_stage, last):
+            out_bytes[cut] += v.bytes
+    first = sm.stage_signatures[0]
+    input_bytes = sum(t.numel() * t.element_size() for name in first.user_inputs
+                      for t in [inputs[0][name]] if isinstance(t, torch.Tensor))
+    return {"F": med["F"], "B": med["B"], "I": med["I"], "W": med["W"], "saved": saved,
+            "params": param_bytes, "out": out_bytes, "input": input_bytes,
+            "functional": runner.programs is not None}
+
+
+def _fit(values: Sequence[float], sizes: Sequence[int], at: int) -> float:
+    """The least-squares line through the origin over (size, value), at ``at``."""
+    if len(sizes) == 1:
+        return float(values[0])
+    slope = sum(v * s for v, s in zip(values, sizes)) / sum(s * s for s in sizes)
+    return max(0.0, slope * at)
+
+
+def _ping_pong(group: Any, device: torch.device) -> tuple[float, float]:
+    """(latency s, bandwidth B/s) between pipeline ranks 0 and 1 of ``group``
+    (collective over those two; other ranks return zeros)."""
+    rank = dist.get_rank(group)
+    if rank > 1:
+        return 0.0, 0.0
+    peer = dist.get_global_rank(group, 1 - rank)
+    if dist.get_backend(group) == "nccl" and device.type != "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+
+    def rounds(nbytes: int, count: int) -> float:
+        buf = torch.zeros(max(1, nbytes // 4), dtype=torch.float32, device=device)
+        times = []
+        for i in range(count + 1):
+            _sync(device)
+            start = time.perf_counter()
+            if rank == 0:
+                dist.send(buf, peer, group=group)
+                dist.recv(buf, peer, group=group)
+            else:
+                dist.recv(buf, peer, group=group)
+                dist.send(buf, peer, group=group)
+            _sync(device)
+            if i:
+                times.append(time.perf_counter() - start)
+        return statistics.median(times)
+
+    latency = rounds(_PING_BYTES, 20) / 2
+    one_way = rounds(_PONG_BYTES, 5) / 2
+    bandwidth = _PONG_BYTES / max(one_way - latency, 1e-9)
+    return latency, bandwidth
+
+
+def _measure(model: torch.nn.Module, args: tuple, kwargs: dict, target: Any, *,
+             loss_fn: Any, units: list[str], sizes: list[int], compile: Any, repeats: int,
+             batch: int, pp_size: int, global_batch: int, link: tuple[float, float],
+             memory_limit: float) -> CostSheet:
+    from torch_mpmd.microbatch import first_microbatch, split_tree
+
+    global measurements
+    per_size = []
+    grads = {p: p.grad for p in model.parameters()}
+    buffers = [b.detach().clone() for b in model.buffers()]
+    rng = torch.random.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    try:
+        for size in sizes:
+            m = batch // size
+            a0, k0 = first_microbatch(args, kwargs, m)
+            t0 = split_tree(target, m, "target", first_only=True)[0] if target is not None \
+                else None
+            per_size.append(_measure_at(model, a0, k0, t0, loss_fn=loss_fn, units=units,
+                                        compile=compile, repeats=repeats))
+    finally:
+        with torch.no_grad():  # the profile leaves no trace in the model
+            for p, g in grads.items():
+                p.grad = g
+            for b, was in zip(model.buffers(), buffers):
+                b.copy_(was)
+        torch.random.set_rng_state(rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
+    measurements += 1
+    ref = sizes[0]
+    out_units = []
+    for u, name in enumerate(units):
+        col = {k: [r[k][u] for r in per_size] for k in ("F", "B", "I", "W", "saved", "out")}
+        f, b = _fit(col["F"], sizes, ref), _fit(col["B"], sizes, ref)
+        i, w = _fit(col["I"], sizes, ref), _fit(col["W"], sizes, ref)
+        scale = b / (i + w) if i + w > 0 else 0.0  # I + W = B, their ratio kept
+        out_units.append(Unit(name=name, forward=f, backward_input=i * scale,
+                              backward_weight=w * scale if i + w > 0 else b,
+                              saved_bytes=_fit(col["saved"], sizes, ref),
+                              param_bytes=float(per_size[0]["params"][u]),
+                              output_bytes=(_fit(col["out"], sizes, ref)
+                                            if u < len(units) - 1 else 0.0)))
+    latency, bandwidth = link
+    return CostSheet(
+        units=out_units, global_batch=global_batch, pp_size=pp_size, reference_microbatch=ref,
+        input_bytes=_fit([r["input"] for r in per_size], sizes, ref),
+        action_overhead=DEFAULT_ACTION_OVERHEAD_S, link_latency=latency,
+        link_bandwidth=bandwidth, memory_limit=memory_limit)
+
+
+def profile(model: torch.nn.Module, example_args: Any, example_kwargs: Mapping[str, Any] | None = None,
+            *, loss_fn: Callable[..., Any] | None, target: Any = None,
+            units: Sequence[str] | None = None, microbatch_sizes: int | Sequence[int] | None = None,
+            compile: Any = False, cache_dir: Any = None, group: Any = None,
+            pp_size: int | None = None, global_batch: int | None = None, repeats: int = 5,
+            memory_limit: float = 0.0) -> CostSheet:
+    """The measured cost sheet of ``model`` on one step's batch (see the module docstring).
+
+    ``example_args``/``example_kwargs``/``target``: a training step's batch
+    (split along dim 0 like the pipeline splits it); ``loss_fn``: as
+    ``pipeline(loss_fn=)`` takes it. ``group``: the pipeline group (default:
+    the default group when one is initialized; collective over it).
+    ``pp_size`` (default: the group's size) and ``global_batch`` (default: the
+    batch's size) go on the sheet; ``repeats``: timed runs per cost (medians).
+    """
+    from torch_mpmd.config import pp_group
+
+    if not isinstance(example_args, tuple):
+        example_args = (example_args,) if not isinstance(example_args, list) else \
+            tuple(example_args)
+    kwargs = dict(example_kwargs or {})
+    grp = pp_group(group)
+    world = dist.get_world_size(grp) if grp is not None else 1
+    rank = dist.get_rank(grp) if grp is not None else 0
+    pp = world if pp_size is None else pp_size
+    batch = batch_size_of(example_args, kwargs)
+    gb = batch if global_batch is None else global_batch
+    sizes = _sizes(microbatch_sizes, batch, pp)
+    unit_names = _check_units(model, units) if units is not None else find_units(model)
+    device = _device_of(model)
+    text: str | None = None
+    failure: tuple[str, str] | None = None
+    raised: BaseException | None = None
+    path: Path | None = None
+    if rank == 0:
+        key = profile_key(model, example_args, kwargs, target, loss_fn=loss_fn,
+                          units=unit_names, sizes=sizes, compile=compile, pp_size=pp,
+                          device=device.type)
+        cache = _cache_dir(cache_dir)
+        path = cache / f"{key}.json" if cache is not None else None
+        if path is not None and path.is_file():
+            try:
+                text = json.loads(path.read_text())["sheet"]
+                CostSheet.from_json(text)
+            except (ValueError, KeyError, OSError, TypeError):
+                text = None  # a damaged entry is measured again
+    # Rank 0 tells the others whether it measures (then ranks 0 and 1 ping-pong).
+    if grp is not None and world > 1:
+        flag = [text is None]
+        dist.broadcast_object_list(flag, src=dist.get_global_rank(grp, 0), group=grp)
+        measure = bool(flag[0])
+    else:
+        measure = text is None
+    if measure:
+        link = ((DEFAULT_LINK_LATENCY_S, DEFAULT_LINK_BANDWIDTH) if grp is None or world < 2
+                else _ping_pong(grp, device))
+        if rank == 0:
+            try:
+                sheet = _measure(model, example_args, kwargs, target, loss_fn=loss_fn,
+                                 units=unit_names, sizes=sizes, compile=compile,
+                                 repeats=repeats, batch=batch, pp_size=pp, global_batch=gb,
+                                 link=link, memory_limit=memory_limit)
+            except Exception as e:  # noqa: BLE001  (every rank raises it, below)
+                failure, raised = (type(e).__name__, str(e)), e
+            else:
+                text = sheet.to_json()
+            if path is not None and text is not None:
+                try:
+                    path.parent.mkdir(parents=True, exist_ok=True)
+                    tmp = path.with_suffix(f".tmp{os.getpid()}")
+                    tmp.write_text(json.dumps({"key": key, "sheet": text}))
+                    tmp.replace(path)
+                except OSError:
+                    pass  # a read-only cache: the profile is still returned
+    if grp is not None and world > 1:
+        box: list[Any] = [(text, failure)]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(grp, 0), group=grp)
+        text, failure = box[0]
+    if raised is not None:
+        raise raised
+    if failure is not None:
+        kind, message = failure
+        error = ValueError if kind == "ValueError" else RuntimeError
+        raise error(f"profiling {type(model).__name__} failed on pipeline rank 0: {message}")
+    assert text is not None
+    sheet = CostSheet.from_json(text)
+    if sheet.global_batch != gb or sheet.memory_limit != memory_limit:
+        sheet = dataclasses.replace(sheet, global_batch=gb, memory_limit=memory_limit)
+    return sheet
