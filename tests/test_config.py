@@ -28,7 +28,8 @@ def test_pipeline_keywords_and_backend_options_are_the_config_fields():
     params = inspect.signature(mpmd.pipeline).parameters
     assert list(params)[:2] == ["module", "config"]
     assert list(params)[2:] == fields
-    assert params["num_microbatches"].default is inspect.Parameter.empty  # required
+    # Required unless plan= gives it (a ValueError when the config is made).
+    assert params["num_microbatches"].default is None
     assert set(BACKEND_OPTIONS) == (set(fields) - {"loss_fn"}) | {"reduction"}
 
 
@@ -39,6 +40,8 @@ def test_config_is_frozen_and_checks_each_value_when_made():
         config.num_microbatches = 8  # type: ignore[misc]
     with pytest.raises(ValueError, match=r"num_microbatches=0 must be a positive int"):
         PipelineConfig(num_microbatches=0)
+    with pytest.raises(ValueError, match=r"num_microbatches is required \(or plan="):
+        PipelineConfig()
     with pytest.raises(ValueError, match=r"unknown schedule 'nope'"):
         PipelineConfig(num_microbatches=2, schedule="nope")
     with pytest.raises(ValueError, match=r"num_stages=3 disagrees with split_points=\['2'\]"):

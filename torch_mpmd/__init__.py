@@ -9,7 +9,8 @@ only the compiled ``torch_mpmd._C`` extension. The torch-dependent names
 ``planning`` (plans from a cost sheet; it needs only ``_C``) and ``ordering``
 (``microbatch_order``, ``microbatch_sizes``: an order of microbatches of
 different sizes that shortens the step); ``bucket_microbatches`` pads them to
-a few lengths.
+a few lengths; ``profile`` measures a model's per-unit costs as a cost sheet
+and ``plan`` chooses a pipeline plan from them (``pipeline(plan=...)``).
 """
 
 import atexit
@@ -40,10 +41,12 @@ _LAZY = {
     "microbatch_order": "torch_mpmd.ordering",
     "bucket_microbatches": "torch_mpmd.microbatch",
     "microbatch_sizes": "torch_mpmd.ordering",
+    "plan": "torch_mpmd.planning.auto",
+    "profile": "torch_mpmd.planning.profile",
 }
 
 __all__ = ["__version__", "schedules", "checkpoint", "trace", "packing", "planning", "ordering", "pack", "document_mask",
-           "microbatch_order", "microbatch_sizes", "bucket_microbatches", "pipeline", "Pipeline", "PipelineConfig", "PipelineError",
+           "microbatch_order", "microbatch_sizes", "bucket_microbatches", "plan", "profile", "pipeline", "Pipeline", "PipelineConfig", "PipelineError",
            "Replicate", "pipeline_of",
            "stage_boundary", "split_model", "SplitModel", "CaptureError"]
 

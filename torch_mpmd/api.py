@@ -25,8 +25,8 @@ import torch
 import torch.distributed as dist
 
 from torch_mpmd import training
-from torch_mpmd.config import (PipelineConfig, Resolved, check_stage_count, positive_int,
-                               settings_signature)
+from torch_mpmd.config import (PLAN_FIELDS, PipelineConfig, Resolved, check_stage_count,
+                               positive_int, settings_signature)
 from torch_mpmd.graph.stage import set_path, split_model
 from torch_mpmd.microbatch import (check_target_batch, explicit_microbatches,
                                    first_microbatch, merge_microbatches,
@@ -70,7 +70,9 @@ class Pipeline(torch.nn.Module):
         # Not registered as a submodule: parameters() must list this rank's only.
         object.__setattr__(self, "_mpmd_module", module)
         self.config = config
-        self.num_microbatches = config.num_microbatches
+        self.num_microbatches = config.num_microbatches  # None until plan="auto" plans
+        # plan="auto": the settings the user gave beside it, kept by the search.
+        self._mpmd_constraints: dict[str, Any] = {}
         self._mpmd_group = resolved.group
         self.pp_size = resolved.pp_size
         self.rank = dist.get_rank(self._mpmd_group) if self._mpmd_group else 0
@@ -429,6 +431,8 @@ class Pipeline(torch.nn.Module):
                                "called under torch.no_grad() or inference_mode(); use "
                                "eval_step() for the loss without backward, or the pipeline "
                                "call for outputs")
+        if self.config.plan == "auto":
+            self._plan_auto(args, kwargs, target, microbatches)
         rt, inputs, targets = self._call_microbatches(args, kwargs, target, microbatches,
                                                       targets)
         rt.use_microbatches(inputs)  # (before building: the programs' sizes)
@@ -457,6 +461,74 @@ class Pipeline(torch.nn.Module):
         if os.environ.get("MPMD_TRACE"):
             self.save_trace(os.environ["MPMD_TRACE"])
         return loss
+
+    # ------------------------------------------------------------ plans
+    def _plan_auto(self, args: tuple, kwargs: dict, target: Any, microbatches: Any) -> None:
+        """plan="auto" at the first step: profile on this batch, search, and
+        take the plan as if given (collective over the pipeline group, and the
+        same plan on every rank of the job; torch_mpmd.planning.auto)."""
+        from torch_mpmd.planning.auto import plan as make_plan
+
+        if microbatches is not None:
+            raise ValueError("plan='auto' plans from a batch: the first step() takes the batch "
+                             "(its args and target=), not microbatches=[...]")
+        self._check_target(target)
+        c = self._mpmd_constraints
+        mesh = self.config.mesh
+        chosen = make_plan(self._mpmd_module, tuple(args), dict(kwargs),
+                           loss_fn=self.config.loss_fn, target=target,
+                           group=mesh if mesh is not None else self._mpmd_group,
+                           memory_limit=self.config.memory_limit,
+                           schedules=c.get("schedule"),
+                           num_microbatches=c.get("num_microbatches"),
+                           stages_per_rank=c.get("stages_per_rank"),
+                           compile=self.config.compile)
+        config = PipelineConfig.from_settings(self.config, plan=chosen)
+        config._check_schedule_at(self.pp_size)
+        self.config = config
+        self.num_microbatches = config.num_microbatches
+        if self.rank == 0:
+            _log.info("torch_mpmd: plan='auto' chose %s", chosen.describe().splitlines()[0])
+
+    def replan(self, last_n: int | None = None) -> tuple[Any, str]:
+        """Re-run the plan search on the stage times the last ``last_n`` steps
+        measured (``stage_times``; default all kept) and say whether another
+        plan is predicted faster, by how much. Returns ``(best plan, sentence)``.
+
+        The sheet: with a plan from ``mpmd.plan`` or ``plan="auto"`` (which
+        carries its profile), each stage's measured F, I and W are shared
+        among its units in proportion to the profile (bytes and link rates
+        from the profile); otherwise the stages are the units. The current
+        plan is evaluated on the same sheet. Collective over the pipeline
+        group (the ranks' stage times are gathered); the same result on
+        every rank."""
+        from torch_mpmd.planning.auto import replan_sentence, replan_sheet
+
+        rt = self._runtime()
+        times = dict(self.stage_times(last_n))
+        if rt.pp_size > 1:
+            gathered: list[Any] = [None] * rt.pp_size
+            dist.all_gather_object(gathered, times, group=self._mpmd_group)
+            times = {s: t for part in gathered for s, t in part.items()}
+        config, plan = self.config, self.config.plan
+        schedule = config.schedule if isinstance(config.schedule, str) else config.schedule.name
+        n = self.num_stages
+        split = list(config.split_points or ())
+        sheet = getattr(plan, "sheet", None) if plan is not None else None
+        if sheet is not None and (len(split) != n - 1 or
+                                  any(name not in {u.name for u in sheet.units}
+                                      for name in split)):
+            sheet = None
+        if sheet is None and len(split) != n - 1:
+            split = [f"stage {s}" for s in range(1, n)]
+        shapes = self.last_step_stats.get("microbatch_shapes") or []
+        batch = sum(int(shape[0]) for shape in shapes if shape) or self.num_microbatches
+        sheet = replan_sheet(times, profile_sheet=sheet, split_points=split, num_stages=n,
+                             global_batch=batch, num_microbatches=self.num_microbatches,
+                             pp_size=rt.pp_size, memory_limit=config.memory_limit)
+        return replan_sentence(sheet, schedule=schedule, num_microbatches=self.num_microbatches,
+                               stages_per_rank=n // rt.pp_size, split_points=split,
+                               memory_limit=config.memory_limit)
 
     # ------------------------------------------------------------ what a step did
     @property
@@ -665,6 +737,9 @@ class Pipeline(torch.nn.Module):
         or the caller's ``microbatches`` list. Every check is local and alike
         on every rank, before any communication. ``loss``: the call computes
         the loss (targets are checked against ``loss_fn``)."""
+        if self.config.plan == "auto":
+            raise ValueError("plan='auto' chooses the plan at the first step(), from its batch: "
+                             "call step() before eval_step() or the forward call")
         if microbatches is None:
             if targets is not None:
                 raise ValueError("targets= goes with microbatches=[...]; for a batch, pass its "
@@ -806,6 +881,15 @@ def pipeline(module: torch.nn.Module, config: PipelineConfig | None = None,
     programs, compiled ones included, with every transfer sized per step
     from the inputs; sizes the capture cannot serve (a guard it recorded
     fails, a static dim changed) capture again, with a log line saying why.
+    ``plan``: a ``torch_mpmd.planning.Plan`` (``mpmd.plan(...)``, or its JSON
+    text or file) sets schedule, num_microbatches, stages_per_rank and
+    split_points (a setting given beside it that contradicts it is a
+    ValueError naming both; a plan that recomputes is refused: the pipeline
+    does not recompute yet); ``plan="auto"`` profiles and plans at the first
+    ``step`` from its batch, keeping schedule, num_microbatches and
+    stages_per_rank given beside it as constraints and ``memory_limit``
+    (bytes per rank) as the limit (torch_mpmd/planning/auto.py);
+    ``pipe.replan()`` re-runs the search on the measured stage times.
     Settings are the fields of :class:`torch_mpmd.PipelineConfig` (the
     signature lists them): pass them as keywords, or a config (and keywords
     that change it: ``pipeline(model, config, num_microbatches=8)``).
@@ -821,7 +905,12 @@ def pipeline(module: torch.nn.Module, config: PipelineConfig | None = None,
             config = dataclasses.replace(config, compile="inductor")
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"pipeline() takes an nn.Module, got {type(module).__name__}")
-    return Pipeline(module, config, config.resolve())
+    pipe = Pipeline(module, config, config.resolve())
+    if config.plan == "auto":  # what the user fixed beside it: constraints of the search
+        defaults = {"schedule": "1f1b"}
+        pipe._mpmd_constraints = {k: getattr(config, k) for k in PLAN_FIELDS
+                                  if k in settings or getattr(config, k) != defaults.get(k)}
+    return pipe
 
 
 pipeline.__signature__ = settings_signature(  # type: ignore[attr-defined]

@@ -38,7 +38,7 @@ from torch_mpmd.schedules import (V_SCHEDULES, Schedule, default_stages_per_rank
                                   names as schedule_names)
 
 __all__ = ["PipelineConfig", "Resolved", "BACKEND_OPTIONS", "check_stage_count",
-           "positive_int", "as_timeout", "pp_group"]
+           "positive_int", "as_timeout", "pp_group", "check_against_plan", "PLAN_FIELDS"]
 
 MAX_TIMEOUT_S = 1e7  # ~115 days; larger overflows the executor's clock arithmetic
 
@@ -54,6 +54,60 @@ def _compile_label(compile: Any) -> str:
     return repr(compile)
 
 
+def _plan_label(plan: Any) -> str:
+    """The plan setting as every rank spells it: None, "auto", or its fields."""
+    if plan is None or isinstance(plan, str):
+        return repr(plan)
+    return (f"{plan.schedule} v={plan.stages_per_rank} m={plan.num_microbatches} "
+            f"split={list(plan.split_points)}")
+
+
+# The settings a plan fixes, and their defaults (a default is filled from the plan).
+PLAN_FIELDS = ("schedule", "num_microbatches", "stages_per_rank", "split_points")
+_PLAN_DEFAULTS = {"schedule": "1f1b", "num_microbatches": None, "stages_per_rank": None,
+                  "split_points": None}
+
+
+def _as_plan(plan: Any) -> Any:
+    """``plan`` as None, "auto" or a planning.Plan (a dict, JSON text or a JSON
+    file's path are read as one); a ValueError naming it otherwise."""
+    if plan is None or plan == "auto":
+        return plan
+    from torch_mpmd.planning.plan import Plan
+
+    if isinstance(plan, Plan):
+        return plan
+    if isinstance(plan, dict):
+        return Plan.from_dict(plan)
+    if isinstance(plan, (str, os.PathLike)):
+        try:
+            return Plan.from_json(plan)
+        except OSError as e:
+            raise ValueError(f"plan={plan!r} must be a Plan, 'auto', or a plan's JSON "
+                             f"(text or file): {e}") from None
+    raise ValueError(f"plan={plan!r} must be None, 'auto', a torch_mpmd.planning.Plan "
+                     "(mpmd.plan(...)), or a plan's JSON (text or file)")
+
+
+def _plan_value(plan: Any, name: str) -> Any:
+    return tuple(plan.split_points) if name == "split_points" else getattr(plan, name)
+
+
+def check_against_plan(plan: Any, given: dict[str, Any]) -> None:
+    """A ValueError when a setting given beside a plan contradicts it, naming
+    both values."""
+    for name, value in given.items():
+        if name not in PLAN_FIELDS or value is None:
+            continue
+        want = _plan_value(plan, name)
+        got = tuple(value) if name == "split_points" and not isinstance(value, str) else value
+        if name == "schedule" and isinstance(value, Schedule):
+            got = value.name
+        if got != want:
+            raise ValueError(f"{name}={value!r} contradicts the plan's {name}={want!r}; drop "
+                             f"one of them (or edit the plan)")
+
+
 def _setting(default: Any = dataclasses.MISSING, *, option: bool = True,
              shared: Callable[[Any], str] | None = None) -> Any:
     """A field: ``option`` (a backend option key), ``shared`` (compared between
@@ -66,7 +120,7 @@ class PipelineConfig:
     """What ``pipeline()`` is told: see its docstring for what each setting does.
     Frozen; ``dataclasses.replace(config, name=value)`` makes a changed copy."""
 
-    num_microbatches: int = _setting(shared=str)
+    num_microbatches: int | None = _setting(None, shared=str)
     loss_fn: Callable[..., Any] | None = _setting(None, option=False, shared=loss_label)
     schedule: str | Schedule = _setting("1f1b", shared=_schedule_label)
     stages_per_rank: int | None = _setting(None)
@@ -85,16 +139,19 @@ class PipelineConfig:
     dynamic: bool = _setting(False, shared=str)
     data_parallel: str = _setting("replicate", shared=str)
     reshard_after_forward: bool = _setting(False, shared=str)
+    plan: Any = _setting(None, shared=_plan_label)
+    memory_limit: float | None = _setting(None, shared=str)
 
     def __post_init__(self) -> None:
         """Every check of a value on its own (ValueError naming it)."""
+        self._apply_plan()
         if self.split_points is not None:
             if isinstance(self.split_points, str) or not isinstance(self.split_points, Sequence):
                 raise ValueError(f"split_points={self.split_points!r} must be a list of module "
                                  "FQNs")
             object.__setattr__(self, "split_points", tuple(self.split_points))
         resolve_compiler(self.compile)
-        positive_int("num_microbatches", self.num_microbatches)
+        positive_int("num_microbatches", self.num_microbatches, optional=self.plan == "auto")
         positive_int("stages_per_rank", self.stages_per_rank, optional=True)
         positive_int("num_stages", self.num_stages, optional=True)
         positive_int("lookahead", self.lookahead)
@@ -133,6 +190,49 @@ class PipelineConfig:
                              f"split_points={list(self.split_points)!r}, which give "
                              f"{len(self.split_points) + 1} stages")
 
+    def _apply_plan(self) -> None:
+        """NOTE [Plans in the config]: ``plan`` (a Plan) fills schedule,
+        num_microbatches, stages_per_rank and split_points where they hold
+        their defaults; a value beside it that contradicts it is a ValueError
+        naming both (``from_settings`` also catches a schedule passed as its
+        default, "1f1b", which a config made directly cannot tell from none).
+        ``plan="auto"`` leaves them as given: the pipeline plans at its first
+        step, keeping them as constraints. Without a plan num_microbatches is
+        required."""
+        plan = _as_plan(self.plan)
+        object.__setattr__(self, "plan", plan)
+        if self.memory_limit is not None and (
+                isinstance(self.memory_limit, bool) or
+                not isinstance(self.memory_limit, (int, float)) or
+                not math.isfinite(self.memory_limit) or self.memory_limit < 0):
+            raise ValueError(f"memory_limit={self.memory_limit!r} must be None or a number of "
+                             "bytes per rank >= 0")
+        if plan is None:
+            if self.num_microbatches is None:
+                raise ValueError("num_microbatches is required (or plan=: a Plan from "
+                                 "mpmd.plan(...), or 'auto')")
+            return
+        if plan == "auto":
+            for name in ("split_points", "num_stages"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"{name}={getattr(self, name)!r} with plan='auto': the "
+                                     "plan chooses the split; give a plan (mpmd.plan(...)) "
+                                     f"or drop {name}")
+            return
+        if any(plan.recompute):
+            stages = [s for s, r in enumerate(plan.recompute) if r]
+            raise ValueError(f"the plan recomputes stages {stages}, which the pipeline does "
+                             "not run yet: plan with recompute=False (mpmd.plan never "
+                             "recomputes) or edit the plan's recompute to all false")
+        given = {}
+        for name in PLAN_FIELDS:
+            value = getattr(self, name)
+            if value == _PLAN_DEFAULTS[name] and not isinstance(value, Schedule):
+                object.__setattr__(self, name, _plan_value(plan, name))
+            else:
+                given[name] = value
+        check_against_plan(plan, given)
+
     # ------------------------------------------------------------ the three lists
     @classmethod
     def setting_names(cls) -> tuple[str, ...]:
@@ -160,10 +260,26 @@ class PipelineConfig:
         if unknown:
             raise TypeError(f"unknown pipeline setting(s) {', '.join(map(repr, unknown))}; "
                             f"known: {', '.join(cls.setting_names())}")
+        if base is not None and not isinstance(base, cls):
+            raise TypeError(f"expected a PipelineConfig, got {type(base).__name__}")
+        plan = _as_plan(settings["plan"] if "plan" in settings else
+                        base.plan if base is not None else None)
+        if plan is not None and plan != "auto":
+            # Named beside the plan (here, or in the base config before it had one).
+            given = {k: v for k, v in settings.items() if k in PLAN_FIELDS}
+            if base is not None and base.plan is None:
+                given = {**{k: getattr(base, k) for k in PLAN_FIELDS
+                            if getattr(base, k) != _PLAN_DEFAULTS[k]}, **given}
+            check_against_plan(plan, given)
+        if "plan" in settings:
+            settings = {**settings, "plan": plan}
+            if base is not None and base.plan not in (None, "auto"):
+                # A new plan replaces what the old one filled in.
+                old = {k: _PLAN_DEFAULTS[k] for k in PLAN_FIELDS
+                       if getattr(base, k) == _plan_value(base.plan, k)}
+                settings = {**old, **settings}
         if base is None:
             return cls(**settings)
-        if not isinstance(base, cls):
-            raise TypeError(f"expected a PipelineConfig, got {type(base).__name__}")
         return dataclasses.replace(base, **settings)
 
     # ------------------------------------------------------------ with the groups
@@ -184,7 +300,8 @@ class PipelineConfig:
             group, dp_group, replicas = groups.pp, groups.dp, groups.replicas
         grp = pp_group(group)
         pp = dist.get_world_size(grp) if grp is not None else 1
-        self._check_schedule_at(pp)
+        if self.plan != "auto":  # (auto: checked when planned, at the first step)
+            self._check_schedule_at(pp)
         # A dp dimension of size 1 shards nothing: the stages run replicated.
         dp_mesh = (self.mesh["dp"] if self.data_parallel == "shard" and dp_group is not None
                    else None)

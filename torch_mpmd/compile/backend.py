@@ -59,10 +59,14 @@ def _check_options(options: Mapping[str, Any] | None) -> tuple[PipelineConfig, s
     reduction = opts.pop("reduction", "mean")
     if reduction not in ("mean", "sum"):
         raise ValueError(f"option reduction={reduction!r} must be 'mean' or 'sum'")
-    opts.setdefault("num_microbatches", 1)
-    # Without a schedule: interleaved 1F1B, which is 1F1B at one stage per rank
-    # and also runs the several stages per rank that markers may define.
-    opts.setdefault("schedule", "interleaved_1f1b")
+    if opts.get("plan") == "auto":
+        raise ValueError("option plan='auto' is not taken by the mpmd backend yet: pass the "
+                         "plan of mpmd.plan(model, example_args, loss_fn=..., target=...)")
+    if opts.get("plan") is None:  # (a plan fills the schedule and microbatches)
+        opts.setdefault("num_microbatches", 1)
+        # Without a schedule: interleaved 1F1B, which is 1F1B at one stage per rank
+        # and also runs the several stages per rank that markers may define.
+        opts.setdefault("schedule", "interleaved_1f1b")
     config = PipelineConfig(**opts)
     config.resolve()
     return config, reduction

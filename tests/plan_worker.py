@@ -1,0 +1,176 @@
+"""Ranks of tests/test_plan_auto.py: ``mpmd.plan`` (profile + search, collective)
+and ``pipeline(plan=...)`` / ``plan="auto"`` on the example GPT, 2 gloo ranks.
+
+Per schedule case: a plan forced to that schedule (``schedules=[s]``), the
+plan's JSON on every rank, one step of ``pipeline(plan=plan)`` against one
+process (loss and every gradient), a second ``mpmd.plan`` call (the profile
+cache: no measurement), ``plan="auto"`` with the same constraint (its
+plan, programs and split equal the explicit plan's), ``pipeline(plan=<JSON
+text>)``, and ``pipe.replan()``. The "limits" case: a user constraint
+(num_microbatches=4) kept, an infeasible memory_limit's error, a
+contradicting setting's error.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import torch_mpmd as mpmd
+from dist_harness import run_grid
+from torch_mpmd.planning import Plan
+from torch_mpmd.planning import profile as profiling
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+from gpt_model import GPT, GPTConfig  # noqa: E402
+
+V = 32
+RTOL, ATOL = 1e-5, 1e-6
+
+
+def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), target.flatten())
+
+
+def _model() -> GPT:
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab_size=V, block_size=16, n_layer=4, n_head=2, d_model=16))
+
+
+def _batch() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return torch.randint(0, V, (8, 16), generator=g), torch.randint(0, V, (8, 16), generator=g)
+
+
+_MADE: list[str] = []
+
+
+def _cache() -> str:
+    """One cache directory per case, the same name on every rank (rank 0 uses it),
+    also for plan="auto" (MPMD_PROFILE_CACHE)."""
+    box = [tempfile.mkdtemp(prefix="mpmd_profiles_") if dist.get_rank() == 0 else None]
+    if box[0] is not None:
+        _MADE.append(box[0])
+    dist.broadcast_object_list(box, src=0)
+    os.environ["MPMD_PROFILE_CACHE"] = box[0]
+    return box[0]
+
+
+def _diff(got: torch.Tensor | None, want: torch.Tensor | None) -> float:
+    """max |got - want| scaled so that <= 1 is within tolerance; inf when missing."""
+    if got is None or want is None or got.shape != want.shape:
+        return float("inf")
+    got, want = got.detach().double(), want.detach().double()
+    return float(((got - want).abs() / (ATOL + RTOL * want.abs())).max())
+
+
+def _train_and_compare(pipe: Any, ref: torch.nn.Module, x: torch.Tensor, y: torch.Tensor
+                       ) -> dict[str, Any]:
+    ref.zero_grad()
+    want = loss_fn(ref(x), y)
+    want.backward()
+    got = pipe.step(x, target=y)
+    ref_grads = {n: p.grad for n, p in ref.named_parameters(remove_duplicate=False)}
+    return {"loss": _diff(got, want),
+            "grads": {n: _diff(p.grad, ref_grads[n])
+                      for n, p in pipe.named_parameters(remove_duplicate=False)}}
+
+
+def _program(pipe: Any) -> list[str]:
+    return [str(a) for a in pipe.inspect().actions["step"]]
+
+
+def train(case: dict[str, Any]) -> dict[str, Any]:
+    cache = _cache()
+    model = _model()
+    ref = copy.deepcopy(model)
+    x, y = _batch()
+    res: dict[str, Any] = {}
+    before = profiling.measurements
+    plan = mpmd.plan(model, (x,), loss_fn=loss_fn, target=y, schedules=[case["schedule"]],
+                     cache_dir=cache)
+    res["plan"] = plan.to_dict() | {"search": None}
+    res["describe"] = plan.describe()
+    again = mpmd.plan(model, (x,), loss_fn=loss_fn, target=y, schedules=[case["schedule"]],
+                      cache_dir=cache)
+    res["measured"] = profiling.measurements - before  # rank 0: 1 (the second call loads)
+    res["again_equal"] = again == plan
+    res["round_trip"] = Plan.from_json(plan.to_json()) == plan
+
+    pipe = mpmd.pipeline(model, loss_fn=loss_fn, plan=plan)
+    res["config"] = [pipe.config.schedule, pipe.config.num_microbatches,
+                     pipe.config.stages_per_rank, list(pipe.config.split_points)]
+    res["step"] = _train_and_compare(pipe, ref, x, y)
+    res["program"] = _program(pipe)
+    res["split"] = pipe.describe()
+    pipe.step(x, target=y)
+    best, sentence = pipe.replan()
+    res["replan"] = [best.to_dict() | {"search": None}, sentence]
+
+    # plan="auto" with the same constraint: profiled from the cache, the same plan.
+    auto_model = _model()
+    before = profiling.measurements
+    auto = mpmd.pipeline(auto_model, loss_fn=loss_fn, plan="auto", schedule=case["schedule"])
+    res["auto_step"] = _train_and_compare(auto, copy.deepcopy(_model()), x, y)
+    res["auto_measured"] = profiling.measurements - before
+    res["auto_plan_equal"] = auto.config.plan == plan
+    res["auto_plan"] = auto.config.plan.to_dict() | {"search": None}
+    res["auto_program_equal"] = _program(auto) == res["program"]
+    res["auto_split_equal"] = auto.describe() == res["split"]
+
+    # The plan's JSON text as the setting.
+    text = mpmd.pipeline(_model(), loss_fn=loss_fn, plan=plan.to_json())
+    res["json_config_equal"] = text.config == pipe.config
+    return res
+
+
+def dataclasses_replace(config: Any, **changes: Any) -> Any:
+    import dataclasses
+    return dataclasses.replace(config, **changes)
+
+
+def limits(case: dict[str, Any]) -> dict[str, Any]:
+    cache = _cache()
+    model = _model()
+    x, y = _batch()
+    res: dict[str, Any] = {}
+    plan = mpmd.plan(model, (x,), loss_fn=loss_fn, target=y, num_microbatches=4,
+                     cache_dir=cache)
+    res["m"] = plan.num_microbatches
+    auto = mpmd.pipeline(_model(), loss_fn=loss_fn, plan="auto", num_microbatches=4)
+    auto.step(x, target=y)
+    res["auto_m"] = auto.num_microbatches
+    try:
+        mpmd.plan(model, (x,), loss_fn=loss_fn, target=y, memory_limit=1000, cache_dir=cache)
+        res["infeasible"] = None
+    except ValueError as e:
+        res["infeasible"] = str(e)
+    try:
+        mpmd.pipeline(model, loss_fn=loss_fn, plan=plan, num_microbatches=2)
+        res["contradiction"] = None
+    except ValueError as e:
+        res["contradiction"] = str(e)
+    try:
+        mpmd.pipeline(model, loss_fn=loss_fn,
+                      plan=dataclasses_replace(plan, recompute=(True,) + plan.recompute[1:]))
+        res["recompute"] = None
+    except ValueError as e:
+        res["recompute"] = str(e)
+    return res
+
+
+def grid(cases: list[dict[str, Any]]) -> dict[str, Any]:
+    try:
+        return run_grid(cases, {"train": train, "limits": limits})
+    finally:
+        for path in _MADE:  # rank 0 made them
+            shutil.rmtree(path, ignore_errors=True)

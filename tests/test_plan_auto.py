@@ -1,0 +1,137 @@
+"""mpmd.plan and pipeline(plan=...): a profile measured once (cached), the same
+plan on every rank, a plan that trains exactly like one process for the
+schedules it picks, plan="auto" equal to the explicit plan, constraints and
+limits kept (tests/plan_worker.py, 2 gloo ranks); and profile() in one
+process (units, bytes, the cache key)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import torch_mpmd as mpmd
+from dist_harness import GridRun
+from torch_mpmd.planning import profile as profiling
+
+SCHEDULES = ["1f1b", "zbv"]
+CASES = ([dict(id=s, kind="train", schedule=s) for s in SCHEDULES]
+         + [dict(id="limits", kind="limits")])
+_GRID = GridRun(2, "plan_worker:grid", CASES, task="plans", timeout=300)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_plan_is_the_same_on_every_rank_and_trains_like_one_process(schedule):
+    r0, r1 = _GRID.results(schedule)
+    assert r0["plan"] == r1["plan"], (r0["plan"], r1["plan"])
+    assert r0["plan"]["schedule"] == schedule and not any(r0["plan"]["recompute"])
+    assert r0["config"] == r1["config"] == [
+        schedule, r0["plan"]["num_microbatches"], r0["plan"]["stages_per_rank"],
+        r0["plan"]["split_points"]]
+    assert all(s.startswith("blocks.") for s in r0["plan"]["split_points"])
+    for rank, r in enumerate((r0, r1)):
+        for key in ("step", "auto_step"):
+            assert r[key]["loss"] <= 1, f"rank {rank} {key}: loss off by {r[key]['loss']}"
+            assert r[key]["grads"], f"rank {rank} {key}: holds no parameter"
+            bad = {n: d for n, d in r[key]["grads"].items() if d > 1}
+            assert not bad, f"rank {rank} {key}: gradients off (inf: missing): {bad}"
+        assert r["round_trip"] and r["json_config_equal"] and r["again_equal"]
+        assert r["auto_plan_equal"], (rank, r["auto_plan"], r["plan"], r["auto_measured"])
+        assert r["auto_program_equal"], f"rank {rank}: plan='auto' runs other actions"
+        assert r["auto_split_equal"], f"rank {rank}: plan='auto' split otherwise"
+    # The profile is measured once, on rank 0; the second plan and "auto" load it.
+    assert (r0["measured"], r1["measured"]) == (1, 0)
+    assert (r0["auto_measured"], r1["auto_measured"]) == (0, 0)
+    assert r0["replan"] == r1["replan"]
+    assert r0["replan"][1].startswith(("the current plan", "a different plan")), r0["replan"][1]
+
+
+def test_constraints_and_limits():
+    for rank, r in enumerate(_GRID.results("limits")):
+        assert r["m"] == 4 and r["auto_m"] == 4, (rank, r["m"], r["auto_m"])
+        assert r["infeasible"] and "no plan fits memory_limit=" in r["infeasible"] and \
+            "smallest predicted peak" in r["infeasible"], r["infeasible"]
+        assert r["contradiction"] and "num_microbatches=2 contradicts the plan's " \
+            "num_microbatches=4" in r["contradiction"], r["contradiction"]
+        assert r["recompute"] and "recomputes stages [0]" in r["recompute"], r["recompute"]
+
+
+# ------------------------------------------------------------------ one process
+
+
+def _gpt(n_layer: int = 3):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+    from gpt_model import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab_size=32, block_size=16, n_layer=n_layer, n_head=2, d_model=16))
+
+
+def _ce(logits, target):
+    return F.cross_entropy(logits.flatten(0, 1), target.flatten())
+
+
+class _HFLike(nn.Module):
+    """Hugging Face's layout: model.embed_tokens, model.layers (a ModuleList), lm_head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = nn.Module()
+        self.model.embed_tokens = nn.Embedding(32, 16)
+        self.model.layers = nn.ModuleList(nn.Sequential(nn.Linear(16, 16), nn.Tanh())
+                                          for _ in range(3))
+        self.model.extra = nn.ModuleList([nn.Identity(), nn.Identity()])  # a smaller list
+        self.lm_head = nn.Linear(16, 32)
+
+    def forward(self, ids):
+        h = self.model.embed_tokens(ids)
+        for layer in self.model.layers:
+            h = layer(h)
+        return self.lm_head(h)
+
+
+def test_profile_finds_the_blocks_and_measures_positive_costs(tmp_path):
+    model = _gpt()
+    x, y = torch.randint(0, 32, (4, 16)), torch.randint(0, 32, (4, 16))
+    sheet = mpmd.profile(model, (x,), loss_fn=_ce, target=y, cache_dir=tmp_path, pp_size=2,
+                         repeats=2)
+    assert [u.name for u in sheet.units] == ["blocks.0", "blocks.1", "blocks.2"]
+    assert sheet.global_batch == 4 and sheet.pp_size == 2 and sheet.reference_microbatch == 1
+    for u in sheet.units:
+        assert u.forward > 0 and u.backward_input + u.backward_weight > 0, u
+        assert u.saved_bytes > 0 and u.param_bytes > 0, u
+    # What crosses a cut: one microbatch's residual stream, (1, 16, 16) float32.
+    assert [u.output_bytes for u in sheet.units] == [1024.0, 1024.0, 0.0]
+    assert sheet.units[0].param_bytes > sheet.units[1].param_bytes  # the embeddings
+    assert sheet.input_bytes == 16 * 8  # int64 ids
+    hf = _HFLike()
+    assert profiling.find_units(hf) == ["model.layers.0", "model.layers.1", "model.layers.2"]
+    s2 = mpmd.profile(hf, (x,), loss_fn=_ce, target=y, cache_dir=False, repeats=1)
+    assert [u.name for u in s2.units] == ["model.layers.0", "model.layers.1", "model.layers.2"]
+    assert s2.units[-1].param_bytes == (16 * 16 + 16 + 16 * 32 + 32) * 4  # layer 2 + lm_head
+    with pytest.raises(ValueError, match="no nn.ModuleList of blocks"):
+        profiling.find_units(nn.Sequential(nn.Linear(2, 2)))
+
+
+def test_profile_cache_is_reused_and_keyed_by_shapes(tmp_path, monkeypatch):
+    model = _gpt(2)
+    x, y = torch.randint(0, 32, (4, 16)), torch.randint(0, 32, (4, 16))
+    monkeypatch.setenv("MPMD_PROFILE_CACHE", str(tmp_path))
+    before = profiling.measurements
+    a = mpmd.profile(model, (x,), loss_fn=_ce, target=y, repeats=1)
+    b = mpmd.profile(model, (x,), loss_fn=_ce, target=y, repeats=1)
+    assert a == b and profiling.measurements == before + 1
+    assert len(list(tmp_path.glob("*.json"))) == 1
+    key = dict(loss_fn=_ce, units=["blocks.0", "blocks.1"], sizes=[1], compile=False,
+               pp_size=1, device="cpu")
+    k1 = profiling.profile_key(model, (x,), {}, y, **key)
+    assert k1 == profiling.profile_key(model, (x.clone(),), {}, y, **key)
+    assert k1 != profiling.profile_key(model, (x[:, :8],), {}, y[:, :8], **key)
+    assert k1 != profiling.profile_key(_gpt(3), (x,), {}, y, **key)
+    assert k1 != profiling.profile_key(model, (x,), {}, y, **{**key, "compile": True})
+    mpmd.profile(model, (x[:, :8],), loss_fn=_ce, target=y[:, :8], repeats=1)
+    assert profiling.measurements == before + 2

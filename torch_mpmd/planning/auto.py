@@ -1,0 +1,215 @@
+"""``mpmd.plan``: measure a model, search, and the same plan on every rank (issue 21, item 4).
+
+    plan = mpmd.plan(model, (x,), loss_fn=F.cross_entropy, target=y)   # collective
+    print(plan.describe())
+    pipe = mpmd.pipeline(model, loss_fn=F.cross_entropy, plan=plan)
+    pipe = mpmd.pipeline(model, loss_fn=..., plan="auto")               # plans at the first step
+
+``plan`` profiles (profile.py: rank 0 measures, or loads the cached profile,
+and broadcasts the sheet) and searches (``plan_from_sheet``, csrc/core/
+planner.h) on pipeline rank 0, and broadcasts the plan's JSON, so every rank
+returns an equal plan; an error (nothing fits ``memory_limit``: the planner
+names the smallest predicted peak and the limit) is raised on every rank.
+The pipeline has no per-stage recompute yet, so the search never recomputes.
+
+``replan_sentence`` and ``replan_sheet`` serve ``Pipeline.replan``: a sheet
+from the stages' measured times, and what re-running the search says.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any, Callable
+
+import torch.distributed as dist
+
+from torch_mpmd.planning.plan import Plan, evaluate_plan, plan_from_sheet
+from torch_mpmd.planning.profile import profile
+from torch_mpmd.planning.sheet import CostSheet, Unit
+
+__all__ = ["plan", "replan_sheet", "replan_sentence"]
+
+
+def _pp_group(group: Any) -> Any:
+    """The pipeline group of ``group`` (a DeviceMesh: its "pp" dimension)."""
+    from torch_mpmd.config import pp_group
+
+    names = getattr(group, "mesh_dim_names", None)
+    if names is not None:
+        if "pp" not in names:
+            raise ValueError(f"the mesh has no 'pp' dimension (dimensions: {names})")
+        return group.get_group("pp")
+    return pp_group(group)
+
+
+def _broadcast(value: Any, group: Any) -> Any:
+    if group is None or dist.get_world_size(group) < 2:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
+    return box[0]
+
+
+def plan(model: Any, example_args: Any, example_kwargs: Mapping[str, Any] | None = None, *,
+         loss_fn: Callable[..., Any] | None, target: Any = None, group: Any = None,
+         memory_limit: float | None = None, schedules: str | Sequence[str] | None = None,
+         num_microbatches: int | Sequence[int] | None = None,
+         stages_per_rank: int | Sequence[int] | None = None, compile: Any = False,
+         batch_size: int | None = None, units: Sequence[str] | None = None,
+         microbatch_sizes: int | Sequence[int] | None = None, cache_dir: Any = None,
+         top_k: int = 5) -> Plan:
+    """The plan with the least predicted step for ``model`` on this pipeline group.
+
+    ``example_args``/``example_kwargs``/``target``: one training step's batch
+    (as ``pipe.step`` takes it); ``batch_size``: samples per step when it is
+    not the example's. ``group``: the pipeline group or a DeviceMesh (its
+    "pp" dimension); default the default group, or one process.
+    ``memory_limit``: bytes per rank. ``schedules``, ``num_microbatches`` and
+    ``stages_per_rank`` restrict the search (one value or a list). ``units``,
+    ``microbatch_sizes``, ``compile`` and ``cache_dir``: :func:`profile`'s.
+    Collective: every rank calls it with the same arguments and gets an equal
+    plan. The plan carries its sheet (``plan.sheet``, in memory, not in its
+    JSON) for ``Pipeline.replan``.
+    """
+    grp = _pp_group(group)
+    rank = dist.get_rank(grp) if grp is not None else 0
+    sizes = microbatch_sizes
+    if sizes is None and isinstance(num_microbatches, int) and not isinstance(num_microbatches, bool):
+        from torch_mpmd.planning.profile import batch_size_of
+
+        args = example_args if isinstance(example_args, tuple) else (example_args,)
+        batch = batch_size_of(args, dict(example_kwargs or {}))
+        if batch % num_microbatches == 0:
+            sizes = batch // num_microbatches  # the one microbatch the plan can have
+    sheet = profile(model, example_args, example_kwargs, loss_fn=loss_fn, target=target,
+                    units=units, microbatch_sizes=sizes, compile=compile, cache_dir=cache_dir,
+                    group=grp, global_batch=batch_size)
+    result: tuple[str | None, tuple[str, str] | None] = (None, None)
+    raised: BaseException | None = None
+    if rank == 0:
+        try:
+            best = plan_from_sheet(sheet, memory_limit=memory_limit, schedules=schedules,
+                                   num_microbatches=num_microbatches,
+                                   stages_per_rank=stages_per_rank, recompute=False,
+                                   top_k=top_k)
+            result = (best.to_json(), None)
+        except Exception as e:  # noqa: BLE001  (every rank raises it)
+            raised, result = e, (None, (type(e).__name__, str(e)))
+    text, failure = _broadcast(result, grp)
+    if (failure is None and dist.is_available() and dist.is_initialized()
+            and dist.get_world_size() > (dist.get_world_size(grp) if grp is not None else 1)):
+        # Data/tensor-parallel replicas planned each on their own: take global rank 0's.
+        text = _broadcast(text, dist.group.WORLD)
+    if raised is not None:
+        raise raised
+    if failure is not None:
+        kind, message = failure
+        raise (ValueError if kind == "ValueError" else RuntimeError)(message)
+    out = Plan.from_json(text)
+    return dataclasses.replace(out, sheet=sheet, search=out.search)
+
+
+# ------------------------------------------------------------------ replan
+
+
+def _unit_ranges(sheet: CostSheet, split_points: Sequence[str]) -> list[range]:
+    starts = [0] + [sheet.index_of(n) for n in split_points] + [len(sheet.units)]
+    return [range(a, b) for a, b in zip(starts, starts[1:])]
+
+
+def replan_sheet(times: Mapping[int, Mapping[str, float]], *, profile_sheet: CostSheet | None,
+                 split_points: Sequence[str], num_stages: int, global_batch: int,
+                 num_microbatches: int, pp_size: int, memory_limit: float | None = None
+                 ) -> CostSheet:
+    """A sheet from measured per-stage medians (``{stage: {"F", "B", "I", "W"}}``,
+    every stage of the pipeline) at microbatches of ``global_batch /
+    num_microbatches`` samples.
+
+    With ``profile_sheet`` (whose units the current ``split_points`` name),
+    each stage's measured F, I and W are shared among its units in proportion
+    to their profiled costs and the profile's bytes are kept; a stage that ran
+    B only has it split into I and W in the profile's ratio. Without one the
+    stages are the units (named by the split points; stage 0 ``"stage 0"``),
+    with I and W half of B each where only B ran, and no bytes."""
+    missing = [s for s in range(num_stages) if s not in times]
+    if missing:
+        raise ValueError(f"no measured times for stages {missing}")
+    mb = max(1, global_batch // num_microbatches)
+
+    def fiw(stage: int, ratio_i: float) -> tuple[float, float, float]:
+        t = times[stage]
+        f = t.get("F", 0.0)
+        if "I" in t or "W" in t:
+            return f, t.get("I", 0.0), t.get("W", 0.0)
+        b = t.get("B", 0.0)
+        return f, b * ratio_i, b * (1 - ratio_i)
+
+    if profile_sheet is None:
+        names = ["stage 0", *split_points] if len(split_points) == num_stages - 1 else \
+            [f"stage {s}" for s in range(num_stages)]
+        units = []
+        for s in range(num_stages):
+            f, i, w = fiw(s, 0.5)
+            units.append(Unit(name=names[s], forward=f, backward_input=i, backward_weight=w))
+        return CostSheet(units=units, global_batch=global_batch, pp_size=pp_size,
+                         reference_microbatch=mb,
+                         action_overhead=_default("DEFAULT_ACTION_OVERHEAD_S"),
+                         link_latency=_default("DEFAULT_LINK_LATENCY_S"),
+                         link_bandwidth=_default("DEFAULT_LINK_BANDWIDTH"),
+                         memory_limit=memory_limit or 0.0)
+    ranges = _unit_ranges(profile_sheet, split_points)
+    if len(ranges) != num_stages:
+        raise ValueError(f"split_points {list(split_points)} give {len(ranges)} stages; the "
+                         f"pipeline has {num_stages}")
+    scale = mb / profile_sheet.reference_microbatch  # profile bytes at this microbatch
+    units = list(profile_sheet.units)
+    for s, rng in enumerate(ranges):
+        us = [profile_sheet.units[u] for u in rng]
+        pf = sum(u.forward for u in us)
+        pi = sum(u.backward_input for u in us)
+        pw = sum(u.backward_weight for u in us)
+        f, i, w = fiw(s, pi / (pi + pw) if pi + pw > 0 else 0.5)
+        for u in rng:
+            p = profile_sheet.units[u]
+            units[u] = dataclasses.replace(
+                p,
+                forward=f * (p.forward / pf if pf > 0 else 1 / len(rng)),
+                backward_input=i * (p.backward_input / pi if pi > 0 else 1 / len(rng)),
+                backward_weight=w * (p.backward_weight / pw if pw > 0 else 1 / len(rng)),
+                saved_bytes=p.saved_bytes * scale, output_bytes=p.output_bytes * scale)
+    return dataclasses.replace(profile_sheet, units=tuple(units), global_batch=global_batch,
+                               pp_size=pp_size, reference_microbatch=mb,
+                               input_bytes=profile_sheet.input_bytes * scale,
+                               memory_limit=memory_limit or 0.0)
+
+
+def _default(name: str) -> float:
+    from torch_mpmd.planning import profile as p
+    return float(getattr(p, name))
+
+
+def replan_sentence(sheet: CostSheet, *, schedule: str, num_microbatches: int,
+                    stages_per_rank: int, split_points: Sequence[str],
+                    memory_limit: float | None = None) -> tuple[Plan, str]:
+    """The best plan on ``sheet`` and a sentence comparing it with the current
+    plan evaluated on the same sheet."""
+    current = evaluate_plan(sheet, schedule, num_microbatches=num_microbatches,
+                            stages_per_rank=stages_per_rank, split_points=list(split_points))
+    best = plan_from_sheet(sheet, memory_limit=memory_limit, recompute=False)
+    best = dataclasses.replace(best, sheet=sheet, search=best.search)
+    now = (f"{schedule}, v={stages_per_rank}, m={num_microbatches}, split "
+           f"{list(split_points)}")
+    same = (best.schedule, best.stages_per_rank, best.num_microbatches,
+            tuple(best.split_points)) == (schedule, stages_per_rank, num_microbatches,
+                                          tuple(split_points))
+    if same or best.predicted_step_s >= current.predicted_step_s:
+        return best, (f"the current plan ({now}) is predicted the fastest: "
+                      f"{current.predicted_step_s * 1e3:.3g} ms a step (simulated from the "
+                      "measured stage times)")
+    gain = 1 - best.predicted_step_s / current.predicted_step_s
+    return best, (f"a different plan is predicted faster: {best.schedule}, "
+                  f"v={best.stages_per_rank}, m={best.num_microbatches}, split "
+                  f"{list(best.split_points)}: {best.predicted_step_s * 1e3:.3g} ms a step "
+                  f"against the current plan's ({now}) {current.predicted_step_s * 1e3:.3g} ms, "
+                  f"{gain:.1%} less (simulated from the measured stage times)")
