@@ -24,29 +24,17 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 import torch.nn.functional as F
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 import torch_mpmd as mpmd  # noqa: E402
 from torch_mpmd import trace  # noqa: E402
+from bench_compiled import DeepMLP  # noqa: E402
 from gpt_model import GPT, GPTConfig  # noqa: E402
 
 SCHEDULES = [("1f1b", 1), ("gpipe", 1), ("interleaved_1f1b", 2), ("looped_bfs", 2),
              ("zero_bubble", 1), ("zbv", 2), ("dualpipev", 2)]
-
-
-class DeepMLP(nn.Module):
-    def __init__(self, d: int, depth: int) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(),
-                                                  nn.Linear(4 * d, d), nn.LayerNorm(d))
-                                    for _ in range(depth))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for b in self.blocks:
-            x = x + b(x)
-        return x
 
 
 def _gpt_case(m: int) -> tuple[Any, Any, tuple, Any, list[str]]:

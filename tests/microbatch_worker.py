@@ -26,33 +26,11 @@ import torch.nn.functional as F
 import torch_mpmd as mpmd
 from dist_harness import run_grid
 from optim_replay import full
-
-V, D = 32, 16
-RTOL, ATOL = 1e-5, 1e-6
-
-
-class LM(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(V, D)
-        self.layers = nn.ModuleList(nn.Linear(D, D) for _ in range(4))
-        self.head = nn.Linear(D, V)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.emb(x)
-        for layer in self.layers:
-            h = torch.tanh(layer(h))
-        return self.head(h)
+from token_worker import LM, V, _diff, token_loss  # the same model, loss and tolerances
 
 
 def mean_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
-
-
-def token_loss(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    total = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100,
-                            reduction="sum")
-    return total, (labels != -100).sum()
 
 
 def microbatches(lengths: list[int], seed: int, rows: int = 2
@@ -80,14 +58,6 @@ def reference(model: nn.Module, mbs: list, targets: list, loss_fn: Any) -> torch
         loss = sum(mean_loss(model(*a, **k), t) for (a, k), t in zip(mbs, targets)) / len(mbs)
     loss.backward()
     return loss.detach()
-
-
-def _diff(got: torch.Tensor | None, want: torch.Tensor | None) -> float:
-    """max |got - want| scaled so that <= 1 is within tolerance; inf when missing."""
-    if got is None or want is None or got.shape != want.shape:
-        return float("inf")
-    got, want = got.detach().double(), want.detach().double()
-    return float(((got - want).abs() / (ATOL + RTOL * want.abs())).max())
 
 
 def _compare(pipe: Any, ref: nn.Module, loss: torch.Tensor, want: torch.Tensor
