@@ -214,6 +214,49 @@ def token_pair(case: dict[str, Any], group: Any, timeout: float) -> dict[str, An
     return out
 
 
+def explicit(case: dict[str, Any], group: Any, timeout: float) -> dict[str, Any]:
+    """mpmd.over_microbatches: a compiled function (the model passed as an
+    argument) called on four microbatches of different lengths, returning
+    the mean loss or (sum, count): what one eager process computes over the
+    same microbatches, and its gradients."""
+    import torch_mpmd as mpmd
+
+    model = build("gpt")
+    ref = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(4)
+    mbs = []
+    for n in (7, 3, 12, 5):
+        x = torch.randint(0, 32, (2, n), generator=g)
+        y = torch.randint(0, 32, (2, n), generator=g)
+        y[:, -1] = -100
+        mbs.append(((model, x, y), {}))
+    pair = case["loss"] == "pair"
+
+    def loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Any:
+        total = F.cross_entropy(model(x).flatten(0, 1), y.flatten(), ignore_index=-100,
+                                reduction="sum" if pair else "mean")
+        return (total, (y != -100).sum()) if pair else total
+
+    if pair:
+        pairs = [loss(ref, x, y) for (_, x, y), _ in mbs]
+        want = sum(p[0] for p in pairs) / sum(int(p[1]) for p in pairs)
+    else:
+        want = sum(loss(ref, x, y) for (_, x, y), _ in mbs) / len(mbs)
+    want.backward()
+    opts = {**_options(case, group, timeout), "dynamic": True}
+    train = torch.compile(loss, backend="mpmd", options=opts)
+    out = mpmd.over_microbatches(train, mbs)
+    got = out[0] / out[1] if pair else out
+    got.backward()
+    res = dict(loss=_diff(got.detach(), want.detach(), *TOL), grads=_grads(model, ref, fn=train))
+    try:  # a function not compiled with the mpmd backend takes no microbatches
+        mpmd.over_microbatches(lambda *a: loss(*a), mbs)
+        res["uncompiled"] = None
+    except RuntimeError as e:
+        res["uncompiled"] = str(e)
+    return res
+
+
 def replaced_parameter(case: dict[str, Any], group: Any, timeout: float) -> dict[str, Any]:
     """A parameter replaced after compiling is what the next call uses."""
     name = case["model"]
@@ -352,7 +395,7 @@ def forward_only(case: dict[str, Any], group: Any, timeout: float) -> dict[str, 
 
 KINDS = {"train": train, "replaced_parameter": replaced_parameter, "input_grad": input_grad,
          "autograd_grad": autograd_grad, "batch_change": batch_change,
-         "forward_only": forward_only, "token_pair": token_pair}
+         "forward_only": forward_only, "token_pair": token_pair, "explicit": explicit}
 
 
 def grid(cases: list[dict[str, Any]], timeout: float = 60.0) -> dict[str, Any]:

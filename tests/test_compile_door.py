@@ -43,6 +43,11 @@ OTHER = [
     # Token-weighted: the compiled function returns (sum, count) (issue 22).
     dict(id="token-pair-1f1b", kind="token_pair", model="gpt", schedule="1f1b", m=4),
     dict(id="token-pair-zbv", kind="token_pair", model="gpt", schedule="zbv", m=4),
+    # Explicit microbatches of different lengths through the door (issue 22).
+    dict(id="explicit-mean-1f1b", kind="explicit", model="gpt", schedule="1f1b", m=4,
+         loss="mean"),
+    dict(id="explicit-pair-zero_bubble", kind="explicit", model="gpt", schedule="zero_bubble",
+         m=4, loss="pair"),
 ]
 # Issue 20: a factory of training functions (Dynamo reuses one graph for
 # several models), a model as an argument, and compiling a Hugging Face
@@ -148,6 +153,17 @@ def test_a_compiled_function_returning_sum_and_count_trains_on_the_token_mean(ca
         assert res["eval_sum"]["ok"], f"rank {rank}: no-grad call's sum {res['eval_sum']}"
         assert res["eval_count"] == res["count"], f"rank {rank}: {res['eval_count']}"
         assert res["steps"] == 1, f"rank {rank}: pipeline_of() after validation: {res['steps']}"
+        bad += _bad(rank, res["grads"])
+    assert not bad, "\n".join(bad)
+
+
+@pytest.mark.parametrize("case_id", ["explicit-mean-1f1b", "explicit-pair-zero_bubble"])
+def test_a_compiled_function_over_explicit_microbatches_of_different_lengths(case_id):
+    bad = []
+    for rank, res in enumerate(_results(case_id)):
+        assert res["loss"]["ok"], f"rank {rank}: loss {res['loss']}"
+        assert res["uncompiled"] and "no mpmd pipeline call(s) took the microbatches" in \
+            res["uncompiled"], res["uncompiled"]
         bad += _bad(rank, res["grads"])
     assert not bad, "\n".join(bad)
 

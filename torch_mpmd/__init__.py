@@ -40,6 +40,7 @@ _LAZY = {
     "document_mask": "torch_mpmd.packing",
     "microbatch_order": "torch_mpmd.ordering",
     "bucket_microbatches": "torch_mpmd.microbatch",
+    "over_microbatches": "torch_mpmd.compile.door",
     "microbatch_sizes": "torch_mpmd.ordering",
     "plan": "torch_mpmd.planning.auto",
     "profile": "torch_mpmd.planning.profile",

@@ -23,6 +23,7 @@ function's arguments, then:
 from __future__ import annotations
 
 import collections
+import threading
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -33,11 +34,11 @@ from torch.distributed.tensor import DTensor
 
 from torch_mpmd.config import PipelineConfig
 from torch_mpmd.compile.frame import FrameCall, FrameModule, frame_call
-from torch_mpmd.microbatch import first_microbatch
+from torch_mpmd.microbatch import explicit_microbatches, first_microbatch
 from torch_mpmd.runtime.outputs import deliver_outputs
 from torch_mpmd.runtime.step import BACKWARD, FORWARD_KEEPING_GRAPH, run_step
 
-__all__ = ["Door", "pipeline_of"]
+__all__ = ["Door", "over_microbatches", "pipeline_of"]
 
 # The latest Door per compiled function (its code object) or module: what
 # pipeline_of() finds (the door then picks the pipeline of the function's own
@@ -67,6 +68,54 @@ def pipeline_of(fn: Any) -> Any:
         raise RuntimeError("no pipeline yet for this function: call it once (the mpmd backend "
                            "builds its pipeline on the first call)")
     return door.pipeline_for(fn)
+
+
+# NOTE [Explicit microbatches through the door]: over_microbatches calls the
+# compiled function on the first microbatch (Dynamo traces it, and guards, at
+# that microbatch's shapes) with the whole list here; the door that runs the
+# call takes the list (once) and steps on it instead of splitting the call's
+# arguments. A call that no door took (not compiled with backend="mpmd"), or
+# that two doors took (a graph break), is an error, never a step on the first
+# microbatch alone.
+_EXPLICIT = threading.local()
+
+
+def over_microbatches(fn: Any, microbatches: Sequence[Any]) -> Any:
+    """Call ``fn``, compiled with ``backend="mpmd"`` and returning its loss (a
+    scalar that requires grad) or a ``(sum, count)`` pair, on explicit
+    microbatches of shapes free to differ (``options={"dynamic": True}``):
+    ``microbatches`` is ``[(args0, kwargs0), (args1, kwargs1), ...]``, each
+    the arguments of one call of ``fn``. Returns what ``fn`` returns for the
+    whole list, as ``Pipeline.step(microbatches=...)`` computes it (the mean
+    of the microbatches' losses, or the sum and count), with its gradients
+    for ``backward()``; without grad, a ``(sum, count)`` function returns the
+    list's sum and count. Every rank of the pipeline calls it with the same
+    list."""
+    mbs, _ = explicit_microbatches(microbatches, None)
+    if getattr(_EXPLICIT, "pending", None) is not None:
+        raise RuntimeError("over_microbatches() calls do not nest")
+    _EXPLICIT.pending, _EXPLICIT.taken = mbs, 0
+    try:
+        args0, kwargs0 = mbs[0]
+        out = fn(*args0, **kwargs0)
+    finally:
+        taken = _EXPLICIT.taken
+        _EXPLICIT.pending = None
+    if taken != 1:
+        raise RuntimeError(
+            f"over_microbatches(): {'no' if taken == 0 else taken} mpmd pipeline call(s) took "
+            "the microbatches; fn must be compiled with torch.compile(backend='mpmd') and run "
+            "as one graph (no graph break) computing its loss")
+    return out
+
+
+def _take_explicit() -> list[tuple[tuple, dict]] | None:
+    """The pending explicit microbatches, counted as taken (NOTE [Explicit
+    microbatches through the door])."""
+    mbs = getattr(_EXPLICIT, "pending", None)
+    if mbs is not None:
+        _EXPLICIT.taken += 1
+    return mbs
 
 
 def _output_examples(gm: torch.fx.GraphModule) -> list[Any]:
@@ -255,10 +304,19 @@ class Door:
             return self._call(flat)
 
     def _call(self, flat: Sequence[Any]) -> tuple:
+        explicit = _take_explicit()
+        if explicit is not None:
+            explicit = self._frame_microbatches(flat, explicit)
         if torch.is_grad_enabled() and self.returns_loss:
-            return (self._train(flat),)
+            return (self._train(flat, explicit),)
         if self.returns_pair:
-            return self._train_pair(flat) if torch.is_grad_enabled() else self._eval_pair(flat)
+            return (self._train_pair(flat, explicit) if torch.is_grad_enabled() else
+                    self._eval_pair(flat, explicit))
+        if explicit is not None:
+            raise ValueError("over_microbatches() runs a compiled function that returns its "
+                             "loss (a scalar requiring grad, called with grad enabled) or a "
+                             "(sum, count) pair; this one returns "
+                             f"{len(self.outputs)} output(s)")
         args, kwargs = self.call.arguments(flat)
         self._pending = (args, kwargs)
         if torch.is_grad_enabled() and any(isinstance(o, torch.Tensor) and o.requires_grad
@@ -266,6 +324,19 @@ class Door:
             params = self._local_trainable(args, kwargs) or [self._anchor]
             return _PipelinedForward.apply(self, *params)
         return tuple(self._run_forward(keep_graph=False))
+
+    def _frame_microbatches(self, flat: Sequence[Any], explicit: list[tuple[tuple, dict]]
+                            ) -> list[tuple[tuple, dict]]:
+        """over_microbatches()'s list as the frame's arguments (module arguments
+        taken out); its first must be the call Dynamo traced."""
+        mbs = [self.call.frame_arguments(a, k) for a, k in explicit]
+        traced = torch.utils._pytree.tree_leaves(self.call.arguments(flat))
+        first = torch.utils._pytree.tree_leaves(mbs[0])
+        if len(traced) != len(first) or any(
+                isinstance(t, torch.Tensor) and t is not f for t, f in zip(traced, first)):
+            raise ValueError("over_microbatches(): the compiled function ran on other "
+                             "arguments than the first microbatch's")
+        return mbs
 
     def _use_tensors(self, flat: Sequence[Any]) -> None:
         """Switch to the call and pipeline of the module tensors in ``flat``:
@@ -311,10 +382,14 @@ class Door:
         return [p for p in pipe.parameters() if p.requires_grad]
 
     # ------------------------------------------------------------ training
-    def _train(self, flat: Sequence[Any]) -> torch.Tensor:
+    def _train(self, flat: Sequence[Any], explicit: list[tuple[tuple, dict]] | None = None
+               ) -> torch.Tensor:
         pipe = self.pipeline
         grad_inputs = sorted(i for i in self.call.leaf_inputs.values()
                              if isinstance(flat[i], torch.Tensor) and flat[i].requires_grad)
+        if explicit is not None and grad_inputs:
+            raise ValueError("over_microbatches(): inputs that require grad are not supported "
+                             "(their gradients would be the first microbatch's only)")
         flat = list(flat)
         originals = [flat[i] for i in grad_inputs]
         for i in grad_inputs:  # leaves of their own: their gradients land in .grad
@@ -326,13 +401,15 @@ class Door:
         stash = [p.grad for p in every]
         for p in every:
             p.grad = None
-        rt = pipe._ensure_built(*first_microbatch(args, kwargs, pipe.num_microbatches))
+        rt = pipe._ensure_built(*(explicit[0] if explicit is not None else
+                                  first_microbatch(args, kwargs, pipe.num_microbatches)))
         rt.runner.hooks_run_later = True  # they run in _StepLoss.backward, once
         # The step itself may run under the autograd engine (inputs that require
         # grad): the parameters' hooks are silenced there, to run in backward.
         muted = _mute_hooks(every)
         try:
-            loss = pipe.step(*args, **kwargs)
+            loss = (pipe.step(*args, **kwargs) if explicit is None else
+                    pipe.step(microbatches=explicit))
             local = [p for p in pipe.parameters() if p.requires_grad]
             grads = [p.grad for p in local]
         finally:
@@ -341,7 +418,7 @@ class Door:
             _unmute_hooks(muted)
         grads += self._input_grads([flat[i] for i in grad_inputs])
         if self.reduction == "sum":
-            m = pipe.num_microbatches
+            m = pipe.num_microbatches if explicit is None else len(explicit)
             loss = loss * m
             grads = [g * m if g is not None else None for g in grads]
         tensors = local + originals
@@ -349,25 +426,28 @@ class Door:
             tensors, grads = [self._anchor], [None]
         return _StepLoss.apply(loss, grads, *tensors)
 
-    def _train_pair(self, flat: Sequence[Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _train_pair(self, flat: Sequence[Any], explicit: list[tuple[tuple, dict]] | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
         """A training call of a function returning ``(sum, count)``: the step
         runs the token-weighted loss; the call returns the global sum and count
         (over the batch and the data-parallel replicas), the sum carrying the
         gradients of the sum (the step's gradients, of sum / count, times the
         count), so ``(s / n).backward()`` trains on the token mean."""
-        loss = self._train(flat)
+        loss = self._train(flat, explicit)
         tokens = self.pipeline.last_token_count
         if tokens is None:  # the capture's loss_fn returns the pair: never
             raise RuntimeError("the mpmd backend's token-weighted step returned no count")
         count = torch.tensor(tokens, device=loss.device).to(self.outputs[1].dtype)
         return _ScaledLoss.apply(loss, tokens), count
 
-    def _eval_pair(self, flat: Sequence[Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _eval_pair(self, flat: Sequence[Any], explicit: list[tuple[tuple, dict]] | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
         """A call without grad of a function returning ``(sum, count)``: the
         batch's sum and count (eval_step's token-weighted loss times its count)."""
         args, kwargs = self.call.arguments(flat)
         pipe = self.pipeline
-        loss = pipe.eval_step(*args, **kwargs)
+        loss = (pipe.eval_step(*args, **kwargs) if explicit is None else
+                pipe.eval_step(microbatches=explicit))
         tokens = pipe.last_token_count
         return ((loss * tokens).to(self.outputs[0].dtype),
                 torch.tensor(tokens, device=loss.device).to(self.outputs[1].dtype))

@@ -21,7 +21,7 @@ from __future__ import annotations
 import copy
 import inspect
 import types
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -83,6 +83,18 @@ class FrameCall:
         for leaf, i in self.leaf_inputs.items():
             leaves[leaf] = flat[i]
         return pytree.tree_unflatten(leaves, self._spec)
+
+    def frame_arguments(self, args: Sequence[Any], kwargs: Mapping[str, Any]
+                        ) -> tuple[tuple, dict]:
+        """A call of the compiled function as its caller writes it (module
+        arguments included, or left out as for a compiled method's ``self``)
+        as the frame's ``(args, kwargs)``: the module-valued ones taken out,
+        as :meth:`arguments` gives them."""
+        positions = sorted(k for k in self.baked if isinstance(k, int))
+        if positions and len(args) > positions[-1] and all(
+                args[p] is self.baked[p] for p in positions):
+            args = [a for j, a in enumerate(args) if j not in self.baked]
+        return tuple(args), {k: v for k, v in kwargs.items() if k not in self.baked}
 
     def replaced_tensors(self, flat: Sequence[Any]) -> list[int]:
         """Graph inputs that were a parameter or buffer and are another tensor
