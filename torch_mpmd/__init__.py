@@ -46,9 +46,10 @@ _LAZY = {
     "profile": "torch_mpmd.planning.profile",
 }
 
-__all__ = ["__version__", "schedules", "checkpoint", "trace", "packing", "planning", "ordering", "pack", "document_mask",
-           "microbatch_order", "microbatch_sizes", "bucket_microbatches", "plan", "profile", "pipeline", "Pipeline", "PipelineConfig", "PipelineError",
-           "Replicate", "pipeline_of",
+__all__ = ["__version__", "schedules", "checkpoint", "trace", "packing", "planning",
+           "ordering", "pack", "document_mask", "microbatch_order", "microbatch_sizes",
+           "bucket_microbatches", "over_microbatches", "plan", "profile", "pipeline",
+           "Pipeline", "PipelineConfig", "PipelineError", "Replicate", "pipeline_of",
            "stage_boundary", "split_model", "SplitModel", "CaptureError"]
 
 
