@@ -138,6 +138,34 @@ def replicas(case: dict[str, Any]) -> dict[str, Any]:
     return res
 
 
+def hf_llama(case: dict[str, Any]) -> dict[str, Any]:
+    """A Hugging Face Llama computing its own loss (``labels=`` among each
+    microbatch's keyword arguments, loss_fn=None) on microbatches of different
+    lengths: the mean of its losses and every gradient, as one process."""
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                   num_hidden_layers=4, num_attention_heads=4,
+                                   num_key_value_heads=2, max_position_embeddings=64,
+                                   bos_token_id=0, eos_token_id=0)
+    model = transformers.LlamaForCausalLM(cfg)
+    ref = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(1)
+    mbs = []
+    for n in FIRST:
+        ids = torch.randint(1, 64, (2, n), generator=g)
+        mbs.append(((), {"input_ids": ids, "labels": ids, "use_cache": False}))
+    want = sum(ref(**kwargs).loss for _, kwargs in mbs) / len(mbs)
+    want.backward()
+    pipe = mpmd.pipeline(model, num_microbatches=len(mbs), schedule=case["schedule"],
+                         dynamic=True, split_points=["model.layers.2"])
+    res = _compare(pipe, ref, pipe.step(microbatches=mbs), want.detach())
+    res["local"] = [n for n, _ in pipe.named_parameters()]
+    res["all"] = [n for n, _ in ref.named_parameters()]
+    return res
+
+
 def packed(case: dict[str, Any]) -> dict[str, Any]:
     """Documents packed into rows (mpmd.pack), each row an explicit microbatch
     of its own length (Packed.microbatches), the example GPT attending within
@@ -248,4 +276,4 @@ def errors(case: dict[str, Any]) -> dict[str, Any]:
 
 def grid(cases: list[dict[str, Any]]) -> dict[str, Any]:
     return run_grid(cases, {"train": train, "errors": errors, "packed": packed,
-                            "bucketed": bucketed, "replicas": replicas})
+                            "bucketed": bucketed, "replicas": replicas, "hf_llama": hf_llama})

@@ -22,7 +22,8 @@ CASES = ([dict(id=f"fx-{s}", kind="train", schedule=s, spr=spr,
                  mixes=20),
             dict(id="errors", kind="errors")]
          + [dict(id=f"packed-{s}", kind="packed", schedule=s) for s in ("1f1b", "zero_bubble")]
-         + [dict(id="bucketed-zero_bubble", kind="bucketed", schedule="zero_bubble")])
+         + [dict(id="bucketed-zero_bubble", kind="bucketed", schedule="zero_bubble"),
+            dict(id="hf-llama-zero_bubble", kind="hf_llama", schedule="zero_bubble")])
 _GRID = GridRun(2, "microbatch_worker:grid", CASES, task="microbatches", timeout=900)
 _GRID4 = GridRun(4, "microbatch_worker:grid",
                  [dict(id=f"replicas-{dp}", kind="replicas", schedule="1f1b", data_parallel=dp)
@@ -125,3 +126,14 @@ def test_data_parallel_replicas_take_their_own_microbatches(dp):
         bad = {n: d for n, d in r["grads"].items() if d > 1}
         assert not bad, f"rank {rank}: gradients off (inf: missing): {bad}"
     assert len(held) == 11, sorted(held)
+
+
+def test_a_hugging_face_llama_with_its_own_loss_on_microbatches_of_different_lengths():
+    held, every = set(), set()
+    for rank, r in enumerate(_GRID.results("hf-llama-zero_bubble")):
+        held |= set(r["local"])
+        every |= set(r["all"])
+        assert r["loss"] <= 1, f"rank {rank}: loss off by {r['loss']} tolerances"
+        bad = {n: d for n, d in r["grads"].items() if d > 1}
+        assert not bad, f"rank {rank}: gradients off (inf: missing): {bad}"
+    assert held == every, sorted(every - held)
