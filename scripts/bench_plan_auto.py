@@ -1,0 +1,103 @@
+"""mpmd.plan against the default a user starts from, measured side by side.
+
+    torchrun --standalone --nproc-per-node 2 scripts/bench_plan_auto.py [--layers 8] [--wide-head]
+
+The example GPT (untied head; ``--wide-head``: a 16x larger vocabulary, so
+the embedding and head outweigh a block: the heterogeneous shape of real
+LLMs), batch 16 x 64 tokens, 2 ranks x 1 thread (gloo), FX programs. Prints
+the planning time (profile + search, and a second call that loads the
+cached profile), the plan (``describe()``), then the median step of the
+plan and of the default (1f1b, m=8, split in the middle by layer count),
+alternating, with the plan's predicted step and ``pipe.replan()``'s verdict.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
+import torch_mpmd as mpmd  # noqa: E402
+from gpt_model import GPT, GPTConfig  # noqa: E402
+
+
+def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), target.flatten())
+
+
+def model_of(args: argparse.Namespace) -> GPT:
+    torch.manual_seed(0)
+    vocab = 96 * (16 if args.wide_head else 1)
+    m = GPT(GPTConfig(vocab_size=vocab, block_size=64, n_layer=args.layers, n_head=4,
+                      d_model=args.d_model))
+    m.head.weight = torch.nn.Parameter(m.tok.weight.detach().clone())  # untied
+    return m
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--d-model", type=int, default=128)
+    ap.add_argument("--wide-head", action="store_true")
+    ap.add_argument("--steps", type=int, default=6)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    box = [tempfile.mkdtemp(prefix="mpmd_bench_profiles_") if rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    g = torch.Generator().manual_seed(1)
+    vocab = 96 * (16 if args.wide_head else 1)
+    x = torch.randint(0, vocab, (16, 64), generator=g)
+    y = torch.randint(0, vocab, (16, 64), generator=g)
+
+    t0 = time.perf_counter()
+    plan = mpmd.plan(model_of(args), (x,), loss_fn=loss_fn, target=y, cache_dir=box[0])
+    first = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    mpmd.plan(model_of(args), (x,), loss_fn=loss_fn, target=y, cache_dir=box[0])
+    second = time.perf_counter() - t0
+    if rank == 0:
+        print(f"planning: {first:.2f} s (profile + search), {second:.2f} s with the cached "
+              "profile")
+        print(plan.describe())
+
+    pipes = {
+        "plan": mpmd.pipeline(model_of(args), loss_fn=loss_fn, plan=plan),
+        "default 1f1b m=8 middle": mpmd.pipeline(
+            model_of(args), loss_fn=loss_fn, schedule="1f1b", num_microbatches=8,
+            split_points=[f"blocks.{args.layers // 2}"]),
+    }
+    times: dict[str, list[float]] = {k: [] for k in pipes}
+    for name, pipe in pipes.items():  # warm-up: capture and programs
+        pipe.step(x, target=y)
+    for _ in range(args.steps):
+        for name, pipe in pipes.items():
+            dist.barrier()
+            t0 = time.perf_counter()
+            pipe.step(x, target=y)
+            dist.barrier()
+            times[name].append(time.perf_counter() - t0)
+            pipe.zero_grad()
+    verdict = pipes["plan"].replan()[1]
+    if rank == 0:
+        base = statistics.median(times["default 1f1b m=8 middle"])
+        for name, ts in times.items():
+            med = statistics.median(ts)
+            print(f"{name:<26} median step {med * 1e3:8.1f} ms  ({med / base:.2f}x the default)")
+        print(f"plan predicted {plan.predicted_step_s * 1e3:.1f} ms; replan: {verdict}")
+        import shutil
+        shutil.rmtree(box[0], ignore_errors=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
