@@ -8,7 +8,10 @@ LLMs), batch 16 x 64 tokens, 2 ranks x 1 thread (gloo), FX programs. Prints
 the planning time (profile + search, and a second call that loads the
 cached profile), the plan (``describe()``), then the median step of the
 plan and of the default (1f1b, m=8, split in the middle by layer count),
-alternating, with the plan's predicted step and ``pipe.replan()``'s verdict.
+alternating, with the plan's predicted step and ``pipe.replan()``'s verdict;
+``--grid``: also every entry of the grid a diligent user would try (1f1b,
+interleaved_1f1b, zero_bubble x m in {4, 8, 16} x an even split by layer
+count or the balanced split), and the plan against its best.
 """
 
 from __future__ import annotations
@@ -48,6 +51,9 @@ def main() -> None:
     ap.add_argument("--d-model", type=int, default=128)
     ap.add_argument("--wide-head", action="store_true")
     ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--grid", action="store_true",
+                    help="also measure 1f1b / interleaved_1f1b / zero_bubble x m in {4, 8, 16} "
+                    "x even / balanced split")
     args = ap.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -76,6 +82,18 @@ def main() -> None:
             model_of(args), loss_fn=loss_fn, schedule="1f1b", num_microbatches=8,
             split_points=[f"blocks.{args.layers // 2}"]),
     }
+    if args.grid:  # what a diligent user would try, each measured
+        pp = dist.get_world_size()
+        for schedule, spr in (("1f1b", 1), ("interleaved_1f1b", 2), ("zero_bubble", 1)):
+            stages = pp * spr
+            for m in (4, 8, 16):
+                for split in ("even", "balanced"):
+                    where = ({"split_points": [f"blocks.{args.layers * k // stages}"
+                                               for k in range(1, stages)]}
+                             if split == "even" else {"num_stages": stages})
+                    pipes[f"grid {schedule} m={m} {split}"] = mpmd.pipeline(
+                        model_of(args), loss_fn=loss_fn, schedule=schedule,
+                        num_microbatches=m, **where)
     times: dict[str, list[float]] = {k: [] for k in pipes}
     for name, pipe in pipes.items():  # warm-up: capture and programs
         pipe.step(x, target=y)
@@ -93,7 +111,15 @@ def main() -> None:
         for name, ts in times.items():
             med = statistics.median(ts)
             print(f"{name:<26} median step {med * 1e3:8.1f} ms  ({med / base:.2f}x the default)")
-        print(f"plan predicted {plan.predicted_step_s * 1e3:.1f} ms; replan: {verdict}")
+        grid = {k: statistics.median(v) for k, v in times.items() if k.startswith("grid ")}
+        if grid:
+            best = min(grid, key=grid.get)
+            print(f"plan / best of the grid ({best}): "
+                  f"{statistics.median(times['plan']) / grid[best]:.2f}")
+        print(f"plan predicted {plan.predicted_step_s * 1e3:.1f} ms, measured "
+              f"{statistics.median(times['plan']) * 1e3:.1f} ms "
+              f"({plan.predicted_step_s / statistics.median(times['plan']):.2f}); "
+              f"replan: {verdict}")
         import shutil
         shutil.rmtree(box[0], ignore_errors=True)
     dist.destroy_process_group()

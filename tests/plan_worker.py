@@ -8,7 +8,8 @@ cache: no measurement), ``plan="auto"`` with the same constraint (its
 plan, programs and split equal the explicit plan's), ``pipeline(plan=<JSON
 text>)``, and ``pipe.replan()``. The "limits" case: a user constraint
 (num_microbatches=4) kept, an infeasible memory_limit's error, a
-contradicting setting's error.
+contradicting setting's error, a plan recomputing stage 0 (exact, fewer
+bytes held there) and recompute= naming no submodule.
 """
 
 from __future__ import annotations
@@ -159,12 +160,23 @@ def limits(case: dict[str, Any]) -> dict[str, Any]:
         res["contradiction"] = None
     except ValueError as e:
         res["contradiction"] = str(e)
+    # A plan that recomputes stage 0: its units' activations are computed
+    # again in backward (fewer bytes held), and the step is exact.
+    plain = mpmd.pipeline(_model(), loss_fn=loss_fn, plan=plan)
+    plain.step(x, target=y)
+    recomputing = dataclasses_replace(plan, recompute=(True,) + plan.recompute[1:])
+    ref = _model()
+    pipe = mpmd.pipeline(_model(), loss_fn=loss_fn, plan=recomputing)
+    res["recompute_step"] = _train_and_compare(pipe, ref, x, y)
+    res["held"] = [plain.last_step_stats["peak_activation_bytes"],
+                   pipe.last_step_stats["peak_activation_bytes"]]
+    res["stage0_local"] = 0 in pipe.inspect().local_stages
     try:
-        mpmd.pipeline(model, loss_fn=loss_fn,
-                      plan=dataclasses_replace(plan, recompute=(True,) + plan.recompute[1:]))
-        res["recompute"] = None
+        mpmd.pipeline(_model(), loss_fn=loss_fn, num_microbatches=4,
+                      recompute=["blocks.9"]).step(x, target=y)
+        res["unknown"] = None
     except ValueError as e:
-        res["recompute"] = str(e)
+        res["unknown"] = str(e)
     return res
 
 

@@ -57,7 +57,15 @@ def test_constraints_and_limits():
             "smallest predicted peak" in r["infeasible"], r["infeasible"]
         assert r["contradiction"] and "num_microbatches=2 contradicts the plan's " \
             "num_microbatches=4" in r["contradiction"], r["contradiction"]
-        assert r["recompute"] and "recomputes stages [0]" in r["recompute"], r["recompute"]
+        step = r["recompute_step"]
+        assert step["loss"] <= 1, f"rank {rank}: recomputing plan's loss off by {step['loss']}"
+        bad = {n: d for n, d in step["grads"].items() if d > 1}
+        assert step["grads"] and not bad, f"rank {rank}: recomputing plan's gradients {bad}"
+        if r["stage0_local"]:  # the rank holding stage 0 holds fewer bytes for backward
+            plain, recomputing = ({int(k): v for k, v in h.items()} for h in r["held"])
+            assert recomputing[0] < plain[0], r["held"]
+        assert r["unknown"] and "recompute names ['blocks.9'], which are not submodules" in \
+            r["unknown"], r["unknown"]
 
 
 # ------------------------------------------------------------------ one process
@@ -135,3 +143,38 @@ def test_profile_cache_is_reused_and_keyed_by_shapes(tmp_path, monkeypatch):
     assert k1 != profiling.profile_key(model, (x,), {}, y, **{**key, "compile": True})
     mpmd.profile(model, (x[:, :8],), loss_fn=_ce, target=y[:, :8], repeats=1)
     assert profiling.measurements == before + 2
+
+
+def test_recompute_checkpoints_the_named_modules_during_capture_only():
+    import torch
+
+    from torch_mpmd.graph.recompute import checkpointed, stage_modules
+
+    model = _gpt(3)
+    calls = []
+    original = torch.utils.checkpoint.checkpoint
+
+    def spy(fn, *args, **kwargs):
+        calls.append(kwargs.get("use_reentrant"))
+        return original(fn, *args, **kwargs)
+
+    x = torch.randint(0, 32, (2, 8))
+    torch.utils.checkpoint.checkpoint = spy
+    try:
+        with checkpointed(model, ["blocks.0", "blocks.2"]):
+            assert "forward" in model.blocks[0].__dict__
+            model(x)
+        model(x)
+    finally:
+        torch.utils.checkpoint.checkpoint = original
+    assert calls == [False, False]  # two modules, inside the block only
+    assert "forward" not in model.blocks[0].__dict__
+    with pytest.raises(ValueError, match=r"recompute names \['nope'\]"):
+        with checkpointed(model, ["nope"]):
+            pass
+    units = ["blocks.0", "blocks.1", "blocks.2", "blocks.3"]
+    assert stage_modules(units, ["blocks.2"], [False, True]) == ["blocks.2", "blocks.3"]
+    assert stage_modules(units, ["blocks.1", "blocks.3"], [True, False, True]) == \
+        ["blocks.0", "blocks.3"]
+    with pytest.raises(ValueError, match="split point 'head' is not one of the units"):
+        stage_modules(units, ["head"], [True, False])

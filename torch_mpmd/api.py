@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch_mpmd import training
 from torch_mpmd.config import (PLAN_FIELDS, PipelineConfig, Resolved, check_stage_count,
                                positive_int, settings_signature)
+from torch_mpmd.graph.recompute import checkpointed, stage_modules
 from torch_mpmd.graph.stage import set_path, split_model
 from torch_mpmd.microbatch import (check_target_batch, explicit_microbatches,
                                    first_microbatch, merge_microbatches,
@@ -257,7 +258,7 @@ class Pipeline(torch.nn.Module):
         schedule = self.config.schedule
         # Under grad mode whatever the caller's: which values carry gradients
         # across stages is read from the capture (the runner sets the mode).
-        with torch.enable_grad():
+        with torch.enable_grad(), checkpointed(self._mpmd_module, self._recompute_modules()):
             split = split_model(self._mpmd_module, *args0,
                                 split_points=self.config.split_points,
                                 num_stages=self.config.num_stages,
@@ -463,6 +464,20 @@ class Pipeline(torch.nn.Module):
         return loss
 
     # ------------------------------------------------------------ plans
+    def _recompute_modules(self) -> list[str]:
+        """The submodules whose activations are recomputed (graph/recompute.py):
+        ``recompute=`` and the units of the stages the plan recomputes."""
+        fqns = list(self.config.recompute or ())
+        plan = self.config.plan
+        if plan is not None and plan != "auto" and any(plan.recompute):
+            from torch_mpmd.planning.profile import find_units
+
+            sheet = getattr(plan, "sheet", None)
+            units = ([u.name for u in sheet.units] if sheet is not None else
+                     find_units(self._mpmd_module))
+            fqns += stage_modules(units, plan.split_points, plan.recompute)
+        return fqns
+
     def _plan_auto(self, args: tuple, kwargs: dict, target: Any, microbatches: Any) -> None:
         """plan="auto" at the first step: profile on this batch, search, and
         take the plan as if given (collective over the pipeline group, and the
@@ -884,12 +899,15 @@ def pipeline(module: torch.nn.Module, config: PipelineConfig | None = None,
     ``plan``: a ``torch_mpmd.planning.Plan`` (``mpmd.plan(...)``, or its JSON
     text or file) sets schedule, num_microbatches, stages_per_rank and
     split_points (a setting given beside it that contradicts it is a
-    ValueError naming both; a plan that recomputes is refused: the pipeline
-    does not recompute yet); ``plan="auto"`` profiles and plans at the first
+    ValueError naming both), and the stages it recomputes recompute their
+    units; ``plan="auto"`` profiles and plans at the first
     ``step`` from its batch, keeping schedule, num_microbatches and
     stages_per_rank given beside it as constraints and ``memory_limit``
     (bytes per rank) as the limit (torch_mpmd/planning/auto.py);
     ``pipe.replan()`` re-runs the search on the measured stage times.
+    ``recompute``: module FQNs whose activations are not kept for backward
+    but computed again in it (activation checkpointing put on at capture:
+    torch_mpmd/graph/recompute.py).
     Settings are the fields of :class:`torch_mpmd.PipelineConfig` (the
     signature lists them): pass them as keywords, or a config (and keywords
     that change it: ``pipeline(model, config, num_microbatches=8)``).

@@ -59,7 +59,7 @@ def _plan_label(plan: Any) -> str:
     if plan is None or isinstance(plan, str):
         return repr(plan)
     return (f"{plan.schedule} v={plan.stages_per_rank} m={plan.num_microbatches} "
-            f"split={list(plan.split_points)}")
+            f"split={list(plan.split_points)} recompute={list(plan.recompute)}")
 
 
 # The settings a plan fixes, and their defaults (a default is filled from the plan).
@@ -141,10 +141,17 @@ class PipelineConfig:
     reshard_after_forward: bool = _setting(False, shared=str)
     plan: Any = _setting(None, shared=_plan_label)
     memory_limit: float | None = _setting(None, shared=str)
+    recompute: tuple[str, ...] | None = _setting(None, shared=str)
 
     def __post_init__(self) -> None:
         """Every check of a value on its own (ValueError naming it)."""
         self._apply_plan()
+        if self.recompute is not None:
+            if isinstance(self.recompute, str) or not isinstance(self.recompute, Sequence) or \
+                    not all(isinstance(f, str) and f for f in self.recompute):
+                raise ValueError(f"recompute={self.recompute!r} must be a list of module FQNs "
+                                 "(whose activations are computed again in backward)")
+            object.__setattr__(self, "recompute", tuple(self.recompute))
         if self.split_points is not None:
             if isinstance(self.split_points, str) or not isinstance(self.split_points, Sequence):
                 raise ValueError(f"split_points={self.split_points!r} must be a list of module "
@@ -219,11 +226,6 @@ class PipelineConfig:
                                      "plan chooses the split; give a plan (mpmd.plan(...)) "
                                      f"or drop {name}")
             return
-        if any(plan.recompute):
-            stages = [s for s, r in enumerate(plan.recompute) if r]
-            raise ValueError(f"the plan recomputes stages {stages}, which the pipeline does "
-                             "not run yet: plan with recompute=False (mpmd.plan never "
-                             "recomputes) or edit the plan's recompute to all false")
         given = {}
         for name in PLAN_FIELDS:
             value = getattr(self, name)

@@ -10,7 +10,8 @@ and broadcasts the sheet) and searches (``plan_from_sheet``, csrc/core/
 planner.h) on pipeline rank 0, and broadcasts the plan's JSON, so every rank
 returns an equal plan; an error (nothing fits ``memory_limit``: the planner
 names the smallest predicted peak and the limit) is raised on every rank.
-The pipeline has no per-stage recompute yet, so the search never recomputes.
+The search recomputes a stage only where the memory limit needs it (the
+pipeline then checkpoints that stage's units: torch_mpmd/graph/recompute.py).
 
 ``replan_sentence`` and ``replan_sheet`` serve ``Pipeline.replan``: a sheet
 from the stages' measured times, and what re-running the search says.
@@ -91,8 +92,7 @@ def plan(model: Any, example_args: Any, example_kwargs: Mapping[str, Any] | None
         try:
             best = plan_from_sheet(sheet, memory_limit=memory_limit, schedules=schedules,
                                    num_microbatches=num_microbatches,
-                                   stages_per_rank=stages_per_rank, recompute=False,
-                                   top_k=top_k)
+                                   stages_per_rank=stages_per_rank, top_k=top_k)
             result = (best.to_json(), None)
         except Exception as e:  # noqa: BLE001  (every rank raises it)
             raised, result = e, (None, (type(e).__name__, str(e)))
@@ -196,7 +196,7 @@ def replan_sentence(sheet: CostSheet, *, schedule: str, num_microbatches: int,
     plan evaluated on the same sheet."""
     current = evaluate_plan(sheet, schedule, num_microbatches=num_microbatches,
                             stages_per_rank=stages_per_rank, split_points=list(split_points))
-    best = plan_from_sheet(sheet, memory_limit=memory_limit, recompute=False)
+    best = plan_from_sheet(sheet, memory_limit=memory_limit)
     best = dataclasses.replace(best, sheet=sheet, search=best.search)
     now = (f"{schedule}, v={stages_per_rank}, m={num_microbatches}, split "
            f"{list(split_points)}")
