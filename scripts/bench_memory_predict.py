@@ -1,0 +1,103 @@
+"""The planner's predicted peak bytes per rank against the measured (issue 21 item 2).
+
+    torchrun --standalone --nproc-per-node 2 scripts/bench_memory_predict.py
+
+The example GPT (8 layers, d=128, untied head), batch 16 x 64, 2 ranks x 1
+thread, FX programs. One profile (``mpmd.profile``) gives the sheet; for each
+schedule the planner evaluates the plan (``planning.evaluate_plan``: its
+memory model per rank: parameters, gradients and AdamW's two states, saved
+activations walked over the rank's program, transfer buffers), and the
+pipeline runs the same plan for two steps with AdamW. Measured per rank:
+the bytes of the rank's parameters, their gradients and AdamW's states (read
+off the tensors), plus the peak bytes held for backward (``last_step_stats
+["peak_activation_bytes"]``, the stage programs' saved tensors; with two
+stages on a rank the sum of their peaks, an upper bound). Prints schedule,
+rank, predicted, measured, predicted / measured.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
+import torch_mpmd as mpmd  # noqa: E402
+from torch_mpmd import planning  # noqa: E402
+from gpt_model import GPT, GPTConfig  # noqa: E402
+
+SCHEDULES = [("1f1b", 1), ("gpipe", 1), ("zero_bubble", 1), ("interleaved_1f1b", 2),
+             ("zbv", 2)]
+
+
+def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), target.flatten())
+
+
+def model() -> GPT:
+    torch.manual_seed(0)
+    m = GPT(GPTConfig(vocab_size=96, block_size=64, n_layer=8, n_head=4, d_model=128))
+    m.head.weight = torch.nn.Parameter(m.tok.weight.detach().clone())  # untied
+    return m
+
+
+def _bytes(tensors: list[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def main() -> None:
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    rank, pp = dist.get_rank(), dist.get_world_size()
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(0, 96, (16, 64), generator=g)
+    y = torch.randint(0, 96, (16, 64), generator=g)
+    box = [tempfile.mkdtemp(prefix="mpmd_mem_") if rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    m = 8
+    sheet = mpmd.profile(model(), (x,), loss_fn=loss_fn, target=y, cache_dir=box[0],
+                         microbatch_sizes=[16 // m], global_batch=16, pp_size=pp)
+    rows = []
+    for schedule, spr in SCHEDULES:
+        stages = pp * spr
+        units = [u.name for u in sheet.units]
+        split = [units[len(units) * k // stages] for k in range(1, stages)]
+        plan = planning.evaluate_plan(sheet, schedule, num_microbatches=m, stages_per_rank=spr,
+                                      split_points=split)
+        pipe = mpmd.pipeline(model(), loss_fn=loss_fn, schedule=schedule, num_microbatches=m,
+                             split_points=split)
+        opt = None
+        for _ in range(2):
+            pipe.step(x, target=y)
+            if opt is None:
+                opt = torch.optim.AdamW(pipe.parameters(), lr=1e-3)
+            opt.step()
+        params = [p for p in pipe.parameters()]
+        grads = [p.grad for p in params if p.grad is not None]
+        states = [t for s in opt.state.values() for t in s.values()
+                  if isinstance(t, torch.Tensor) and t.dim() > 0]
+        held = sum(pipe.last_step_stats["peak_activation_bytes"].values())
+        measured = _bytes(params) + _bytes(grads) + _bytes(states) + held
+        mine = [schedule, rank, plan.predicted_peak_bytes[rank], measured, held]
+        every = [None] * pp
+        dist.all_gather_object(every, mine)
+        rows += every
+    if rank == 0:
+        print(f"example GPT 8 x d=128 (untied), batch 16x64, m={m}, p={pp}, FX programs")
+        print("| schedule | rank | predicted peak | measured peak | predicted / measured "
+              "| of which held for backward |")
+        print("|---|---|---|---|---|---|")
+        for schedule, r, pred, meas, held in rows:
+            print(f"| {schedule} | {r} | {pred / 2**20:.2f} MiB | {meas / 2**20:.2f} MiB | "
+                  f"{pred / meas:.2f} | {held / 2**20:.2f} MiB |")
+        import shutil
+        shutil.rmtree(box[0], ignore_errors=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
