@@ -37,8 +37,12 @@ linearly, NOTE [Microbatch scaling] in csrc/core/planner.h), given at the
 first size, the sheet's ``reference_microbatch``.
 
 The runtime and the link: ``action_overhead`` is
-:data:`DEFAULT_ACTION_OVERHEAD_S` (40 us: the runtime's measured cost per
-action on CPU ranks, 19-137 us in BENCHMARKS.md's table). On one process the
+:data:`DEFAULT_ACTION_OVERHEAD_S` (110 us: the runtime's time per action on
+CPU ranks with FX programs, fitted so that the simulated 1F1B step equals the
+measured one: 112 us for a pipeline of tiny stages, 127 us for the example
+GPT; ``trace.action_overhead`` reads only the gaps and the sends' posting,
+19-137 us, and the planner then under-prices schedules of many short
+actions: BENCHMARKS.md, "The planner against measured steps"). On one process the
 link is :data:`DEFAULT_LINK_LATENCY_S` (150 us, gloo's measured transfer
 latency between two CPU ranks) and :data:`DEFAULT_LINK_BANDWIDTH` (1 GB/s);
 with a ``group`` of more than one rank, pipeline ranks 0 and 1 measure both
@@ -81,7 +85,7 @@ from torch_mpmd.planning.sheet import CostSheet, Unit
 __all__ = ["profile", "find_units", "profile_key", "measurements",
            "DEFAULT_ACTION_OVERHEAD_S", "DEFAULT_LINK_LATENCY_S", "DEFAULT_LINK_BANDWIDTH"]
 
-DEFAULT_ACTION_OVERHEAD_S = 40e-6
+DEFAULT_ACTION_OVERHEAD_S = 110e-6
 DEFAULT_LINK_LATENCY_S = 150e-6
 DEFAULT_LINK_BANDWIDTH = 1e9
 _PING_BYTES = 4
