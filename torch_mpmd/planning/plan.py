@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
 from torch_mpmd import _C
-from torch_mpmd.planning.sheet import CostSheet
+from torch_mpmd.planning.sheet import CostSheet, json_text
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -117,11 +117,7 @@ class Plan:
 
     def to_json(self, path: Optional[PathLike] = None) -> str:
         """The plan as JSON text (with its search record); also written to ``path`` when given."""
-        text = json.dumps(self.to_dict(), indent=1)
-        if path is not None:
-            with open(path, "w") as f:
-                f.write(text + "\n")
-        return text
+        return json_text(self.to_dict(), path)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "Plan":

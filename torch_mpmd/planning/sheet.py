@@ -28,7 +28,16 @@ from torch_mpmd import _C
 
 PathLike = Union[str, "os.PathLike[str]"]
 
-__all__ = ["CostSheet", "Unit"]
+__all__ = ["CostSheet", "Unit", "json_text"]
+
+
+def json_text(data: Mapping[str, Any], path: PathLike | None = None) -> str:
+    """``data`` as indented JSON text; also written to ``path`` when given."""
+    text = json.dumps(data, indent=1)
+    if path is not None:
+        with open(path, "w") as f:
+            f.write(text + "\n")
+    return text
 
 
 def _number(what: str, value: object) -> float:
@@ -167,11 +176,7 @@ class CostSheet:
 
     def to_json(self, path: PathLike | None = None) -> str:
         """The sheet as JSON text; also written to ``path`` when given."""
-        text = json.dumps(self.to_dict(), indent=1)
-        if path is not None:
-            with open(path, "w") as f:
-                f.write(text + "\n")
-        return text
+        return json_text(self.to_dict(), path)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "CostSheet":
