@@ -11,7 +11,11 @@ plan and of the default (1f1b, m=8, split in the middle by layer count),
 alternating, with the plan's predicted step and ``pipe.replan()``'s verdict;
 ``--grid``: also every entry of the grid a diligent user would try (1f1b,
 interleaved_1f1b, zero_bubble x m in {4, 8, 16} x an even split by layer
-count or the balanced split), and the plan against its best.
+count or the balanced split), and the plan against its best;
+``--memory-limit-mib L``: plan under L MiB per rank, print each contender's
+peak (parameters, gradients, AdamW's states and the bytes held for
+backward: ``measured_peak``) and compare with the fastest grid entry under
+the limit.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import statistics
 import sys
 import tempfile
 import time
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -45,12 +50,29 @@ def model_of(args: argparse.Namespace) -> GPT:
     return m
 
 
+def measured_peak(pipe: Any) -> int:
+    """The largest rank's bytes at its peak, as the planner counts them: its
+    parameters, their gradients, AdamW's two fp32 states (2 x the parameters'
+    fp32 bytes, not allocated here), and the peak bytes held for backward in
+    the last step (summed over the rank's stages: an upper bound)."""
+    params = list(pipe.parameters())
+    weights = sum(p.numel() * p.element_size() for p in params)
+    adamw = sum(2 * p.numel() * 4 for p in params)
+    held = sum(pipe.last_step_stats["peak_activation_bytes"].values())
+    peak = torch.tensor([weights * 2 + adamw + held], dtype=torch.int64)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    return int(peak)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--d-model", type=int, default=128)
     ap.add_argument("--wide-head", action="store_true")
     ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--memory-limit-mib", type=float, default=0.0,
+                    help="plan under this limit per rank; contenders whose measured peak "
+                    "exceeds it are marked over")
     ap.add_argument("--grid", action="store_true",
                     help="also measure 1f1b / interleaved_1f1b / zero_bubble x m in {4, 8, 16} "
                     "x even / balanced split")
@@ -65,11 +87,14 @@ def main() -> None:
     x = torch.randint(0, vocab, (16, 64), generator=g)
     y = torch.randint(0, vocab, (16, 64), generator=g)
 
+    limit = args.memory_limit_mib * 2**20 if args.memory_limit_mib else None
     t0 = time.perf_counter()
-    plan = mpmd.plan(model_of(args), (x,), loss_fn=loss_fn, target=y, cache_dir=box[0])
+    plan = mpmd.plan(model_of(args), (x,), loss_fn=loss_fn, target=y, cache_dir=box[0],
+                     memory_limit=limit)
     first = time.perf_counter() - t0
     t0 = time.perf_counter()
-    mpmd.plan(model_of(args), (x,), loss_fn=loss_fn, target=y, cache_dir=box[0])
+    mpmd.plan(model_of(args), (x,), loss_fn=loss_fn, target=y, cache_dir=box[0],
+              memory_limit=limit)
     second = time.perf_counter() - t0
     if rank == 0:
         print(f"planning: {first:.2f} s (profile + search), {second:.2f} s with the cached "
@@ -105,17 +130,25 @@ def main() -> None:
             dist.barrier()
             times[name].append(time.perf_counter() - t0)
             pipe.zero_grad()
+    peaks = {name: measured_peak(pipe) for name, pipe in pipes.items()}
     verdict = pipes["plan"].replan()[1]
     if rank == 0:
         base = statistics.median(times["default 1f1b m=8 middle"])
         for name, ts in times.items():
             med = statistics.median(ts)
-            print(f"{name:<26} median step {med * 1e3:8.1f} ms  ({med / base:.2f}x the default)")
-        grid = {k: statistics.median(v) for k, v in times.items() if k.startswith("grid ")}
+            over = " OVER the limit" if limit and peaks[name] > limit else ""
+            print(f"{name:<26} median step {med * 1e3:8.1f} ms  ({med / base:.2f}x the default)"
+                  f"  peak {peaks[name] / 2**20:6.1f} MiB{over}")
+        grid = {k: statistics.median(v) for k, v in times.items() if k.startswith("grid ")
+                and not (limit and peaks[k] > limit)}
         if grid:
             best = min(grid, key=grid.get)
-            print(f"plan / best of the grid ({best}): "
+            print(f"plan / best of the grid{' within the limit' if limit else ''} ({best}): "
                   f"{statistics.median(times['plan']) / grid[best]:.2f}")
+        if limit:
+            print(f"memory limit {limit / 2**20:.1f} MiB per rank: the plan's measured peak "
+                  f"{peaks['plan'] / 2**20:.1f} MiB, predicted "
+                  f"{max(plan.predicted_peak_bytes) / 2**20:.1f} MiB")
         print(f"plan predicted {plan.predicted_step_s * 1e3:.1f} ms, measured "
               f"{statistics.median(times['plan']) * 1e3:.1f} ms "
               f"({plan.predicted_step_s / statistics.median(times['plan']):.2f}); "

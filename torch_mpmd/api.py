@@ -538,12 +538,17 @@ class Pipeline(torch.nn.Module):
             split = [f"stage {s}" for s in range(1, n)]
         shapes = self.last_step_stats.get("microbatch_shapes") or []
         batch = sum(int(shape[0]) for shape in shapes if shape) or self.num_microbatches
+        # The limit the plan was made under holds for its replan too.
+        profile = getattr(plan, "sheet", None) if plan is not None else None
+        limit = config.memory_limit
+        if limit is None and profile is not None and profile.memory_limit:
+            limit = profile.memory_limit
         sheet = replan_sheet(times, profile_sheet=sheet, split_points=split, num_stages=n,
                              global_batch=batch, num_microbatches=self.num_microbatches,
-                             pp_size=rt.pp_size, memory_limit=config.memory_limit)
+                             pp_size=rt.pp_size, memory_limit=limit)
         return replan_sentence(sheet, schedule=schedule, num_microbatches=self.num_microbatches,
                                stages_per_rank=n // rt.pp_size, split_points=split,
-                               memory_limit=config.memory_limit)
+                               memory_limit=limit)
 
     # ------------------------------------------------------------ what a step did
     @property

@@ -107,6 +107,8 @@ def plan(model: Any, example_args: Any, example_kwargs: Mapping[str, Any] | None
         kind, message = failure
         raise (ValueError if kind == "ValueError" else RuntimeError)(message)
     out = Plan.from_json(text)
+    # The sheet remembers the limit: Pipeline.replan searches under it too.
+    sheet = dataclasses.replace(sheet, memory_limit=float(memory_limit or 0.0))
     return dataclasses.replace(out, sheet=sheet, search=out.search)
 
 
