@@ -21,6 +21,7 @@ the limit.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import sys
@@ -32,6 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 import torch_mpmd as mpmd  # noqa: E402
 from gpt_model import GPT, GPTConfig  # noqa: E402
@@ -48,6 +50,40 @@ def model_of(args: argparse.Namespace) -> GPT:
                       d_model=args.d_model))
     m.head.weight = torch.nn.Parameter(m.tok.weight.detach().clone())  # untied
     return m
+
+
+def torch_step(args: argparse.Namespace, schedule: str, spr: int, m: int, x: torch.Tensor,
+               y: torch.Tensor, *, compile_stages: bool) -> Any:
+    """One step of torch.distributed.pipelining on the same model (this
+    rank's stages as bench_vs_torch's Parts: blocks split evenly, the
+    embedding first and the head last), each stage module torch.compile'd
+    with ``compile_stages`` (torchtitan's way)."""
+    from torch.distributed.pipelining import (PipelineStage, Schedule1F1B,
+                                              ScheduleInterleaved1F1B)
+
+    from bench_vs_torch import Part
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    n_stages = world * spr
+    model = model_of(args)
+    bounds = [args.layers * k // n_stages for k in range(n_stages + 1)]
+    ids = [rank + world * v for v in range(spr)]
+    parts = [Part(model, bounds[s], bounds[s + 1]) for s in ids]
+    if compile_stages:
+        parts = [torch.compile(part) for part in parts]
+    stages = [PipelineStage(part, s, n_stages, torch.device("cpu"))
+              for part, s in zip(parts, ids)]
+    sched = (ScheduleInterleaved1F1B(stages, n_microbatches=m, loss_fn=loss_fn)
+             if schedule == "interleaved_1f1b" else
+             Schedule1F1B(stages[0], n_microbatches=m, loss_fn=loss_fn))
+    first, last = 0 in ids, n_stages - 1 in ids
+
+    def step() -> None:
+        kwargs = {"target": y} if last else {}
+        sched.step(*((x,) if first else ()), **kwargs)
+        model.zero_grad()
+
+    return step
 
 
 def measured_peak(pipe: Any) -> int:
@@ -73,6 +109,14 @@ def main() -> None:
     ap.add_argument("--memory-limit-mib", type=float, default=0.0,
                     help="plan under this limit per rank; contenders whose measured peak "
                     "exceeds it are marked over")
+    ap.add_argument("--compile", action="store_true",
+                    help="Inductor stage programs for mpmd.plan's profile, the plan and the "
+                    "default (the grid stays FX)")
+    ap.add_argument("--vs-torch", action="store_true",
+                    help="also torch.distributed.pipelining: 1f1b / interleaved_1f1b x m in "
+                    "{4, 8, 16}, even split")
+    ap.add_argument("--torch-compile", action="store_true",
+                    help="with --vs-torch: torch.compile each stage module")
     ap.add_argument("--grid", action="store_true",
                     help="also measure 1f1b / interleaved_1f1b / zero_bubble x m in {4, 8, 16} "
                     "x even / balanced split")
@@ -90,11 +134,11 @@ def main() -> None:
     limit = args.memory_limit_mib * 2**20 if args.memory_limit_mib else None
     t0 = time.perf_counter()
     plan = mpmd.plan(model_of(args), (x,), loss_fn=loss_fn, target=y, cache_dir=box[0],
-                     memory_limit=limit)
+                     memory_limit=limit, compile=args.compile)
     first = time.perf_counter() - t0
     t0 = time.perf_counter()
     mpmd.plan(model_of(args), (x,), loss_fn=loss_fn, target=y, cache_dir=box[0],
-              memory_limit=limit)
+              memory_limit=limit, compile=args.compile)
     second = time.perf_counter() - t0
     if rank == 0:
         print(f"planning: {first:.2f} s (profile + search), {second:.2f} s with the cached "
@@ -102,10 +146,11 @@ def main() -> None:
         print(plan.describe())
 
     pipes = {
-        "plan": mpmd.pipeline(model_of(args), loss_fn=loss_fn, plan=plan),
+        "plan": mpmd.pipeline(model_of(args), loss_fn=loss_fn, plan=plan,
+                              compile=args.compile),
         "default 1f1b m=8 middle": mpmd.pipeline(
             model_of(args), loss_fn=loss_fn, schedule="1f1b", num_microbatches=8,
-            split_points=[f"blocks.{args.layers // 2}"]),
+            split_points=[f"blocks.{args.layers // 2}"], compile=args.compile),
     }
     if args.grid:  # what a diligent user would try, each measured
         pp = dist.get_world_size()
@@ -119,26 +164,40 @@ def main() -> None:
                     pipes[f"grid {schedule} m={m} {split}"] = mpmd.pipeline(
                         model_of(args), loss_fn=loss_fn, schedule=schedule,
                         num_microbatches=m, **where)
-    times: dict[str, list[float]] = {k: [] for k in pipes}
-    for name, pipe in pipes.items():  # warm-up: capture and programs
-        pipe.step(x, target=y)
+    steps = {name: functools.partial(pipe.step, x, target=y) for name, pipe in pipes.items()}
+    if args.vs_torch:  # torch.distributed.pipelining on the same grid (even splits)
+        for schedule, spr in (("1f1b", 1), ("interleaved_1f1b", 2)):
+            for m in (4, 8, 16):
+                steps[f"torch {schedule} m={m} even"] = torch_step(
+                    args, schedule, spr, m, x, y, compile_stages=args.torch_compile)
+    times: dict[str, list[float]] = {k: [] for k in steps}
+    for name, step in steps.items():  # warm-up: capture, programs, compilation
+        step()
+        dist.barrier()
     for _ in range(args.steps):
-        for name, pipe in pipes.items():
+        for name, step in steps.items():
             dist.barrier()
             t0 = time.perf_counter()
-            pipe.step(x, target=y)
+            step()
             dist.barrier()
             times[name].append(time.perf_counter() - t0)
-            pipe.zero_grad()
+            if name in pipes:
+                pipes[name].zero_grad()
     peaks = {name: measured_peak(pipe) for name, pipe in pipes.items()}
     verdict = pipes["plan"].replan()[1]
     if rank == 0:
         base = statistics.median(times["default 1f1b m=8 middle"])
         for name, ts in times.items():
             med = statistics.median(ts)
-            over = " OVER the limit" if limit and peaks[name] > limit else ""
+            over = " OVER the limit" if limit and peaks.get(name, 0) > limit else ""
+            peak = f"  peak {peaks[name] / 2**20:6.1f} MiB" if name in peaks else ""
             print(f"{name:<26} median step {med * 1e3:8.1f} ms  ({med / base:.2f}x the default)"
-                  f"  peak {peaks[name] / 2**20:6.1f} MiB{over}")
+                  f"{peak}{over}")
+        theirs = {k: statistics.median(v) for k, v in times.items() if k.startswith("torch ")}
+        if theirs:
+            best = min(theirs, key=theirs.get)
+            print(f"plan / torch.distributed.pipelining's best ({best}): "
+                  f"{statistics.median(times['plan']) / theirs[best]:.2f}")
         grid = {k: statistics.median(v) for k, v in times.items() if k.startswith("grid ")
                 and not (limit and peaks[k] > limit)}
         if grid:
