@@ -26,7 +26,7 @@ import torch.nn.functional as F
 import torch_mpmd as mpmd
 from dist_harness import run_grid
 from optim_replay import full
-from token_worker import LM, V, _diff, token_loss  # the same model, loss and tolerances
+from token_worker import LM, V, _diff, tiny_llama, token_loss  # the same models, loss, tolerances
 
 
 def mean_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -142,14 +142,7 @@ def hf_llama(case: dict[str, Any]) -> dict[str, Any]:
     """A Hugging Face Llama computing its own loss (``labels=`` among each
     microbatch's keyword arguments, loss_fn=None) on microbatches of different
     lengths: the mean of its losses and every gradient, as one process."""
-    import transformers
-
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
-                                   num_hidden_layers=4, num_attention_heads=4,
-                                   num_key_value_heads=2, max_position_embeddings=64,
-                                   bos_token_id=0, eos_token_id=0)
-    model = transformers.LlamaForCausalLM(cfg)
+    model = tiny_llama()
     ref = copy.deepcopy(model)
     g = torch.Generator().manual_seed(1)
     mbs = []

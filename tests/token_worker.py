@@ -174,10 +174,8 @@ def packed(case: dict[str, Any]) -> dict[str, Any]:
     return _packed_result(pipe, ref, len(rows), loss, total, count)
 
 
-def packed_hf(case: dict[str, Any]) -> dict[str, Any]:
-    """The same documents packed for a Hugging Face Llama: its position_ids
-    restart per document and a 4-D attention mask (mpmd.document_mask) keeps
-    each document to itself; the step equals the documents one by one."""
+def tiny_llama() -> nn.Module:
+    """A four-layer Hugging Face Llama of width 32 (vocabulary 64), seeded."""
     import transformers
 
     torch.manual_seed(0)
@@ -185,7 +183,14 @@ def packed_hf(case: dict[str, Any]) -> dict[str, Any]:
                                    num_hidden_layers=4, num_attention_heads=4,
                                    num_key_value_heads=2, max_position_embeddings=64,
                                    bos_token_id=0, eos_token_id=0)
-    model = transformers.LlamaForCausalLM(cfg)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def packed_hf(case: dict[str, Any]) -> dict[str, Any]:
+    """The same documents packed for a Hugging Face Llama: its position_ids
+    restart per document and a 4-D attention mask (mpmd.document_mask) keeps
+    each document to itself; the step equals the documents one by one."""
+    model = tiny_llama()
     ref = copy.deepcopy(model)
     g = torch.Generator().manual_seed(3)
     docs = [torch.randint(1, 64, (n,), generator=g) for n in (5, 9, 3, 7, 12, 2, 6, 4, 11, 5)]
