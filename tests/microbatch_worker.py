@@ -26,7 +26,8 @@ import torch.nn.functional as F
 import torch_mpmd as mpmd
 from dist_harness import run_grid
 from optim_replay import full
-from token_worker import LM, V, _diff, tiny_llama, token_loss  # the same models, loss, tolerances
+from token_worker import (LM, V, _diff, tiny_gpt_and_documents, tiny_llama,  # the same models,
+                          token_loss)  # loss and tolerances
 
 
 def mean_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -164,17 +165,7 @@ def packed(case: dict[str, Any]) -> dict[str, Any]:
     of its own length (Packed.microbatches), the example GPT attending within
     each document, a token-weighted loss: the step equals the documents run
     one by one in one process."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
-    from gpt_model import GPT, GPTConfig
-
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=V, block_size=16, n_layer=4, n_head=2, d_model=16))
-    ref = copy.deepcopy(model)
-    g = torch.Generator().manual_seed(3)
-    docs = [torch.randint(1, V, (n,), generator=g) for n in (5, 9, 3, 7, 12, 2, 6, 4, 11, 5)]
+    model, ref, docs = tiny_gpt_and_documents()
     rows = mpmd.pack(docs, tokens_per_microbatch=20, pad_to_multiple=2)
     mbs, targets = rows.microbatches()
     total = sum(F.cross_entropy(ref(d[None, :-1])[0], d[1:], reduction="sum") for d in docs)

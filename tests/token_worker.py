@@ -143,11 +143,9 @@ def _packed_result(pipe: Any, ref: nn.Module, rows: int, loss: torch.Tensor,
             "functional": pipe.inspect().uses_programs}
 
 
-def packed(case: dict[str, Any]) -> dict[str, Any]:
-    """Documents of many lengths packed into rows (mpmd.pack), the example
-    GPT attending within each document (its document_ids mask), a
-    token-weighted loss: the step equals the documents run one by one in one
-    process (loss over all their tokens, every gradient)."""
+def tiny_gpt_and_documents() -> tuple[nn.Module, nn.Module, list[torch.Tensor]]:
+    """The example GPT (4 layers of width 16, seeded), a copy of it for the
+    reference, and ten documents of 2 to 12 tokens."""
     import sys
     from pathlib import Path
 
@@ -156,9 +154,17 @@ def packed(case: dict[str, Any]) -> dict[str, Any]:
 
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=V, block_size=16, n_layer=4, n_head=2, d_model=16))
-    ref = copy.deepcopy(model)
     g = torch.Generator().manual_seed(3)
     docs = [torch.randint(1, V, (n,), generator=g) for n in (5, 9, 3, 7, 12, 2, 6, 4, 11, 5)]
+    return model, copy.deepcopy(model), docs
+
+
+def packed(case: dict[str, Any]) -> dict[str, Any]:
+    """Documents of many lengths packed into rows (mpmd.pack), the example
+    GPT attending within each document (its document_ids mask), a
+    token-weighted loss: the step equals the documents run one by one in one
+    process (loss over all their tokens, every gradient)."""
+    model, ref, docs = tiny_gpt_and_documents()
     rows = mpmd.pack(docs, tokens_per_microbatch=16)
     batch_ = rows.batch(16)
     total = sum(F.cross_entropy(ref(d[None, :-1])[0], d[1:], reduction="sum") for d in docs)

@@ -20,7 +20,6 @@ gave it.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 from collections.abc import Iterable, Mapping, Sequence
@@ -28,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
 from torch_mpmd import _C
-from torch_mpmd.planning.sheet import CostSheet, json_text
+from torch_mpmd.planning.sheet import CostSheet, json_text, read_json
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -145,15 +144,7 @@ class Plan:
     @classmethod
     def from_json(cls, text_or_path: Union[str, "os.PathLike[str]"]) -> "Plan":
         """A plan from JSON text, or from the file at a path."""
-        text = str(text_or_path)
-        if isinstance(text_or_path, os.PathLike) or not text.lstrip().startswith("{"):
-            with open(text_or_path) as f:
-                text = f.read()
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"the plan is not valid JSON: {e}") from None
-        return cls.from_dict(data)
+        return cls.from_dict(read_json(text_or_path, "the plan"))
 
     # -- text -------------------------------------------------------------
     def describe(self) -> str:

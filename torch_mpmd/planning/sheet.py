@@ -28,7 +28,7 @@ from torch_mpmd import _C
 
 PathLike = Union[str, "os.PathLike[str]"]
 
-__all__ = ["CostSheet", "Unit", "json_text"]
+__all__ = ["CostSheet", "Unit", "json_text", "read_json"]
 
 
 def json_text(data: Mapping[str, Any], path: PathLike | None = None) -> str:
@@ -38,6 +38,20 @@ def json_text(data: Mapping[str, Any], path: PathLike | None = None) -> str:
         with open(path, "w") as f:
             f.write(text + "\n")
     return text
+
+
+def read_json(text_or_path: str | os.PathLike[str], what: str) -> Any:
+    """The JSON value of text, or of the file at a path (text that does not
+    start with ``{`` is a path); ValueError naming ``what`` when it is not
+    valid JSON."""
+    text = str(text_or_path)
+    if isinstance(text_or_path, os.PathLike) or not text.lstrip().startswith("{"):
+        with open(text_or_path) as f:
+            text = f.read()
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{what} is not valid JSON: {e}") from None
 
 
 def _number(what: str, value: object) -> float:
@@ -194,15 +208,7 @@ class CostSheet:
     @classmethod
     def from_json(cls, text_or_path: str | os.PathLike[str]) -> "CostSheet":
         """A sheet from JSON text, or from the file at a path."""
-        text = str(text_or_path)
-        if isinstance(text_or_path, os.PathLike) or not text.lstrip().startswith("{"):
-            with open(text_or_path) as f:
-                text = f.read()
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"the cost sheet is not valid JSON: {e}") from None
-        return cls.from_dict(data)
+        return cls.from_dict(read_json(text_or_path, "the cost sheet"))
 
     # -- the core's form --------------------------------------------------
     def to_cpp(self, memory_limit: float | None = None) -> _C.CostSheet:

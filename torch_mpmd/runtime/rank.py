@@ -157,6 +157,14 @@ def _plan_digest(plan: Any, *, dynamic: bool) -> int:
     return _int64(int.from_bytes(digest[:8], "little"))
 
 
+def _microbatch_digest(count: int, sizes: Sequence[tuple[int, ...]]) -> int:
+    """A digest of a call's microbatch count and sizes (nonzero), which the
+    ranks of one pipeline compare in the call's begin exchange: ranks given
+    different microbatches stop there, before any transfer."""
+    h = hashlib.sha256(repr((count, [tuple(k) for k in sizes])).encode()).digest()
+    return _int64(int.from_bytes(h[:8], "little")) or 1
+
+
 def _int64(x: int) -> int:
     x &= 0xFFFFFFFFFFFFFFFF
     return x - (1 << 64) if x >= 1 << 63 else x
@@ -291,7 +299,7 @@ class RankRuntime:
         # A dynamic capture: the sizes the transfers are sized for now (see
         # use_microbatches); starts at the capture's own sizes.
         self._shape_key = model.shapes.hint_key() if model.shapes is not None else None
-        self._concrete: dict[tuple[int, ...], dict[int, torch.Tensor]] = {}
+        self._by_sizes: dict[tuple[int, ...], tuple[dict[int, torch.Tensor], dict]] = {}
         self._mixed = False  # the transport holds per-microbatch specs
         self._call_microbatches = (0, 0)  # (count, sizes digest): use_microbatches
         self._fitted: Any = None  # the microbatches use_microbatches fitted last
@@ -583,42 +591,35 @@ class RankRuntime:
             return
         self._fitted = inputs
         self.use_microbatch_count(len(inputs))
-        self._call_microbatches = (len(inputs), self.microbatch_digest(inputs))
         shapes = self.model.shapes
+        keys = [shapes.key(named) for named in inputs] if shapes is not None else []
+        self._call_microbatches = (len(inputs), _microbatch_digest(len(inputs), keys))
         if shapes is None:
             return
-        keys = [shapes.key(named) for named in inputs]
         key = keys[0]
         if key != self._shape_key:
-            self.layout.meta.update(self._concrete_meta(key))  # the runner reads this dict
+            self.layout.meta.update(self._concrete(key)[0])  # the runner reads this dict
             if self.transport is not None:
                 self.transport.set_specs(self.layout.specs())
             self.runner.shapes_changed()
             self._shape_key = key
         own = {mb: k for mb, k in enumerate(keys) if k != key}
         self.runner.use_microbatch_shapes(
-            keys if own else None, {mb: self._concrete_meta(k) for mb, k in own.items()})
+            keys if own else None, {mb: self._concrete(k)[0] for mb, k in own.items()})
         if self.transport is not None and (own or self._mixed):
             self.transport.set_microbatch_specs(
                 {(p, c, grad, mb): specs for mb, k in own.items()
-                 for (p, c, grad), specs in self.layout.specs_for(self._concrete_meta(k)).items()})
+                 for (p, c, grad), specs in self._concrete(k)[1].items()})
             self._mixed = bool(own)
 
-    def _concrete_meta(self, key: tuple[int, ...]) -> dict[int, torch.Tensor]:
-        """Node id -> meta tensor of each transferred value for sizes ``key``."""
-        meta = self._concrete.get(key)
-        if meta is None:
-            meta = self._concrete[key] = self.model.shapes.concrete(key)
-        return meta
-
-    def microbatch_digest(self, inputs: Sequence[Mapping[str, Any]]) -> int:
-        """A digest of a call's microbatch count and sizes (nonzero), which the
-        ranks of one pipeline compare in the call's begin exchange: ranks given
-        different microbatches stop there, before any transfer."""
-        shapes = self.model.shapes
-        sizes = [tuple(shapes.key(named)) for named in inputs] if shapes is not None else []
-        h = hashlib.sha256(repr((len(inputs), sizes)).encode()).digest()
-        return _int64(int.from_bytes(h[:8], "little")) or 1
+    def _concrete(self, key: tuple[int, ...]) -> tuple[dict[int, torch.Tensor], dict]:
+        """For sizes ``key``: node id -> meta tensor of each transferred value,
+        and the transport's edge specs (made once per sizes)."""
+        found = self._by_sizes.get(key)
+        if found is None:
+            meta = self.model.shapes.concrete(key)
+            found = self._by_sizes[key] = (meta, self.layout.specs_for(meta))
+        return found
 
     def use_microbatch_count(self, m: int) -> None:
         """Run the next calls with ``m`` microbatches: the schedule of that

@@ -259,9 +259,10 @@ class StageRunner:
         self._saved: dict[tuple[int, int], _Saved] = {}
         # NOTE [Saved-bytes accounting]: the bytes autograd saves for one forward
         # of a stage, measured with saved-tensor hooks on the stage's first
-        # training forward (per graph: plain or split) and reused after. Every
-        # microbatch of a capture has the same shapes, so the figure is the same
-        # each time; the hooks cost a Python call per saved tensor.
+        # training forward (per graph: plain or split, and per microbatch sizes
+        # when explicit microbatches differ) and reused after: microbatches of
+        # the same sizes save the same bytes; the hooks cost a Python call per
+        # saved tensor.
         self._bytes_per_forward: dict[tuple[int, bool, Any], int] = {}
         # Explicit microbatches of different sizes (use_microbatch_shapes): each
         # microbatch's sizes (the saved-bytes key), and the transferred values'
