@@ -180,9 +180,80 @@ def limits(case: dict[str, Any]) -> dict[str, Any]:
     return res
 
 
+def door(case: dict[str, Any]) -> dict[str, Any]:
+    """``torch.compile(fn, backend="mpmd", options={"plan": "auto", ...})``: the
+    first training call profiles and plans (the schedule option kept as a
+    constraint) and trains like one process; a second call runs the same
+    plan without profiling again; a first call without grad is refused."""
+    _cache()
+    model = _model()
+    ref = copy.deepcopy(model)
+    x, y = _batch()
+    pair = case.get("loss") == "pair"
+    if pair:
+        for i in range(y.shape[0]):  # sample i keeps i + 1 labelled positions
+            y[i, i + 1:] = -100
+
+    def loss(m: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> Any:
+        total = F.cross_entropy(m(x).flatten(0, 1), y.flatten(), ignore_index=-100,
+                                reduction="sum" if pair else "mean")
+        return (total, (y != -100).sum()) if pair else total
+
+    options = {"plan": "auto", **case.get("options", {})}
+    res: dict[str, Any] = {}
+    cold = torch.compile(lambda x, y: loss(model, x, y), backend="mpmd", options=options)
+    try:
+        with torch.no_grad():
+            cold(x, y)
+        res["no_grad_first"] = None
+    except ValueError as e:
+        res["no_grad_first"] = str(e)
+
+    try:  # a compiled module returns its logits, not a loss to plan from
+        torch.compile(_model(), backend="mpmd", options=options)(x)
+        res["module_first"] = None
+    except ValueError as e:
+        res["module_first"] = str(e)
+
+    @torch.compile(backend="mpmd", options=options)
+    def train_loss(x: torch.Tensor, y: torch.Tensor) -> Any:
+        return loss(model, x, y)
+
+    def check(x: torch.Tensor, y: torch.Tensor) -> dict[str, Any]:
+        ref.zero_grad()
+        model.zero_grad()
+        want = loss(ref, x, y)
+        (want[0] / want[1] if pair else want).backward()
+        got = train_loss(x, y)
+        (got[0] / got[1] if pair else got).backward()
+        want_loss, got_loss = (want[0], got[0]) if pair else (want, got)
+        owned = {n for n, _ in mpmd.pipeline_of(train_loss).named_parameters()}
+        ref_grads = dict(ref.named_parameters())
+        return {"loss": _diff(got_loss.detach(), want_loss.detach()),
+                "grads": {n: _diff(p.grad, ref_grads[n].grad)
+                          for n, p in model.named_parameters() if n in owned},
+                "stray": sorted(n for n, p in model.named_parameters()
+                                if n not in owned and p.grad is not None)}
+
+    before = profiling.measurements
+    res["first"] = check(x, y)
+    res["measured"] = profiling.measurements - before
+    pipe = mpmd.pipeline_of(train_loss)
+    res["plan"] = pipe.config.plan.to_dict() | {"search": None}
+    res["config"] = [pipe.config.schedule, pipe.config.num_microbatches,
+                     pipe.config.stages_per_rank, list(pipe.config.split_points)]
+    g = torch.Generator().manual_seed(7)
+    x2 = torch.randint(0, V, x.shape, generator=g)
+    before = profiling.measurements
+    res["second"] = check(x2, y)
+    res["measured_again"] = profiling.measurements - before
+    res["same_pipeline"] = mpmd.pipeline_of(train_loss) is pipe
+    return res
+
+
 def grid(cases: list[dict[str, Any]]) -> dict[str, Any]:
     try:
-        return run_grid(cases, {"train": train, "limits": limits})
+        return run_grid(cases, {"train": train, "limits": limits, "door": door})
     finally:
         for path in _MADE:  # rank 0 made them
             shutil.rmtree(path, ignore_errors=True)

@@ -19,8 +19,12 @@ from dist_harness import GridRun
 from torch_mpmd.planning import profile as profiling
 
 SCHEDULES = ["1f1b", "zbv"]
+# The compile door with options={"plan": "auto"}: a mean loss with a schedule
+# constraint, and a (sum, count) pair planned freely.
+DOOR = [dict(id="door-mean-1f1b", kind="door", options={"schedule": "1f1b"}),
+        dict(id="door-pair", kind="door", loss="pair")]
 CASES = ([dict(id=s, kind="train", schedule=s) for s in SCHEDULES]
-         + [dict(id="limits", kind="limits")])
+         + [dict(id="limits", kind="limits")] + DOOR)
 _GRID = GridRun(2, "plan_worker:grid", CASES, task="plans", timeout=300)
 
 
@@ -66,6 +70,27 @@ def test_constraints_and_limits():
             assert recomputing[0] < plain[0], r["held"]
         assert r["unknown"] and "recompute names ['blocks.9'], which are not submodules" in \
             r["unknown"], r["unknown"]
+
+
+@pytest.mark.parametrize("case", DOOR, ids=[c["id"] for c in DOOR])
+def test_plan_auto_through_the_mpmd_backend(case):
+    r0, r1 = _GRID.results(case["id"])
+    assert r0["plan"] == r1["plan"] and r0["config"] == r1["config"], (r0["plan"], r1["plan"])
+    if "schedule" in case.get("options", {}):
+        assert r0["config"][0] == case["options"]["schedule"], r0["config"]
+    for rank, r in enumerate((r0, r1)):
+        assert r["no_grad_first"] and "chooses the plan at the first training call" in \
+            r["no_grad_first"], r["no_grad_first"]
+        assert r["module_first"] and "returns 1 output(s) that are not its loss" in \
+            r["module_first"], r["module_first"]
+        for call in ("first", "second"):
+            step = r[call]
+            assert step["loss"] <= 1, f"rank {rank} {call}: loss off by {step['loss']}"
+            bad = {n: d for n, d in step["grads"].items() if d > 1}
+            assert step["grads"] and not bad, f"rank {rank} {call}: gradients (inf: missing) {bad}"
+            assert not step["stray"], f"rank {rank}: gradients on parameters it does not hold"
+        assert r["same_pipeline"] and r["measured_again"] == 0, (rank, r["measured_again"])
+    assert (r0["measured"], r1["measured"]) == (1, 0)  # rank 0 profiles, once
 
 
 # ------------------------------------------------------------------ one process

@@ -5,10 +5,12 @@ Dynamo graph of ``fn`` (a function such as forward + loss, or a module's
 forward). ``options`` takes pipeline()'s settings (``schedule``,
 ``num_microbatches``, ``split_points``, ``stages_per_rank``, ``num_stages``,
 ``mesh``/``group``, ``timeout``, ``seed``, ``lookahead``, ``compile``,
-``bytes_cost``, ...: every field of :class:`torch_mpmd.PipelineConfig` but
-``loss_fn``), checked by the same code (the config's), plus ``reduction`` ("mean",
+``bytes_cost``, ``plan``, ...: every field of :class:`torch_mpmd.PipelineConfig`
+but ``loss_fn``), checked by the same code (the config's), plus ``reduction`` ("mean",
 the default, or "sum": how the training call combines the microbatches'
-losses). The backend returns a :class:`torch_mpmd.door.Door`, which pipelines
+losses). ``plan="auto"`` plans at the first training call from its batch
+(the plan fields among the options, e.g. ``schedule``, are constraints of the
+search; door.py). The backend returns a :class:`torch_mpmd.door.Door`, which pipelines
 ``fn`` itself through pipeline()'s capture, split, stage programs and runtime
 (door.py says what a call runs). It is registered through the
 ``torch_dynamo_backends`` entry point in setup.py, and only there (a second
@@ -59,10 +61,7 @@ def _check_options(options: Mapping[str, Any] | None) -> tuple[PipelineConfig, s
     reduction = opts.pop("reduction", "mean")
     if reduction not in ("mean", "sum"):
         raise ValueError(f"option reduction={reduction!r} must be 'mean' or 'sum'")
-    if opts.get("plan") == "auto":
-        raise ValueError("option plan='auto' is not taken by the mpmd backend yet: pass the "
-                         "plan of mpmd.plan(model, example_args, loss_fn=..., target=...)")
-    if opts.get("plan") is None:  # (a plan fills the schedule and microbatches)
+    if opts.get("plan") is None:  # (a plan, or "auto", fills the schedule and microbatches)
         opts.setdefault("num_microbatches", 1)
         # Without a schedule: interleaved 1F1B, which is 1F1B at one stage per rank
         # and also runs the several stages per rank that markers may define.
@@ -106,4 +105,4 @@ def mpmd_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
         config = dataclasses.replace(config, dynamic=True)
     _skip_logging_calls()  # for the next traces, if a library added Logger methods since
     _check_whole_graph(gm)
-    return Door(gm, example_inputs, config, reduction)
+    return Door(gm, example_inputs, config, reduction, given=tuple(options or ()))

@@ -32,7 +32,7 @@ import torch
 import torch.fx
 from torch.distributed.tensor import DTensor
 
-from torch_mpmd.config import PipelineConfig
+from torch_mpmd.config import PLAN_FIELDS, PipelineConfig
 from torch_mpmd.compile.frame import FrameCall, FrameModule, frame_call
 from torch_mpmd.microbatch import explicit_microbatches, first_microbatch
 from torch_mpmd.runtime.outputs import deliver_outputs
@@ -235,9 +235,13 @@ class Door:
     module docstring). ``pipeline`` is the Pipeline it runs."""
 
     def __init__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
-                 config: PipelineConfig, reduction: str = "mean") -> None:
+                 config: PipelineConfig, reduction: str = "mean",
+                 given: Sequence[str] = ()) -> None:
         self.call: FrameCall = frame_call(example_inputs)
         self.config = config
+        # The option keys the user gave: with plan="auto", those that are plan
+        # fields are constraints of the search, as pipeline()'s keywords are.
+        self.given = tuple(k for k in given if k in PLAN_FIELDS)
         self.reduction = reduction
         self.outputs = _output_examples(gm)
         out = self.outputs
@@ -279,7 +283,8 @@ class Door:
         fn = self.call.fn
         module = fn if isinstance(fn, torch.nn.Module) else FrameModule(self.call)
         pipe = pipeline(module, self.config,
-                        loss_fn=_pair_of_output if self.returns_pair else None)
+                        loss_fn=_pair_of_output if self.returns_pair else None,
+                        **{k: getattr(self.config, k) for k in self.given})
         pipe.park_between_calls()  # the guards Dynamo made see the parameters they saw
         return pipe
 
@@ -309,9 +314,11 @@ class Door:
             explicit = self._frame_microbatches(flat, explicit)
         if torch.is_grad_enabled() and self.returns_loss:
             return (self._train(flat, explicit),)
+        if self.returns_pair and torch.is_grad_enabled():
+            return self._train_pair(flat, explicit)
+        self._check_planned()
         if self.returns_pair:
-            return (self._train_pair(flat, explicit) if torch.is_grad_enabled() else
-                    self._eval_pair(flat, explicit))
+            return self._eval_pair(flat, explicit)
         if explicit is not None:
             raise ValueError("over_microbatches() runs a compiled function that returns its "
                              "loss (a scalar requiring grad, called with grad enabled) or a "
@@ -376,6 +383,34 @@ class Door:
                 return pipe
         return self.pipeline
 
+    def _plan_if_auto(self, args: tuple, kwargs: dict,
+                      explicit: list[tuple[tuple, dict]] | None) -> None:
+        """``options={"plan": "auto"}``: the first training call plans from its
+        batch (Pipeline._plan_auto: profile and search, collective), before the
+        pipeline is built; every later call runs that plan."""
+        pipe = self.pipeline
+        if pipe.config.plan != "auto":
+            return
+        if explicit is not None:
+            raise ValueError("option plan='auto' plans from a batch: make the first training "
+                             "call on the batch itself, then over_microbatches() may follow")
+        _lockstep(pipe, "step", pipe._plan_auto, args, kwargs, None, None)
+
+    def _check_planned(self) -> None:
+        """A call that is not a training step cannot be the one that plans."""
+        if self.pipeline.config.plan != "auto":
+            return
+        if torch.is_grad_enabled():  # (without grad a loss is not told from an output)
+            raise ValueError(
+                f"option plan='auto' plans from a training call's loss, but {self.call.name} "
+                f"returns {len(self.outputs)} output(s) that are not its loss: compile the "
+                "forward and the loss as one function, or pass the plan of mpmd.plan(model, "
+                "example_args, loss_fn=..., target=...)")
+        raise ValueError(
+            f"option plan='auto' chooses the plan at the first training call of "
+            f"{self.call.name} (grad enabled); this first call runs without grad: train once "
+            "first")
+
     def _local_trainable(self, args: tuple, kwargs: dict) -> list[torch.Tensor]:
         pipe = self.pipeline
         pipe._ensure_built(*first_microbatch(args, kwargs, pipe.num_microbatches))
@@ -401,6 +436,7 @@ class Door:
         stash = [p.grad for p in every]
         for p in every:
             p.grad = None
+        self._plan_if_auto(args, kwargs, explicit)
         rt = pipe._ensure_built(*(explicit[0] if explicit is not None else
                                   first_microbatch(args, kwargs, pipe.num_microbatches)))
         rt.runner.hooks_run_later = True  # they run in _StepLoss.backward, once
