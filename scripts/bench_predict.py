@@ -31,6 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 import torch_mpmd as mpmd  # noqa: E402
 from torch_mpmd import trace  # noqa: E402
+from torch_mpmd.planning import calibrate  # noqa: E402
 from bench_compiled import DeepMLP  # noqa: E402
 from gpt_model import GPT, GPTConfig  # noqa: E402
 
@@ -89,26 +90,11 @@ def measure(make: Any, loss_fn: Any, args: tuple, target: Any, prefix: str, sche
 
 
 def fit_action_overhead(base: dict[str, Any]) -> float:
-    """The runtime's time per action that makes the simulated 1F1B step equal
-    its measured median (bisection; trace.action_overhead's reading is the
-    start): what a rank spends per action beyond the programs' own time and
-    the posting of sends (a RECV's processing once its data is there, the
-    executor's bookkeeping), which the trace does not separate."""
+    """The time per action at which the simulated 1F1B step equals its
+    measured median (planning/calibrate.py)."""
     rows = [row for step_rows in base["rows"] for row in step_rows]
-
-    def predicted(overhead_s: float) -> float:
-        return trace.simulate_measured(
-            base["pipe"].schedule, rows, comm_latency_s=base["latency"],
-            action_overhead_s=overhead_s, step_overhead_s=base["step"],
-            statistic="mean").makespan * 1e-3
-
-    lo, hi = 0.0, max(base["action"], 1e-6)
-    while predicted(hi) < base["wall"] and hi < 1.0:
-        hi *= 2
-    for _ in range(40):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if predicted(mid) < base["wall"] else (lo, mid)
-    return (lo + hi) / 2
+    return calibrate.fit_action_overhead(base["pipe"].schedule, rows, base["wall"],
+                                         latency_s=base["latency"], step_s=base["step"])
 
 
 def main() -> None:

@@ -36,18 +36,17 @@ least-squares line through the origin over them (the planner scales costs
 linearly, NOTE [Microbatch scaling] in csrc/core/planner.h), given at the
 first size, the sheet's ``reference_microbatch``.
 
-The runtime and the link: ``action_overhead`` is
-:data:`DEFAULT_ACTION_OVERHEAD_S` (110 us: the runtime's time per action on
-CPU ranks with FX programs, fitted so that the simulated 1F1B step equals the
-measured one: 112 us for a pipeline of tiny stages, 127 us for the example
-GPT; ``trace.action_overhead`` reads only the gaps and the sends' posting,
-19-137 us, and the planner then under-prices schedules of many short
-actions: BENCHMARKS.md, "The planner against measured steps"). On one process the
-link is :data:`DEFAULT_LINK_LATENCY_S` (150 us, gloo's measured transfer
-latency between two CPU ranks) and :data:`DEFAULT_LINK_BANDWIDTH` (1 GB/s);
-with a ``group`` of more than one rank, pipeline ranks 0 and 1 measure both
-by a ping-pong (median round trip of 4 bytes / 2; the time of 4 MiB one way
-less that latency).
+The runtime and the link: with a ``group`` of more than one rank, pipeline
+ranks 0 and 1 measure the link by a ping-pong (median round trip of 4 bytes
+/ 2; the time of 4 MiB one way less that latency), and then every rank runs
+the model as a 1F1B pipeline for a few steps (calibrate.py): the sheet's
+``action_overhead`` is the runtime's measured time per action and its
+``link_latency`` what a transfer took beyond its bytes. On one process they
+are :data:`DEFAULT_ACTION_OVERHEAD_S` (110 us: fitted so that the simulated
+1F1B step equals the measured one on two CPU ranks with FX programs, a
+price that also covers the step's time outside its actions),
+:data:`DEFAULT_LINK_LATENCY_S` (150 us, gloo's measured transfer latency
+between two CPU ranks) and :data:`DEFAULT_LINK_BANDWIDTH` (1 GB/s).
 
 Cache: a JSON file under ``cache_dir`` (default ``$MPMD_PROFILE_CACHE``, else
 ``~/.cache/torch_mpmd/profiles``) named by a hash of the model (every module
@@ -80,6 +79,7 @@ import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 
+from torch_mpmd.planning.calibrate import RuntimeCosts, measure_runtime
 from torch_mpmd.planning.sheet import CostSheet, Unit
 
 __all__ = ["profile", "find_units", "profile_key", "measurements",
@@ -370,7 +370,7 @@ def _ping_pong(group: Any, device: torch.device) -> tuple[float, float]:
 def _measure(model: torch.nn.Module, args: tuple, kwargs: dict, target: Any, *,
              loss_fn: Any, units: list[str], sizes: list[int], compile: Any, repeats: int,
              batch: int, pp_size: int, global_batch: int, link: tuple[float, float],
-             memory_limit: float) -> CostSheet:
+             runtime: RuntimeCosts, memory_limit: float) -> CostSheet:
     from torch_mpmd.microbatch import first_microbatch, split_tree
 
     global measurements
@@ -410,12 +410,11 @@ def _measure(model: torch.nn.Module, args: tuple, kwargs: dict, target: Any, *,
                               param_bytes=float(per_size[0]["params"][u]),
                               output_bytes=(_fit(col["out"], sizes, ref)
                                             if u < len(units) - 1 else 0.0)))
-    latency, bandwidth = link
     return CostSheet(
         units=out_units, global_batch=global_batch, pp_size=pp_size, reference_microbatch=ref,
         input_bytes=_fit([r["input"] for r in per_size], sizes, ref),
-        action_overhead=DEFAULT_ACTION_OVERHEAD_S, link_latency=latency,
-        link_bandwidth=bandwidth, memory_limit=memory_limit)
+        action_overhead=runtime.action_overhead, link_latency=runtime.transfer_latency,
+        link_bandwidth=link[1], memory_limit=memory_limit)
 
 
 def profile(model: torch.nn.Module, example_args: Any, example_kwargs: Mapping[str, Any] | None = None,
@@ -474,12 +473,17 @@ def profile(model: torch.nn.Module, example_args: Any, example_kwargs: Mapping[s
     if measure:
         link = ((DEFAULT_LINK_LATENCY_S, DEFAULT_LINK_BANDWIDTH) if grp is None or world < 2
                 else _ping_pong(grp, device))
+        runtime = RuntimeCosts(DEFAULT_ACTION_OVERHEAD_S, 0.0, link[0])
+        if grp is not None and world > 1 and len(unit_names) >= world:
+            runtime = measure_runtime(model, example_args, kwargs, target, loss_fn=loss_fn,
+                                      group=grp, units=unit_names,
+                                      num_microbatches=batch // sizes[0], link=link)
         if rank == 0:
             try:
                 sheet = _measure(model, example_args, kwargs, target, loss_fn=loss_fn,
                                  units=unit_names, sizes=sizes, compile=compile,
                                  repeats=repeats, batch=batch, pp_size=pp, global_batch=gb,
-                                 link=link, memory_limit=memory_limit)
+                                 link=link, runtime=runtime, memory_limit=memory_limit)
             except Exception as e:  # noqa: BLE001  (every rank raises it, below)
                 failure, raised = (type(e).__name__, str(e)), e
             else:
