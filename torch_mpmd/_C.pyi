@@ -296,6 +296,9 @@ class CostSheet:
     optimizer_bytes_per_param_byte: float
     pp_size: int
     memory_limit: float
+    dp_size: int
+    dp_latency: float | None
+    dp_bandwidth: float | None
     def __init__(self) -> None: ...
 
 class SearchOptions:
@@ -305,6 +308,7 @@ class SearchOptions:
     top_k: int
     comm_aware_split: bool
     allow_recompute: bool
+    data_parallel: list[str]
     def __init__(self) -> None: ...
 
 class PlanCandidate:
@@ -315,6 +319,7 @@ class PlanCandidate:
     stage_starts: list[int]
     recompute: list[bool]
     comm_aware_split: bool
+    data_parallel: str
     step_seconds: float
     peak_bytes: list[float]
     stage_seconds: list[float]
@@ -333,6 +338,8 @@ class Rejection:
     def step_seconds(self) -> float: ...
     @property
     def max_peak_bytes(self) -> float: ...
+    @property
+    def data_parallel(self) -> str: ...
 
 class PlanResult:
     @property
@@ -357,5 +364,6 @@ def evaluate_plan(
     num_microbatches: int,
     stage_starts: list[int],
     recompute: list[bool] = ...,
+    data_parallel: str = ...,
 ) -> PlanCandidate: ...
 def min_max_split(weights: list[float], parts: int) -> list[int]: ...

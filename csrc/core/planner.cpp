@@ -93,33 +93,97 @@ std::vector<int> splitBy(int n, int parts, const Weight& w) {
   return starts;
 }
 
-// A (schedule, v, m) triple, built and lowered once.
-struct Built {
-  Schedule lowered;
-  std::vector<std::vector<std::pair<int, int>>> events;  // per rank: (stage, +1 hold / -1 free)
-  std::vector<int64_t> actions;                          // per rank, in the lowered program
-  std::vector<int64_t> computes;                         // per rank and stage: compute actions
+// NOTE [Data-parallel modes]: the mode and the replicas' count.
+enum class DpMode { Replicate, Shard };
+
+struct DataParallel {
+  DpMode mode = DpMode::Replicate;
+  int size = 1;
+  bool on() const { return size > 1; }
+  bool sharded() const { return size > 1 && mode == DpMode::Shard; }
 };
 
-Built build(const std::string& name, int p, int v, int m) {
-  Schedule compute = makeSchedule(name, ScheduleSpec{p, v, m});
+const char* modeName(DpMode mode) { return mode == DpMode::Shard ? "shard" : "replicate"; }
+
+DpMode parseMode(const std::string& name) {
+  if (name == "replicate") return DpMode::Replicate;
+  if (name == "shard") return DpMode::Shard;
+  throw std::invalid_argument(fmt::format("data_parallel='{}' is not a mode; known: replicate, shard", name));
+}
+
+// What the memory walk of one rank's lowered program sees (NOTE [Planner
+// memory model]), per stage.
+enum class MemEvent : uint8_t {
+  Hold,       // F: the stage's saved bytes of one microbatch
+  Free,       // B, or W where the backward is split: they are freed
+  FirstGrad,  // the stage's first gradient-producing action of the step
+  Gather,     // UNSHARD: the all-gather's buffers
+  Ready,      // the window's first compute: full parameters in, buffers out
+  Release,    // RESHARD: the full parameters freed
+  Reduce,     // REDUCE_GRAD
+};
+
+// A (schedule, v, m) triple lowered for one data-parallel mode.
+struct Built {
+  Schedule lowered;
+  std::vector<std::vector<std::pair<int, MemEvent>>> events;  // per rank, in program order
+  std::vector<int64_t> actions;                               // per rank, in the lowered program
+};
+
+Built lowerFor(const Schedule& compute, const DataParallel& dp) {
   const bool split = compute.splitsBackward();
+  LowerOptions options;
+  options.grad_reduce = dp.on();   // no reduction without replicas
+  options.shard = dp.sharded();    // default ShardOptions, as the runtime lowers
   Built b;
+  b.lowered = lower(compute, options);
+  const int p = b.lowered.num_ranks, S = b.lowered.num_stages;
   b.events.resize(static_cast<size_t>(p));
   for (int r = 0; r < p; ++r) {
+    const auto& program = b.lowered.programs[r];
     auto& ev = b.events[r];
-    ev.reserve(compute.programs[r].size());
-    for (const Action& a : compute.programs[r]) {
-      if (a.kind == ActionKind::Forward) ev.emplace_back(a.stage, +1);
-      else if (a.kind == ActionKind::FullBackward || (split && a.kind == ActionKind::BackwardWeight))
-        ev.emplace_back(a.stage, -1);
+    ev.reserve(program.size());
+    std::vector<bool> gathering(static_cast<size_t>(S), false), graded(static_cast<size_t>(S), false);
+    for (const Action& a : program) {
+      const int s = a.stage;
+      if (isCompute(a.kind) && gathering[s]) {
+        ev.emplace_back(s, MemEvent::Ready);
+        gathering[s] = false;
+      }
+      switch (a.kind) {
+        case ActionKind::Forward: ev.emplace_back(s, MemEvent::Hold); break;
+        case ActionKind::FullBackward:
+        case ActionKind::BackwardWeight:
+          if (!graded[s]) ev.emplace_back(s, MemEvent::FirstGrad);
+          graded[s] = true;
+          if (a.kind == ActionKind::FullBackward || split) ev.emplace_back(s, MemEvent::Free);
+          break;
+        case ActionKind::Unshard:
+          ev.emplace_back(s, MemEvent::Gather);
+          gathering[s] = true;
+          break;
+        case ActionKind::Reshard: ev.emplace_back(s, MemEvent::Release); break;
+        case ActionKind::ReduceGrad: ev.emplace_back(s, MemEvent::Reduce); break;
+        default: break;
+      }
     }
   }
-  LowerOptions options;
-  options.grad_reduce = false;  // no data parallelism on a sheet
-  b.lowered = lower(compute, options);
   for (const auto& program : b.lowered.programs) b.actions.push_back(static_cast<int64_t>(program.size()));
   return b;
+}
+
+// The modes the search tries (NOTE [Data-parallel modes]).
+std::vector<DpMode> searchModes(const CostSheet& sheet, const SearchOptions& options) {
+  if (options.data_parallel.empty()) {
+    return sheet.dp_size > 1 ? std::vector<DpMode>{DpMode::Replicate, DpMode::Shard}
+                             : std::vector<DpMode>{DpMode::Replicate};
+  }
+  std::vector<DpMode> modes;
+  for (const auto& name : options.data_parallel) {
+    const DpMode mode = parseMode(name);
+    if (std::find(modes.begin(), modes.end(), mode) == modes.end()) modes.push_back(mode);
+  }
+  return modes;
 }
 
 // Everything about the sheet at one microbatch size and one split.
@@ -187,19 +251,43 @@ double savedOf(const Staged& st, const std::vector<bool>& rec, int s) {
 
 // NOTE [Planner memory model] for one rank.
 double rankPeak(const CostSheet& sheet, const Staged& st, const Built& b, const std::vector<int>& placement,
-                const std::vector<bool>& rec, int r) {
-  const double state = 1.0 + sheet.grad_bytes_per_param_byte + sheet.optimizer_bytes_per_param_byte;
+                const std::vector<bool>& rec, const DataParallel& dp, int r) {
+  const double g = sheet.grad_bytes_per_param_byte;
+  const double state = 1.0 + g + sheet.optimizer_bytes_per_param_byte;
+  const double d = static_cast<double>(dp.size);
+  const bool shard = dp.sharded();
   double fixed = 0.0, transient = 0.0;
   for (int s = 0; s < st.S; ++s) {
     if (placement[s] != r) continue;
-    fixed += st.params[s] * state;
+    fixed += st.params[s] * (shard ? state / d : state);
     if (s > 0 && placement[s - 1] != r) fixed += st.input[s];
     if (s + 1 < st.S && placement[s + 1] != r) fixed += st.output[s];
     if (rec[s]) transient = std::max(transient, st.saved[s]);
   }
   double live = 0.0, peak = 0.0;
-  for (const auto& [s, delta] : b.events[r]) {
-    live += delta * savedOf(st, rec, s);
+  for (const auto& [s, event] : b.events[r]) {
+    const double P = st.params[s];
+    switch (event) {
+      case MemEvent::Hold: live += savedOf(st, rec, s); break;
+      case MemEvent::Free: live -= savedOf(st, rec, s); break;
+      case MemEvent::FirstGrad:
+        if (shard) live += g * P;  // full gradients (replicate: counted in `fixed`)
+        break;
+      case MemEvent::Gather: live += P + P / d; break;  // the gather's output and input
+      case MemEvent::Ready:
+        live += P;  // the full parameters, while the gather's buffers still live
+        peak = std::max(peak, live);
+        live -= P + P / d;
+        break;
+      case MemEvent::Release: live -= P; break;
+      case MemEvent::Reduce:
+        live += g * P;  // replicate: the increments' buffer; shard: the reduce-scatter's table
+        if (shard) {
+          peak = std::max(peak, live);
+          live += g * P / d - g * P;  // its output shard in, the full gradients out
+        }
+        break;
+    }
     peak = std::max(peak, live);
   }
   return fixed + peak + transient;
@@ -207,14 +295,14 @@ double rankPeak(const CostSheet& sheet, const Staged& st, const Built& b, const 
 
 // NOTE [Recompute choice].
 Memory chooseRecompute(const CostSheet& sheet, const Staged& st, const Built& b, const std::vector<int>& placement,
-                       const std::vector<bool>& forced, bool allow) {
+                       const DataParallel& dp, const std::vector<bool>& forced, bool allow) {
   Memory mem;
   const int p = static_cast<int>(b.events.size());
   mem.recompute = forced.empty() ? std::vector<bool>(st.S, false) : forced;
   mem.peak.assign(p, 0.0);
   const double limit = sheet.memory_limit;
   for (int r = 0; r < p; ++r) {
-    double peak = rankPeak(sheet, st, b, placement, mem.recompute, r);
+    double peak = rankPeak(sheet, st, b, placement, mem.recompute, dp, r);
     if (forced.empty() && allow && limit > 0.0 && peak > limit) {
       std::vector<int> order;
       for (int s = 0; s < st.S; ++s) {
@@ -225,7 +313,7 @@ Memory chooseRecompute(const CostSheet& sheet, const Staged& st, const Built& b,
       });
       for (int s : order) {
         mem.recompute[s] = true;
-        peak = rankPeak(sheet, st, b, placement, mem.recompute, r);
+        peak = rankPeak(sheet, st, b, placement, mem.recompute, dp, r);
         if (peak <= limit) break;
       }
     }
@@ -239,9 +327,22 @@ Memory chooseRecompute(const CostSheet& sheet, const Staged& st, const Built& b,
   return mem;
 }
 
-CostModel costModel(const CostSheet& sheet, const Staged& st, const std::vector<bool>& rec) {
+// Seconds of a ring collective over dp.size ranks moving `bytes` (the full
+// tensor's): `rounds` = 1 for an all-gather or reduce-scatter, 2 for an
+// all-reduce (NOTE [Data-parallel modes]).
+double ringSeconds(const CostSheet& sheet, const DataParallel& dp, double bytes, int rounds) {
+  const double d = static_cast<double>(dp.size);
+  const double latency = sheet.dp_latency.value_or(sheet.link_latency);
+  const double bandwidth = sheet.dp_bandwidth.value_or(sheet.link_bandwidth);
+  const double steps = rounds * (d - 1.0);
+  return steps * latency + (bandwidth > 0.0 ? steps / d * bytes / bandwidth : 0.0);
+}
+
+CostModel costModel(const CostSheet& sheet, const Staged& st, const std::vector<bool>& rec,
+                    const DataParallel& dp) {
   CostModel model;
   model.stage_costs.resize(st.S);
+  const double g = sheet.grad_bytes_per_param_byte;
   for (int s = 0; s < st.S; ++s) {
     KindCosts& c = model.stage_costs[s];
     const double extra = rec[s] ? st.F[s] : 0.0;  // recompute: one more forward before the backward
@@ -249,6 +350,15 @@ CostModel costModel(const CostSheet& sheet, const Staged& st, const std::vector<
     c.backward = st.I[s] + st.W[s] + extra;
     c.backward_input = st.I[s] + extra;
     c.backward_weight = st.W[s];
+    c.reduce_grad = 0.0;
+    c.unshard = 0.0;
+    c.reshard = 0.0;
+    if (dp.sharded()) {
+      c.unshard = ringSeconds(sheet, dp, st.params[s], 1);
+      c.reduce_grad = ringSeconds(sheet, dp, g * st.params[s], 1);
+    } else if (dp.on()) {
+      c.reduce_grad = ringSeconds(sheet, dp, g * st.params[s], 2);
+    }
   }
   model.comm_latency = sheet.link_latency;
   model.action_overhead = sheet.action_overhead;
@@ -274,8 +384,9 @@ double lowerBound(const CostSheet& sheet, const Staged& st, const Built& b, cons
 }
 
 Plan makePlan(const std::string& name, int v, int m, int64_t mb_samples, const Staged& st, bool comm_aware,
-              const Memory& mem, double step) {
+              const Memory& mem, double step, DpMode mode) {
   Plan plan;
+  plan.data_parallel = modeName(mode);
   plan.schedule = name;
   plan.stages_per_rank = v;
   plan.num_microbatches = m;
@@ -326,6 +437,8 @@ std::vector<int> commAwareSplit(const CostSheet& sheet, int parts) {
 
 bool better(const Plan& a, const Plan& b) {
   if (a.step_seconds != b.step_seconds) return a.step_seconds < b.step_seconds;
+  // NOTE [Data-parallel modes]: on equal steps, replicate.
+  if (a.data_parallel != b.data_parallel) return a.data_parallel == "replicate";
   const double pa = *std::max_element(a.peak_bytes.begin(), a.peak_bytes.end());
   const double pb = *std::max_element(b.peak_bytes.begin(), b.peak_bytes.end());
   return pa < pb;
@@ -374,6 +487,9 @@ void checkSheet(const CostSheet& sheet) {
   checkFinite("grad_bytes_per_param_byte", sheet.grad_bytes_per_param_byte);
   checkFinite("optimizer_bytes_per_param_byte", sheet.optimizer_bytes_per_param_byte);
   checkFinite("memory_limit", sheet.memory_limit);
+  if (sheet.dp_size < 1) throw std::invalid_argument(fmt::format("dp_size={} must be >= 1", sheet.dp_size));
+  if (sheet.dp_latency) checkFinite("dp_latency", *sheet.dp_latency);
+  if (sheet.dp_bandwidth) checkFinite("dp_bandwidth", *sheet.dp_bandwidth);
 }
 
 std::vector<int> minMaxSplit(const std::vector<double>& weights, int parts) {
@@ -383,8 +499,10 @@ std::vector<int> minMaxSplit(const std::vector<double>& weights, int parts) {
 }
 
 Plan evaluatePlan(const CostSheet& sheet, const std::string& name, int v, int m,
-                  const std::vector<int>& stage_starts, const std::vector<bool>& recompute) {
+                  const std::vector<int>& stage_starts, const std::vector<bool>& recompute,
+                  const std::string& data_parallel) {
   checkSheet(sheet);
+  const DataParallel dp{parseMode(data_parallel), sheet.dp_size};
   const int p = sheet.pp_size, S = p * v, n = static_cast<int>(sheet.units.size());
   if (v < 1 || m < 1) {
     throw std::invalid_argument(fmt::format("stages_per_rank={} and num_microbatches={} must be >= 1", v, m));
@@ -409,13 +527,13 @@ Plan evaluatePlan(const CostSheet& sheet, const std::string& name, int v, int m,
   }
   const int64_t mb = sheet.global_batch / m;
   const double scale = static_cast<double>(mb) / static_cast<double>(sheet.reference_microbatch);
-  const Built b = build(name, p, v, m);
+  const Built b = lowerFor(makeSchedule(name, ScheduleSpec{p, v, m}), dp);
   const auto placement = b.lowered.stage_to_rank;
   const Staged st = stage(sheet, stage_starts, scale, placement);
-  const Memory mem =
-      chooseRecompute(sheet, st, b, placement, recompute.empty() ? std::vector<bool>(S, false) : recompute, false);
-  const double step = simulate(b.lowered, costModel(sheet, st, mem.recompute)).makespan;
-  return makePlan(name, v, m, mb, st, false, mem, step);
+  const Memory mem = chooseRecompute(sheet, st, b, placement, dp,
+                                     recompute.empty() ? std::vector<bool>(S, false) : recompute, false);
+  const double step = simulate(b.lowered, costModel(sheet, st, mem.recompute, dp)).makespan;
+  return makePlan(name, v, m, mb, st, false, mem, step, dp.mode);
 }
 
 PlanResult planPipeline(const CostSheet& sheet, const SearchOptions& options) {
@@ -447,6 +565,7 @@ PlanResult planPipeline(const CostSheet& sheet, const SearchOptions& options) {
           sheet.global_batch));
     }
   }
+  const std::vector<DpMode> modes = searchModes(sheet, options);
   const int p = sheet.pp_size, n = static_cast<int>(sheet.units.size());
   const size_t k = static_cast<size_t>(options.top_k);
 
@@ -462,7 +581,7 @@ PlanResult planPipeline(const CostSheet& sheet, const SearchOptions& options) {
   auto insert = [&](Plan plan) {
     for (auto it = top.begin(); it != top.end(); ++it) {
       if (it->schedule == plan.schedule && it->stages_per_rank == plan.stages_per_rank &&
-          it->num_microbatches == plan.num_microbatches) {
+          it->num_microbatches == plan.num_microbatches && it->data_parallel == plan.data_parallel) {
         if (!better(plan, *it)) return;
         top.erase(it);
         break;
@@ -487,16 +606,15 @@ PlanResult planPipeline(const CostSheet& sheet, const SearchOptions& options) {
       }
       bool reported = false;
       for (int m : ms) {
-        Built b;
+        Schedule compute;
         try {
-          b = build(name, p, v, m);
+          compute = makeSchedule(name, ScheduleSpec{p, v, m});
         } catch (const std::exception& e) {  // ScheduleError: the triple is not one the schedule takes
           if (!reported) result.rejected.push_back({name, v, m, e.what()});
           reported = true;
           continue;
         }
         any_valid = true;
-        const auto& placement = b.lowered.stage_to_rank;
         const int64_t mb = sheet.global_batch / m;
         const double scale = static_cast<double>(mb) / static_cast<double>(sheet.reference_microbatch);
         if (!base_splits.count(S)) {
@@ -505,47 +623,62 @@ PlanResult planPipeline(const CostSheet& sheet, const SearchOptions& options) {
         }
         std::vector<std::pair<const std::vector<int>*, bool>> splits = {{&base_splits[S], false}};
         if (options.comm_aware_split && comm_splits[S] != base_splits[S]) splits.push_back({&comm_splits[S], true});
-        for (const auto& [starts, comm_aware] : splits) {
-          ++result.candidates;
-          const Staged st = stage(sheet, *starts, scale, placement);
-          const Memory mem = chooseRecompute(sheet, st, b, placement, {}, options.allow_recompute);
-          if (mem.max_peak < smallest_peak) {
-            smallest_peak = mem.max_peak;
-            smallest_what = fmt::format("{} v={} m={} ({}), on rank {}", name, v, m,
-                                        recomputeText(mem.recompute), mem.worst_rank);
-          }
-          const bool forced = std::find(mem.recompute.begin(), mem.recompute.end(), true) != mem.recompute.end();
-          if (!mem.fits || forced) {
-            // The plan without the recompute the limit forced (or with it, not
-            // fitting): worth a simulation only if it might have won.
-            const std::vector<bool> none(st.S, false);
-            const Memory bare = chooseRecompute(sheet, st, b, placement, none, false);
-            const double bound = lowerBound(sheet, st, b, placement, none, m);
-            const double best = top.empty() ? kInf : top.front().step_seconds;
-            if (bound < best) {
-              try {
-                const double step = simulate(b.lowered, costModel(sheet, st, none)).makespan;
-                ++result.simulations;
-                over.push_back({name, v, m,
-                                fmt::format("peak {} on rank {} over memory_limit {}", gib(bare.max_peak),
-                                            bare.worst_rank, gib(sheet.memory_limit)),
-                                step, bare.max_peak});
-              } catch (const std::exception&) {
-              }
-            }
-          }
-          if (!mem.fits) continue;
-          if (lowerBound(sheet, st, b, placement, mem.recompute, m) >= kth()) continue;
-          double step;
+        for (const DpMode mode : modes) {
+          const DataParallel dp{mode, sheet.dp_size};
+          Built b;
           try {
-            step = simulate(b.lowered, costModel(sheet, st, mem.recompute)).makespan;
-          } catch (const std::exception& e) {  // DeadlockError
+            b = lowerFor(compute, dp);
+          } catch (const std::exception& e) {  // ScheduleError from a lowering pass
             if (!reported) result.rejected.push_back({name, v, m, e.what()});
             reported = true;
             continue;
           }
-          ++result.simulations;
-          insert(makePlan(name, v, m, mb, st, comm_aware, mem, step));
+          const auto& placement = b.lowered.stage_to_rank;
+          const std::string dp_text = dp.on() ? fmt::format(", data_parallel={}", modeName(mode)) : "";
+          for (const auto& [starts, comm_aware] : splits) {
+            ++result.candidates;
+            const Staged st = stage(sheet, *starts, scale, placement);
+            const Memory mem = chooseRecompute(sheet, st, b, placement, dp, {}, options.allow_recompute);
+            if (mem.max_peak < smallest_peak) {
+              smallest_peak = mem.max_peak;
+              smallest_what = fmt::format("{} v={} m={} ({}{}), on rank {}", name, v, m,
+                                          recomputeText(mem.recompute), dp_text, mem.worst_rank);
+            }
+            const bool forced = std::find(mem.recompute.begin(), mem.recompute.end(), true) != mem.recompute.end();
+            if (!mem.fits || forced) {
+              // The plan without the recompute the limit forced (or with it, not
+              // fitting): worth a simulation only if it might have won.
+              const std::vector<bool> none(st.S, false);
+              const Memory bare = chooseRecompute(sheet, st, b, placement, dp, none, false);
+              const double bound = lowerBound(sheet, st, b, placement, none, m);
+              const double best = top.empty() ? kInf : top.front().step_seconds;
+              if (bound < best) {
+                try {
+                  const double step = simulate(b.lowered, costModel(sheet, st, none, dp)).makespan;
+                  ++result.simulations;
+                  Rejection r{name, v, m,
+                              fmt::format("peak {} on rank {} over memory_limit {}", gib(bare.max_peak),
+                                          bare.worst_rank, gib(sheet.memory_limit)),
+                              step, bare.max_peak};
+                  r.data_parallel = modeName(mode);
+                  over.push_back(std::move(r));
+                } catch (const std::exception&) {
+                }
+              }
+            }
+            if (!mem.fits) continue;
+            if (lowerBound(sheet, st, b, placement, mem.recompute, m) >= kth()) continue;
+            double step;
+            try {
+              step = simulate(b.lowered, costModel(sheet, st, mem.recompute, dp)).makespan;
+            } catch (const std::exception& e) {  // DeadlockError
+              if (!reported) result.rejected.push_back({name, v, m, e.what()});
+              reported = true;
+              continue;
+            }
+            ++result.simulations;
+            insert(makePlan(name, v, m, mb, st, comm_aware, mem, step, mode));
+          }
         }
       }
     }
@@ -573,7 +706,7 @@ PlanResult planPipeline(const CostSheet& sheet, const SearchOptions& options) {
     bool dup = false;
     for (const auto& q : result.rejected) {
       dup |= q.schedule == r.schedule && q.stages_per_rank == r.stages_per_rank &&
-             q.num_microbatches == r.num_microbatches && q.reason == r.reason;
+             q.num_microbatches == r.num_microbatches && q.data_parallel == r.data_parallel && q.reason == r.reason;
     }
     if (dup) continue;
     result.rejected.push_back(std::move(r));

@@ -20,11 +20,15 @@
 //     the round trip of its output over the link (activation forward,
 //     gradient back: 2 * (latency + bytes / bandwidth));
 //   - recompute per stage, none or full, chosen greedily (NOTE [Recompute
-//     choice]), never 2^S.
+//     choice]), never 2^S;
+//   - with dp_size > 1, the data-parallel mode: "replicate" or "shard"
+//     (NOTE [Data-parallel modes]).
 // Objective: the simulated makespan (simulator.h) of the lowered schedule
 // with per-stage costs, the sheet's action overhead, link latency and
-// per-link bandwidth and per-stage output bytes. Constraint: the predicted
-// peak bytes of every rank <= memory_limit (NOTE [Planner memory model]).
+// per-link bandwidth and per-stage output bytes, and with dp_size > 1 the
+// data-parallel collectives on each rank's collective stream. Constraint: the
+// predicted peak bytes of every rank <= memory_limit (NOTE [Planner memory
+// model]).
 //
 // NOTE [Microbatch scaling]: a sheet's times and per-microbatch bytes are
 // measured (or computed) at reference_microbatch samples per microbatch. At
@@ -50,6 +54,44 @@
 //                received activation), one whose consumer is on another rank
 //                holds its output bytes (the received gradient).
 // Stages on the same rank hand values over without a buffer.
+// With dp_size = d > 1 (P = a stage's param_bytes, g and o the sheet's
+// gradient and optimizer bytes per parameter byte), walking the rank's
+// lowered program (lowering.h) in order, as torch_mpmd/parallel runs it:
+//   replicate:   static as above; at REDUCE_GRAD(s) the flat buffer of the
+//                step's gradient increments that the all-reduce reads and
+//                writes, g * P, is held to the step's end (data_parallel.py);
+//   shard:       static is the shards: P / d * (1 + g + o). UNSHARD(s)
+//                allocates the all-gather's output, P, and its input, P / d;
+//                the window's first compute (which waits for the gather)
+//                refills the full parameters, P, then frees both buffers;
+//                RESHARD(s) frees the full parameters. The stage's first
+//                gradient-producing action of the step (B, or W where the
+//                schedule splits the backward) starts its full gradients,
+//                g * P; REDUCE_GRAD(s) copies them into the reduce-scatter's
+//                input table, g * P, before freeing them, and the table and
+//                its output shard, g * P / d, are held to the step's end
+//                (sharding.py). Padding to whole rows per rank is not counted.
+//
+// NOTE [Data-parallel modes]: with dp_size = d > 1 every pipeline rank has
+// d - 1 replicas running the same program on their own batches, and the
+// search tries each allowed mode (SearchOptions::data_parallel) on every
+// (schedule, v, m, split), lowering the schedule as the runtime does:
+//   replicate:   insertGradReduce's REDUCE_GRAD(s) all-reduces the stage's
+//                gradients, g * P bytes: a ring, 2 (d - 1) dp_latency +
+//                2 (d - 1) / d * g * P / dp_bandwidth;
+//   shard:       also insertUnshardReshard (default ShardOptions: prefetch 1,
+//                one window per stage, as pipeline(data_parallel="shard")
+//                runs without reshard_after_forward): each window's UNSHARD(s)
+//                all-gathers P bytes, (d - 1) dp_latency + (d - 1) / d * P /
+//                dp_bandwidth, and REDUCE_GRAD(s) reduce-scatters g * P bytes
+//                at the same price for g * P.
+// These are the stages' KindCosts::unshard and reduce_grad: the simulator
+// runs them on each rank's collective stream (simulator.h), so a gather
+// hides behind the compute before its window and a reduction behind the
+// compute after it exactly as far as the program order allows. dp_latency
+// and dp_bandwidth are per ring step and per link (unset: the pipeline
+// link's). On equal predicted steps replicate wins (the runtime's gathers
+// also copy every parameter twice, which the sheet does not price).
 //
 // NOTE [Recompute choice]: for each (schedule, v, m, split) the planner first
 // predicts memory with no recompute; a rank over the limit turns recompute on
@@ -68,6 +110,7 @@
 
 #include <cstdint>
 #include <limits>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -99,11 +142,17 @@ struct CostSheet {
   double optimizer_bytes_per_param_byte = 2.0;  // AdamW: two states the size of the parameters
   int pp_size = 1;
   double memory_limit = 0.0;            // bytes per rank; 0 = none
+  // Data parallel (NOTE [Data-parallel modes]): replicas of every pipeline
+  // rank; the collectives' seconds per ring step and bytes/s per link (0 =
+  // infinite), unset: link_latency and link_bandwidth.
+  int dp_size = 1;
+  std::optional<double> dp_latency;
+  std::optional<double> dp_bandwidth;
 };
 
 // Throws std::invalid_argument naming the field and value: no units, a
 // negative or non-finite cost, pp_size < 1 or above the number of units,
-// global_batch or reference_microbatch < 1, a bad node size.
+// global_batch or reference_microbatch < 1, a bad node size, dp_size < 1.
 void checkSheet(const CostSheet& sheet);
 
 struct SearchOptions {
@@ -113,6 +162,10 @@ struct SearchOptions {
   int top_k = 5;                          // >= 1
   bool comm_aware_split = true;           // also try the communication-aware split
   bool allow_recompute = true;
+  // "replicate" and/or "shard"; empty: both when the sheet's dp_size > 1,
+  // else "replicate". With dp_size = 1 "shard" shards nothing: priced as
+  // replicate (the runtime runs it replicated), the plan names it.
+  std::vector<std::string> data_parallel;
 };
 
 struct Plan {
@@ -123,6 +176,7 @@ struct Plan {
   std::vector<int> stage_starts;          // unit index where each stage starts; [0] == 0
   std::vector<bool> recompute;            // per stage
   bool comm_aware_split = false;          // which split variant
+  std::string data_parallel = "replicate";  // NOTE [Data-parallel modes]
   double step_seconds = 0.0;              // predicted (simulated) step
   std::vector<double> peak_bytes;         // predicted, per rank
   std::vector<double> stage_seconds;      // per stage: F + B of one microbatch
@@ -136,14 +190,15 @@ struct Rejection {
   std::string reason;                     // e.g. the schedule's error, "peak ... over memory_limit ..."
   double step_seconds = std::numeric_limits<double>::quiet_NaN();  // if simulated
   double max_peak_bytes = 0.0;            // 0 when never predicted
+  std::string data_parallel = "replicate";
 };
 
 struct PlanResult {
   Plan best;
-  std::vector<Plan> top;                  // best first, at most top_k, distinct (schedule, v, m)
+  std::vector<Plan> top;                  // best first, at most top_k, distinct (schedule, v, m, dp mode)
   std::vector<Rejection> rejected;        // invalid triples (one per schedule and v) and the
                                           // fastest ones over the memory limit (at most top_k)
-  int64_t candidates = 0;                 // (schedule, v, m, split) looked at
+  int64_t candidates = 0;                 // (schedule, v, m, split, dp mode) looked at
   int64_t simulations = 0;                // of which simulated (NOTE [Planner pruning])
   double search_seconds = 0.0;
 };
@@ -157,11 +212,12 @@ PlanResult planPipeline(const CostSheet& sheet, const SearchOptions& options = {
 // One given plan on the sheet: `stage_starts` (p*v entries, increasing,
 // starting at 0) and `recompute` (p*v flags, or empty for none). Returns the
 // plan with step_seconds, peak_bytes and stage_seconds filled; does not apply
-// the memory limit. Throws std::invalid_argument for a bad split or an
-// invalid schedule (its ScheduleError).
+// the memory limit. `data_parallel`: "replicate" or "shard" (with dp_size = 1
+// both run replicated and price nothing). Throws std::invalid_argument for a
+// bad split, an unknown mode or an invalid schedule (its ScheduleError).
 Plan evaluatePlan(const CostSheet& sheet, const std::string& schedule, int stages_per_rank,
                   int num_microbatches, const std::vector<int>& stage_starts,
-                  const std::vector<bool>& recompute = {});
+                  const std::vector<bool>& recompute = {}, const std::string& data_parallel = "replicate");
 
 // The exact min-max contiguous split of `weights` into `parts` non-empty
 // parts (ties: least sum of squares); returns where each part starts.

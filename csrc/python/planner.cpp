@@ -39,7 +39,10 @@ void bindSheet(py::module_& m) {
       .def_readwrite("grad_bytes_per_param_byte", &CostSheet::grad_bytes_per_param_byte)
       .def_readwrite("optimizer_bytes_per_param_byte", &CostSheet::optimizer_bytes_per_param_byte)
       .def_readwrite("pp_size", &CostSheet::pp_size)
-      .def_readwrite("memory_limit", &CostSheet::memory_limit);
+      .def_readwrite("memory_limit", &CostSheet::memory_limit)
+      .def_readwrite("dp_size", &CostSheet::dp_size)
+      .def_readwrite("dp_latency", &CostSheet::dp_latency)
+      .def_readwrite("dp_bandwidth", &CostSheet::dp_bandwidth);
 
   py::class_<SearchOptions>(m, "SearchOptions", "What the search may choose; empty lists: everything.")
       .def(py::init<>())
@@ -48,7 +51,8 @@ void bindSheet(py::module_& m) {
       .def_readwrite("microbatch_counts", &SearchOptions::microbatch_counts)
       .def_readwrite("top_k", &SearchOptions::top_k)
       .def_readwrite("comm_aware_split", &SearchOptions::comm_aware_split)
-      .def_readwrite("allow_recompute", &SearchOptions::allow_recompute);
+      .def_readwrite("allow_recompute", &SearchOptions::allow_recompute)
+      .def_readwrite("data_parallel", &SearchOptions::data_parallel);
 }
 
 void bindResults(py::module_& m) {
@@ -61,6 +65,7 @@ void bindResults(py::module_& m) {
       .def_readwrite("stage_starts", &Plan::stage_starts)
       .def_readwrite("recompute", &Plan::recompute)
       .def_readwrite("comm_aware_split", &Plan::comm_aware_split)
+      .def_readwrite("data_parallel", &Plan::data_parallel)
       .def_readwrite("step_seconds", &Plan::step_seconds)
       .def_readwrite("peak_bytes", &Plan::peak_bytes)
       .def_readwrite("stage_seconds", &Plan::stage_seconds);
@@ -71,7 +76,8 @@ void bindResults(py::module_& m) {
       .def_readonly("num_microbatches", &Rejection::num_microbatches)
       .def_readonly("reason", &Rejection::reason)
       .def_readonly("step_seconds", &Rejection::step_seconds)
-      .def_readonly("max_peak_bytes", &Rejection::max_peak_bytes);
+      .def_readonly("max_peak_bytes", &Rejection::max_peak_bytes)
+      .def_readonly("data_parallel", &Rejection::data_parallel);
 
   py::class_<PlanResult>(m, "PlanResult", "The best plan, the top candidates, the rejected, the counts.")
       .def_readonly("best", &PlanResult::best)
@@ -93,7 +99,8 @@ void bindPlanner(py::module_& m) {
         "ValueError for a bad sheet, no valid triple, or nothing that fits (naming the smallest peak).");
   m.def("evaluate_plan", &evaluatePlan, py::arg("sheet"), py::arg("schedule"), py::arg("stages_per_rank"),
         py::arg("num_microbatches"), py::arg("stage_starts"), py::arg("recompute") = std::vector<bool>{},
-        Released(), "One given plan's predicted step and peak bytes on the sheet (no memory limit applied).");
+        py::arg("data_parallel") = std::string("replicate"), Released(),
+        "One given plan's predicted step and peak bytes on the sheet (no memory limit applied).");
   m.def("min_max_split", &minMaxSplit, py::arg("weights"), py::arg("parts"), Released(),
         "Where each part starts in the exact min-max contiguous split (ties: least sum of squares).");
 }

@@ -89,6 +89,126 @@ TEST(Planner, MemoryModelCountsStateActivationsAndBuffers) {
   EXPECT_GT(rec.step_seconds, plan.step_seconds);  // one more forward per backward
 }
 
+// Two units, one per stage on 2 ranks, 1F1B at m = 2, with dp_size = 2:
+// stage a 100 bytes of parameters, b 200 (g = 1, o = 2).
+CostSheet dpSheet() {
+  CostSheet sheet;
+  sheet.units = {{"a", 1, 1, 1, 100, 100, 7}, {"b", 1, 1, 1, 50, 200, 3}};
+  sheet.global_batch = 2;
+  sheet.pp_size = 2;
+  sheet.dp_size = 2;
+  sheet.dp_latency = 0.25;
+  sheet.dp_bandwidth = 100;
+  return sheet;
+}
+
+TEST(Planner, ReplicatePricesTheAllReduceAndItsBuffer) {
+  CostSheet one = dpSheet();
+  one.dp_size = 1;
+  const Plan base = evaluatePlan(one, "1f1b", 1, 2, {0, 1});
+  const Plan rep = evaluatePlan(dpSheet(), "1f1b", 1, 2, {0, 1}, {}, "replicate");
+  EXPECT_EQ(rep.data_parallel, "replicate");
+  // Ring all-reduce after each rank's last backward: 2 (d-1) latency + 2 (d-1)/d bytes / bw.
+  // Rank 0 ends last (its B1 follows rank 1's by one B = 2): 0.5 + 100/100 = 1.5 more;
+  // rank 1's 0.5 + 200/100 = 2.5 starts 2 earlier.
+  EXPECT_DOUBLE_EQ(rep.step_seconds, base.step_seconds + 1.5);
+  // Rank 0: 100 * 4 + 7 + 2 forwards' 200 (its 100-byte reduce buffer comes after they are freed).
+  EXPECT_DOUBLE_EQ(base.peak_bytes[0], 607);
+  EXPECT_DOUBLE_EQ(rep.peak_bytes[0], 607);
+  // Rank 1: 200 * 4 + 7 + 50 held, or at the step's end the 200-byte buffer of the all-reduce.
+  EXPECT_DOUBLE_EQ(base.peak_bytes[1], 857);
+  EXPECT_DOUBLE_EQ(rep.peak_bytes[1], 1007);
+  // Unset dp rates are the link's.
+  CostSheet link = dpSheet();
+  link.dp_latency.reset();
+  link.dp_bandwidth.reset();
+  link.link_latency = 0.25;
+  link.link_bandwidth = 100;
+  CostSheet explicit_rates = link;
+  explicit_rates.dp_latency = 0.25;
+  explicit_rates.dp_bandwidth = 100;
+  EXPECT_DOUBLE_EQ(evaluatePlan(link, "1f1b", 1, 2, {0, 1}).step_seconds,
+                   evaluatePlan(explicit_rates, "1f1b", 1, 2, {0, 1}).step_seconds);
+}
+
+TEST(Planner, ShardPricesGathersReduceScattersAndTheGatheredBytes) {
+  CostSheet one = dpSheet();
+  one.dp_size = 1;
+  const Plan base = evaluatePlan(one, "1f1b", 1, 2, {0, 1});
+  const Plan shard = evaluatePlan(dpSheet(), "1f1b", 1, 2, {0, 1}, {}, "shard");
+  EXPECT_EQ(shard.data_parallel, "shard");
+  // Rank 0's first F waits for its all-gather, (d-1) latency + (d-1)/d bytes / bw =
+  // 0.25 + 0.5: the pipeline starts 0.75 late; its reduce-scatter, 0.75, ends the step.
+  EXPECT_DOUBLE_EQ(shard.step_seconds, base.step_seconds + 0.75 + 0.75);
+  // Rank 0: shards 100/2 * 4 + 7; gather buffers 150 with the full 100 (250), then the
+  // full parameters 100 + two forwards 200 + full gradients 100 = 400 at its first B.
+  EXPECT_DOUBLE_EQ(shard.peak_bytes[0], 207 + 400);
+  // Rank 1: 200/2 * 4 + 7; at its gather 300 + 200 = 500 (after it: 200 + 50 + 200 = 450).
+  EXPECT_DOUBLE_EQ(shard.peak_bytes[1], 407 + 500);
+  EXPECT_NE(whatOf([] { evaluatePlan(dpSheet(), "1f1b", 1, 2, {0, 1}, {}, "zero3"); })
+                .find("data_parallel='zero3' is not a mode"),
+            std::string::npos);
+}
+
+TEST(Planner, TheMemoryLimitFlipsTheDataParallelMode) {
+  CostSheet sheet = dpSheet();
+  sheet.action_overhead = 0.01;  // shard runs two more actions per stage (UNSHARD, RESHARD)
+  SearchOptions options;
+  options.schedules = {"1f1b"};
+  options.microbatch_counts = {2};
+  const PlanResult free = planPipeline(sheet, options);
+  EXPECT_EQ(free.best.data_parallel, "replicate");
+  bool both = false;
+  for (const Plan& p : free.top) both |= p.data_parallel == "shard";
+  EXPECT_TRUE(both) << "the top candidates hold both modes";
+  EXPECT_GT(maxOf(free.best.peak_bytes), 950);
+  sheet.memory_limit = 950;  // replicate's 1007 on rank 1 does not fit (recompute cannot help)
+  const PlanResult tight = planPipeline(sheet, options);
+  EXPECT_EQ(tight.best.data_parallel, "shard");
+  EXPECT_LE(maxOf(tight.best.peak_bytes), 950);
+  EXPECT_GT(tight.best.step_seconds, free.best.step_seconds);
+  bool named = false;
+  for (const Rejection& r : tight.rejected) {
+    named |= r.data_parallel == "replicate" && r.reason.find("over memory_limit") != std::string::npos;
+  }
+  EXPECT_TRUE(named) << "the faster replicate plan is among the rejected";
+  // Restricted to replicate, nothing fits: the error names the mode.
+  options.data_parallel = {"replicate"};
+  EXPECT_NE(whatOf([&] { planPipeline(sheet, options); }).find("data_parallel=replicate"), std::string::npos);
+  options.data_parallel = {"shard"};
+  EXPECT_EQ(planPipeline(sheet, options).best.data_parallel, "shard");
+}
+
+TEST(Planner, DpSizeOneSearchesAsBefore) {
+  CostSheet sheet = sheetOf(6, 2, 8);
+  const PlanResult a = planPipeline(sheet);
+  sheet.dp_latency = 1.0;  // unused without replicas
+  sheet.dp_bandwidth = 1.0;
+  SearchOptions options;
+  options.data_parallel = {"replicate"};
+  const PlanResult b = planPipeline(sheet, options);
+  EXPECT_EQ(a.candidates, b.candidates);
+  ASSERT_EQ(a.top.size(), b.top.size());
+  for (size_t i = 0; i < a.top.size(); ++i) {
+    EXPECT_EQ(a.top[i].data_parallel, "replicate");
+    EXPECT_EQ(a.top[i].schedule, b.top[i].schedule);
+    EXPECT_EQ(a.top[i].step_seconds, b.top[i].step_seconds);
+    EXPECT_EQ(a.top[i].peak_bytes, b.top[i].peak_bytes);
+  }
+  // Shard over one replica shards nothing: the same plans, named shard.
+  options.data_parallel = {"shard"};
+  const PlanResult c = planPipeline(sheet, options);
+  ASSERT_EQ(a.top.size(), c.top.size());
+  EXPECT_EQ(c.best.data_parallel, "shard");
+  EXPECT_EQ(c.best.step_seconds, a.best.step_seconds);
+  EXPECT_EQ(c.best.peak_bytes, a.best.peak_bytes);
+  options.data_parallel = {"zero3"};
+  EXPECT_NE(whatOf([&] { planPipeline(sheet, options); }).find("data_parallel='zero3' is not a mode"),
+            std::string::npos);
+  sheet.dp_size = 0;
+  EXPECT_NE(whatOf([&] { planPipeline(sheet); }).find("dp_size=0 must be >= 1"), std::string::npos);
+}
+
 TEST(Planner, AnInfeasibleLimitNamesTheSmallestPeakTheLimitAndThePlan) {
   CostSheet sheet = sheetOf(6, 2, 8);
   sheet.memory_limit = 1000;
