@@ -36,7 +36,8 @@ def test_plan_is_the_same_on_every_rank_and_trains_like_one_process(schedule):
     assert r0["config"] == r1["config"] == [
         schedule, r0["plan"]["num_microbatches"], r0["plan"]["stages_per_rank"],
         r0["plan"]["split_points"]]
-    assert all(s.startswith("blocks.") for s in r0["plan"]["split_points"])
+    units = {"tok", "ln_f"} | {f"blocks.{i}" for i in range(4)}
+    assert set(r0["plan"]["split_points"]) <= units, r0["plan"]["split_points"]
     for rank, r in enumerate((r0, r1)):
         for key in ("step", "auto_step"):
             assert r[key]["loss"] <= 1, f"rank {rank} {key}: loss off by {r[key]['loss']}"
@@ -132,20 +133,25 @@ def test_profile_finds_the_blocks_and_measures_positive_costs(tmp_path):
     x, y = torch.randint(0, 32, (4, 16)), torch.randint(0, 32, (4, 16))
     sheet = mpmd.profile(model, (x,), loss_fn=_ce, target=y, cache_dir=tmp_path, pp_size=2,
                          repeats=2)
-    assert [u.name for u in sheet.units] == ["blocks.0", "blocks.1", "blocks.2"]
+    # The embeddings, the blocks, and the final norm with the head.
+    assert [u.name for u in sheet.units] == ["tok", "blocks.0", "blocks.1", "blocks.2", "ln_f"]
     assert sheet.global_batch == 4 and sheet.pp_size == 2 and sheet.reference_microbatch == 1
     for u in sheet.units:
         assert u.forward > 0 and u.backward_input + u.backward_weight > 0, u
         assert u.saved_bytes > 0 and u.param_bytes > 0, u
     # What crosses a cut: one microbatch's residual stream, (1, 16, 16) float32.
-    assert [u.output_bytes for u in sheet.units] == [1024.0, 1024.0, 0.0]
-    assert sheet.units[0].param_bytes > sheet.units[1].param_bytes  # the embeddings
+    assert [u.output_bytes for u in sheet.units] == [1024.0] * 4 + [0.0]
+    assert sheet.units[0].param_bytes == (32 + 16) * 16 * 4  # token and position embeddings
+    assert sheet.units[4].param_bytes == (16 + 16 + 16 * 32) * 4  # ln_f and the head
     assert sheet.input_bytes == 16 * 8  # int64 ids
     hf = _HFLike()
-    assert profiling.find_units(hf) == ["model.layers.0", "model.layers.1", "model.layers.2"]
+    units = ["model.embed_tokens", "model.layers.0", "model.layers.1", "model.layers.2",
+             "lm_head"]
+    assert profiling.find_units(hf) == units
     s2 = mpmd.profile(hf, (x,), loss_fn=_ce, target=y, cache_dir=False, repeats=1)
-    assert [u.name for u in s2.units] == ["model.layers.0", "model.layers.1", "model.layers.2"]
-    assert s2.units[-1].param_bytes == (16 * 16 + 16 + 16 * 32 + 32) * 4  # layer 2 + lm_head
+    assert [u.name for u in s2.units] == units
+    assert s2.units[-2].param_bytes == (16 * 16 + 16) * 4  # layer 2
+    assert s2.units[-1].param_bytes == (16 * 32 + 32) * 4  # lm_head
     with pytest.raises(ValueError, match="no nn.ModuleList of blocks"):
         profiling.find_units(nn.Sequential(nn.Linear(2, 2)))
 
@@ -159,7 +165,7 @@ def test_profile_cache_is_reused_and_keyed_by_shapes(tmp_path, monkeypatch):
     b = mpmd.profile(model, (x,), loss_fn=_ce, target=y, repeats=1)
     assert a == b and profiling.measurements == before + 1
     assert len(list(tmp_path.glob("*.json"))) == 1
-    key = dict(loss_fn=_ce, units=["blocks.0", "blocks.1"], sizes=[1], compile=False,
+    key = dict(loss_fn=_ce, units=profiling.find_units(model), sizes=[1], compile=False,
                pp_size=1, device="cpu")
     k1 = profiling.profile_key(model, (x,), {}, y, **key)
     assert k1 == profiling.profile_key(model, (x.clone(),), {}, y, **key)

@@ -5,9 +5,12 @@
 
 Units: by default the model's repeated blocks, cut at module FQNs as a user
 would cut (``split_points``): the children of its largest ``nn.ModuleList``
-(``layers.0`` .. ``layers.N-1``, ``blocks.i``), whatever runs before the first
-block in the first unit and whatever runs after the last block (norm, head,
-loss) in the last; or ``units=[fqn, ...]``, the FQNs where units start (the
+(``layers.0`` .. ``layers.N-1``, ``blocks.i``), with a unit before them that
+starts at the embedding and holds whatever runs before the first block, and
+one after them that starts at the final norm (or the head) and holds
+whatever runs after the last block (norm, head, loss): the parts of real
+LLMs that weigh unlike a block (find_units, NOTE [Outer units]); or
+``units=[fqn, ...]``, the FQNs where units start (the
 first also holds what runs before it). A unit is named by its FQN, so a
 plan's ``split_points`` (the units where stages 1.. start) are FQNs that
 ``pipeline(split_points=...)`` takes.
@@ -98,10 +101,18 @@ measurements = 0
 # ------------------------------------------------------------------ units
 
 
+def _has_parameters(module: torch.nn.Module) -> bool:
+    return next(module.parameters(), None) is not None
+
+
 def find_units(model: torch.nn.Module) -> list[str]:
-    """The FQNs of the children of ``model``'s largest ``nn.ModuleList`` (the
-    first found, shallowest first, on a tie); ValueError when it has none of
-    two or more modules."""
+    """Where the units start: the FQNs of the children of ``model``'s largest
+    ``nn.ModuleList`` (the first found, shallowest first, on a tie), led by
+    the first module with parameters registered before the list on the way
+    down to it (the embedding: a unit of what runs before the blocks) and
+    followed by the first one registered after it (the final norm or the
+    head: a unit of what runs after them). ValueError when the model has no
+    list of two or more modules."""
     best: tuple[int, str] | None = None
     for name, mod in model.named_modules():
         if isinstance(mod, torch.nn.ModuleList) and len(mod) >= 2:
@@ -112,7 +123,33 @@ def find_units(model: torch.nn.Module) -> list[str]:
                          "pass units=[module FQNs where units start]")
     prefix = best[1] + "." if best[1] else ""
     mods = model.get_submodule(best[1]) if best[1] else model
-    return [f"{prefix}{child}" for child, _ in mods.named_children()]
+    blocks = [f"{prefix}{child}" for child, _ in mods.named_children()]
+    return _outer(model, best[1], "before") + blocks + _outer(model, best[1], "after")
+
+
+def _outer(model: torch.nn.Module, path: str, side: str) -> list[str]:
+    """The first module with parameters registered ``side`` ("before" or
+    "after") the module at ``path`` among its siblings, walking from ``path``
+    up to the root (HF's ``model.embed_tokens`` before ``model.layers``,
+    ``model.norm`` after it; ``lm_head`` where the list's parent has none
+    after it); [] when none.
+    NOTE [Outer units]: registration order stands for call order (it does in
+    the models we know, and a user reads the model the same way); a cut at
+    such a module is still a valid split if a model calls it elsewhere, only
+    a less balanced one."""
+    parts = path.split(".") if path else []
+    while parts:
+        parent_path, child = ".".join(parts[:-1]), parts[-1]
+        parent = model.get_submodule(parent_path) if parent_path else model
+        names = list(parent._modules)
+        at = names.index(child)
+        # Before: the first registered (where the unit of what runs first starts).
+        for name in (names[:at] if side == "before" else names[at + 1:]):
+            sub = parent._modules[name]
+            if sub is not None and _has_parameters(sub):
+                return [f"{parent_path}.{name}" if parent_path else name]
+        parts = parts[:-1]
+    return []
 
 
 def _check_units(model: torch.nn.Module, units: Sequence[str]) -> list[str]:
