@@ -209,3 +209,50 @@ def test_recompute_checkpoints_the_named_modules_during_capture_only():
         ["blocks.0", "blocks.3"]
     with pytest.raises(ValueError, match="split point 'head' is not one of the units"):
         stage_modules(units, ["head"], [True, False])
+
+
+def test_inner_cuts_follow_the_call_order_one_level_down():
+    from torch_mpmd.planning.units import call_order, inner_cuts, refine, too_big
+
+    model = _gpt(2)
+    x = torch.randint(0, 32, (1, 16))
+    order = call_order(model, (x,), {})
+    units = profiling.find_units(model)
+    assert units == ["tok", "blocks.0", "blocks.1", "ln_f"]
+    assert inner_cuts(model, order, "blocks.0", "blocks.1") == \
+        ["blocks.0.attn", "blocks.0.ln2", "blocks.0.mlp"]  # not ln1: it starts with the block
+    assert inner_cuts(model, order, "ln_f", None) == ["head"]
+    assert inner_cuts(model, order, "tok", "blocks.0") == ["pos"]
+    assert refine(model, order, units, [1, 3]) == \
+        ["tok", "blocks.0", "blocks.0.attn", "blocks.0.ln2", "blocks.0.mlp", "blocks.1", "ln_f",
+         "head"]
+    assert too_big([1.0, 5.0, 1.0, 1.0], 2) == [1] and too_big([1.0, 1.0], 2) == []
+
+    class Block(nn.Module):  # registers its norm after the MLP and calls it first
+        def __init__(self) -> None:
+            super().__init__()
+            self.mlp = nn.Linear(4, 4)
+            self.attn = nn.Linear(4, 4)
+            self.norm = nn.LayerNorm(4)
+
+        def forward(self, h):
+            return self.mlp(self.attn(self.norm(h)))
+
+    net = nn.Module()
+    net.layers = nn.ModuleList([Block(), Block()])
+    net.forward = lambda h: net.layers[1](net.layers[0](h))
+    order = call_order(net, (torch.randn(2, 4),), {})
+    assert inner_cuts(net, order, "layers.0", "layers.1") == ["layers.0.attn", "layers.0.mlp"]
+
+
+def test_recompute_of_stages_cut_inside_a_unit():
+    from torch_mpmd.graph.recompute import stage_modules
+
+    units = ["tok", "blocks.0", "blocks.0.attn", "blocks.0.mlp", "blocks.1", "ln_f", "head"]
+    # blocks.0 is cut at its MLP: stage 0 checkpoints the attention, not the whole block.
+    assert stage_modules(units, ["blocks.0.mlp", "ln_f"], [True, True, False]) == \
+        ["tok", "blocks.0.attn", "blocks.0.mlp", "blocks.1"]
+    assert stage_modules(units, ["blocks.1"], [True, False]) == ["tok", "blocks.0"]
+    # A plan's nested split point on the static units (a plan read from JSON).
+    assert stage_modules(["blocks.0", "blocks.1"], ["blocks.0.mlp"], [False, True]) == \
+        ["blocks.0.mlp", "blocks.1"]

@@ -54,20 +54,49 @@ def checkpointed(model: torch.nn.Module, fqns: Sequence[str]) -> Iterator[None]:
                 del module.forward
 
 
+def _with_nested(units: Sequence[str], split_points: Sequence[str]) -> list[str]:
+    """``units`` with each split point that is not one of them but lies inside
+    one (a finer cut of a profile's refined units, planning/units.py) put
+    after that unit and the cuts inside it before it (split points come in
+    model order)."""
+    out = list(units)
+    for point in split_points:
+        if point in out:
+            continue
+        owner = next((u for u in reversed(out) if point.startswith(u + ".")), None)
+        if owner is None:
+            raise ValueError(f"split point {point!r} is not one of the units {list(units)}: a "
+                             "stage's recompute needs the units it holds")
+        at = out.index(owner) + 1
+        while at < len(out) and out[at].startswith(owner + "."):
+            at += 1
+        out.insert(at, point)
+    return out
+
+
 def stage_modules(units: Sequence[str], split_points: Sequence[str],
                   recompute: Sequence[bool]) -> list[str]:
-    """The units (module FQNs, in model order) of the stages that
-    ``recompute`` flags, where stage k > 0 starts at unit ``split_points[k-1]``
-    (a plan's convention). ValueError when a split point is not a unit or
-    the flags are not one per stage."""
+    """The modules to checkpoint for the stages that ``recompute`` flags,
+    where stage k > 0 starts at unit ``split_points[k-1]`` (a plan's
+    convention): each unit of such a stage, in model order. A unit cut
+    further inside (a later unit or split point is its submodule) is
+    checkpointed whole where all of it lies in the stage; otherwise only its
+    inner units in the stage are. ValueError when a split point is neither
+    a unit nor inside one, or the flags are not one per stage."""
     if len(recompute) != len(split_points) + 1:
         raise ValueError(f"recompute has {len(recompute)} flags for {len(split_points) + 1} "
                          "stages")
-    starts = [0]
-    for point in split_points:
-        if point not in units:
-            raise ValueError(f"split point {point!r} is not one of the units {list(units)}: a "
-                             "stage's recompute needs the units it holds")
-        starts.append(units.index(point))
-    starts.append(len(units))
-    return [u for k, flag in enumerate(recompute) if flag for u in units[starts[k]:starts[k + 1]]]
+    units = _with_nested(units, split_points)
+    starts = [0] + [units.index(point) for point in split_points] + [len(units)]
+    out: list[str] = []
+    for k, flag in enumerate(recompute):
+        if not flag:
+            continue
+        stage = units[starts[k]:starts[k + 1]]
+        for i, unit in enumerate(stage):
+            if any(unit.startswith(o + ".") for o in out):
+                continue  # inside a unit checkpointed whole
+            inner = [u for u in units if u.startswith(unit + ".")]
+            if all(u in stage for u in inner):
+                out.append(unit)
+    return out
