@@ -202,3 +202,104 @@ def test_split_points_name_where_stages_start():
     chosen = evaluate_plan(sheet, "1f1b", num_microbatches=4)
     cut = sheet.index_of(chosen.split_points[0])
     assert max(sum(weights[:cut]), sum(weights[cut:])) == best
+
+
+# ------------------------------------------------------------------ data parallel
+
+
+def _smallest_peak(sheet: CostSheet, **kw) -> float:
+    """The smallest predicted peak of any candidate, as the infeasible error names it."""
+    with pytest.raises(ValueError, match="smallest predicted peak is") as info:
+        plan_from_sheet(sheet, memory_limit=1.0, **kw)
+    return float(str(info.value).split("smallest predicted peak is")[1].split("(")[1].split(" bytes")[0])
+
+
+def test_dp_sheet_json_round_trip_and_older_json():
+    sheet = _sheet(dp_size=4, dp_latency=2e-5, dp_bandwidth=5e9)
+    assert CostSheet.from_json(sheet.to_json()) == sheet
+    assert json.loads(sheet.to_json())["dp_size"] == 4
+    # A sheet written before data parallel: one replica, the link's rates.
+    data = json.loads(_sheet().to_json())
+    for key in ("dp_size", "dp_latency", "dp_bandwidth"):
+        data.pop(key)
+    old = CostSheet.from_dict(data)
+    assert (old.dp_size, old.dp_latency, old.dp_bandwidth) == (1, None, None)
+    assert old == _sheet()
+    with pytest.raises(ValueError, match="dp_size=0 must be an int >= 1"):
+        CostSheet.from_dict({**data, "dp_size": 0})
+    with pytest.raises(ValueError, match="dp_bandwidth=-1 must be a finite number >= 0"):
+        CostSheet.from_dict({**data, "dp_bandwidth": -1})
+
+
+def test_dp_collectives_are_in_the_prediction():
+    one = _sheet(blocks=6, pp=2, batch=8)
+    dp = _sheet(blocks=6, pp=2, batch=8, dp_size=4, dp_latency=1e-3, dp_bandwidth=1e8)
+    fields = dict(num_microbatches=4, split_points=["blocks.3"])
+    base = evaluate_plan(one, "1f1b", **fields)
+    rep = evaluate_plan(dp, "1f1b", **fields)
+    shard = evaluate_plan(dp, "1f1b", data_parallel="shard", **fields)
+    assert (rep.data_parallel, shard.data_parallel) == ("replicate", "shard")
+    # Rank 0 ends the step: its all-reduce of embed + blocks 0-2 (10 MB) follows its last
+    # backward, 2 (d-1) latency + 2 (d-1)/d bytes / bandwidth, and one more action.
+    ar = 6 * 1e-3 + 1.5 * 10e6 / 1e8
+    assert rep.predicted_step_s == pytest.approx(base.predicted_step_s + ar + 0.01)
+    assert shard.predicted_step_s > base.predicted_step_s + ar / 2
+    # Memory per rank: replicate keeps whole state; shard a quarter of it plus what it gathers.
+    assert rep.predicted_peak_bytes[0] >= base.predicted_peak_bytes[0]
+    assert shard.predicted_peak_bytes[0] < rep.predicted_peak_bytes[0]
+    # With one replica nothing is priced, whatever the mode.
+    assert evaluate_plan(one, "1f1b", data_parallel="shard", **fields).predicted_step_s == \
+        base.predicted_step_s
+    with pytest.raises(ValueError, match="data_parallel='zero3' must be one of"):
+        evaluate_plan(dp, "1f1b", data_parallel="zero3", **fields)
+
+
+def test_dp_mode_is_searched_and_the_memory_limit_flips_it():
+    sheet = _sheet(blocks=6, pp=2, batch=8, dp_size=4, dp_latency=1e-3, dp_bandwidth=1e8)
+    free = plan_from_sheet(sheet, top_k=20)
+    assert {c.data_parallel for c in free.search.top} == {"replicate", "shard"}
+    assert free.data_parallel == "replicate", free.describe()
+    # Replicate is faster (or as fast) than the same plan sharded.
+    same = evaluate_plan(sheet, free.schedule, num_microbatches=free.num_microbatches,
+                         stages_per_rank=free.stages_per_rank, split_points=free.split_points,
+                         recompute=free.recompute, data_parallel="shard")
+    assert same.predicted_step_s >= free.predicted_step_s
+    # A limit below every replicated candidate's peak: shard wins, within the limit.
+    limit = _smallest_peak(sheet, data_parallel="replicate") * 0.99
+    assert _smallest_peak(sheet, data_parallel="shard") < limit
+    tight = plan_from_sheet(sheet, memory_limit=limit)
+    assert tight.data_parallel == "shard", tight.describe()
+    assert max(tight.predicted_peak_bytes) <= limit
+    assert all(c.data_parallel == "shard" for c in tight.search.top)
+    assert any(r.data_parallel == "replicate" and "over memory_limit" in r.reason
+               for r in tight.search.rejected)
+    text = tight.describe()
+    assert "data_parallel=shard" in text.splitlines()[0]
+    assert "data_parallel=replicate" in text  # the rejected, faster plans
+    # Restricting the modes: replicate alone no longer fits; one replica searches replicate only.
+    with pytest.raises(ValueError, match="no plan fits memory_limit"):
+        plan_from_sheet(sheet, memory_limit=limit, data_parallel="replicate")
+    one = plan_from_sheet(_sheet(blocks=6, pp=2, batch=8), top_k=20)
+    assert {c.data_parallel for c in one.search.top} == {"replicate"}
+    with pytest.raises(ValueError, match="data_parallel='zero3' is not a mode"):
+        plan_from_sheet(sheet, data_parallel="zero3")
+
+
+def test_plan_data_parallel_json_round_trip_and_older_json():
+    sheet = _sheet(blocks=6, pp=2, batch=8, dp_size=4, dp_latency=1e-3, dp_bandwidth=1e8)
+    plan = plan_from_sheet(sheet, data_parallel="shard")
+    assert plan.data_parallel == "shard"
+    back = Plan.from_json(plan.to_json())
+    assert back == plan and back.data_parallel == "shard" and back.search == plan.search
+    data = json.loads(plan.to_json())
+    del data["data_parallel"]
+    del data["search"]
+    assert Plan.from_dict(data).data_parallel == "replicate"  # a plan written before the mode
+    old_search = json.loads(plan.to_json())["search"]
+    for c in old_search["top"] + old_search["rejected"]:
+        c.pop("data_parallel")
+    again = Plan.from_dict({**json.loads(plan.to_json()), "search": old_search})
+    assert {c.data_parallel for c in again.search.top} == {"replicate"}
+    assert again == plan  # the search record takes no part in equality
+    with pytest.raises(ValueError, match="data_parallel='zero3' must be one of"):
+        Plan.from_dict({**data, "data_parallel": "zero3"})

@@ -59,13 +59,15 @@ def _plan_label(plan: Any) -> str:
     if plan is None or isinstance(plan, str):
         return repr(plan)
     return (f"{plan.schedule} v={plan.stages_per_rank} m={plan.num_microbatches} "
-            f"split={list(plan.split_points)} recompute={list(plan.recompute)}")
+            f"split={list(plan.split_points)} recompute={list(plan.recompute)} "
+            f"data_parallel={plan.data_parallel}")
 
 
 # The settings a plan fixes, and their defaults (a default is filled from the plan).
-PLAN_FIELDS = ("schedule", "num_microbatches", "stages_per_rank", "split_points")
+PLAN_FIELDS = ("schedule", "num_microbatches", "stages_per_rank", "split_points",
+               "data_parallel")
 _PLAN_DEFAULTS = {"schedule": "1f1b", "num_microbatches": None, "stages_per_rank": None,
-                  "split_points": None}
+                  "split_points": None, "data_parallel": "replicate"}
 
 
 def _as_plan(plan: Any) -> Any:
@@ -174,7 +176,10 @@ class PipelineConfig:
                              f"{', '.join(map(repr, DATA_PARALLEL_MODES))}")
         if self.data_parallel == "shard" and (
                 self.mesh is None or "dp" not in (self.mesh.mesh_dim_names or ())):
-            raise ValueError("data_parallel='shard' shards over the mesh's 'dp' dimension: pass "
+            whose = ("the plan's data_parallel='shard'"
+                     if self.plan not in (None, "auto") and self.plan.data_parallel == "shard"
+                     else "data_parallel='shard'")
+            raise ValueError(f"{whose} shards over the mesh's 'dp' dimension: pass "
                              "mesh=init_device_mesh(..., mesh_dim_names=('dp', 'pp'))")
         if self.mesh is not None and self.group is not None:
             raise ValueError("pass either mesh= (dimensions from 'dp', 'pp', 'tp') or group=, "
@@ -199,13 +204,15 @@ class PipelineConfig:
 
     def _apply_plan(self) -> None:
         """NOTE [Plans in the config]: ``plan`` (a Plan) fills schedule,
-        num_microbatches, stages_per_rank and split_points where they hold
-        their defaults; a value beside it that contradicts it is a ValueError
-        naming both (``from_settings`` also catches a schedule passed as its
-        default, "1f1b", which a config made directly cannot tell from none).
-        ``plan="auto"`` leaves them as given: the pipeline plans at its first
-        step, keeping them as constraints. Without a plan num_microbatches is
-        required."""
+        num_microbatches, stages_per_rank, split_points and data_parallel
+        where they hold their defaults; a value beside it that contradicts it
+        is a ValueError naming both (``from_settings`` also catches a schedule
+        or data_parallel passed as its default, "1f1b" or "replicate", which a
+        config made directly cannot tell from none). ``plan="auto"`` leaves
+        them as given: the pipeline plans at its first step, keeping them as
+        constraints (data_parallel always: the pipeline shards its parameters,
+        or not, when it is built, before the optimizer takes them). Without a
+        plan num_microbatches is required."""
         plan = _as_plan(self.plan)
         object.__setattr__(self, "plan", plan)
         if self.memory_limit is not None and (

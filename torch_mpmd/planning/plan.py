@@ -1,14 +1,18 @@
-"""Plans: the planner's choice (schedule, microbatches, stages per rank, split, recompute) and why.
+"""Plans: the planner's choice (schedule, m, v, split, recompute, data-parallel mode) and why.
 
 ``plan_from_sheet`` runs the C++ search (csrc/core/planner.h) on a
 ``CostSheet`` and returns a ``Plan``: the fields ``pipeline()`` takes
 (``schedule``, ``num_microbatches``, ``stages_per_rank``, ``split_points``:
-the names of the units where stages 1.. start) plus ``recompute`` per stage
-and the predictions (``predicted_step_s``, ``predicted_peak_bytes`` per rank),
+the names of the units where stages 1.. start, ``data_parallel``:
+"replicate" or "shard", searched when the sheet's ``dp_size`` > 1) plus
+``recompute`` per stage and the predictions (``predicted_step_s``,
+``predicted_peak_bytes`` per rank),
 all simulated, never measured. ``evaluate_plan`` predicts a plan the caller
 fixes (a published configuration, a hand-edited plan).
 
-Contract: ``Plan.from_json(plan.to_json()) == plan``; the search record
+Contract: ``Plan.from_json(plan.to_json()) == plan`` (a plan's JSON
+without ``data_parallel``, written before it existed, loads as
+"replicate"); the search record
 (``plan.search``: the top candidates, the rejected ones, the counts) travels
 with the plan for ``describe()`` and in its JSON but takes no part in
 equality. Errors are ``ValueError`` naming the values: a bad sheet, a
@@ -34,6 +38,7 @@ PathLike = Union[str, "os.PathLike[str]"]
 __all__ = ["Candidate", "Plan", "Rejected", "SearchRecord", "evaluate_plan", "plan_from_sheet"]
 
 _GIB = float(1 << 30)
+_MODES = ("replicate", "shard")  # parallel/sharding.py's DATA_PARALLEL_MODES
 
 
 def _gib(nbytes: float) -> str:
@@ -52,6 +57,7 @@ class Candidate:
     predicted_step_s: float
     predicted_peak_bytes: tuple[float, ...]
     comm_aware_split: bool = False
+    data_parallel: str = "replicate"
 
 
 @dataclass(frozen=True)
@@ -64,6 +70,7 @@ class Rejected:
     reason: str
     step_s: Optional[float] = None
     max_peak_bytes: float = 0.0
+    data_parallel: str = "replicate"
 
 
 @dataclass(frozen=True)
@@ -89,6 +96,7 @@ class Plan:
     recompute: tuple[bool, ...]
     predicted_step_s: float
     predicted_peak_bytes: tuple[float, ...]
+    data_parallel: str = "replicate"
     search: Optional[SearchRecord] = field(default=None, compare=False, repr=False)
     # The sheet it was planned on (mpmd.plan's profile; Pipeline.replan reads it).
     # In memory only: not in the JSON, not compared.
@@ -98,6 +106,9 @@ class Plan:
         object.__setattr__(self, "split_points", tuple(self.split_points))
         object.__setattr__(self, "recompute", tuple(bool(r) for r in self.recompute))
         object.__setattr__(self, "predicted_peak_bytes", tuple(float(b) for b in self.predicted_peak_bytes))
+        if self.data_parallel not in _MODES:
+            raise ValueError(f"data_parallel={self.data_parallel!r} must be one of "
+                             f"{', '.join(map(repr, _MODES))}")
         stages = len(self.split_points) + 1
         if len(self.recompute) != stages:
             raise ValueError(f"recompute has {len(self.recompute)} flags for {stages} stages "
@@ -126,7 +137,7 @@ class Plan:
         unknown = sorted(set(data) - known)
         if unknown:
             raise ValueError(f"unknown key {unknown[0]!r} in the plan; known: {', '.join(sorted(known))}")
-        missing = sorted(known - set(data) - {"search"})
+        missing = sorted(known - set(data) - {"search", "data_parallel"})
         if missing:
             raise ValueError(f"the plan has no {missing[0]!r}")
         values = dict(data)
@@ -153,7 +164,7 @@ class Plan:
         rec = [s for s, r in enumerate(self.recompute) if r]
         lines = [
             f"plan (simulated): {self.schedule}, stages_per_rank={self.stages_per_rank}, "
-            f"num_microbatches={self.num_microbatches}",
+            f"num_microbatches={self.num_microbatches}, data_parallel={self.data_parallel}",
             f"  split_points: {_short(self.split_points)}",
             f"  recompute: {'stages ' + ', '.join(map(str, rec)) if rec else 'none'}",
             f"  predicted step: {self.predicted_step_s:.4g} s",
@@ -168,14 +179,15 @@ class Plan:
                      f"{search.search_s * 1e3:.1f} ms ({rate:,.0f} candidates/s), {limit}")
         if search.top:
             lines.append("top candidates (least predicted step under the limit wins):")
-            lines.append(f"  {'#':>2} {'schedule':<17} {'v':>2} {'m':>5} {'step s':>10} {'vs best':>8} "
-                         f"{'max peak':>11} {'recompute':>9}  split")
+            lines.append(f"  {'#':>2} {'schedule':<17} {'v':>2} {'m':>5} {'dp':>9} {'step s':>10} "
+                         f"{'vs best':>8} {'max peak':>11} {'recompute':>9}  split")
             best = search.top[0].predicted_step_s
             for i, c in enumerate(search.top, 1):
                 ratio = c.predicted_step_s / best if best > 0 else 1.0
                 lines.append(
                     f"  {i:>2} {c.schedule:<17} {c.stages_per_rank:>2} {c.num_microbatches:>5} "
-                    f"{c.predicted_step_s:>10.4g} {ratio:>7.3f}x {_gib(max(c.predicted_peak_bytes)):>11} "
+                    f"{c.data_parallel:>9} {c.predicted_step_s:>10.4g} {ratio:>7.3f}x "
+                    f"{_gib(max(c.predicted_peak_bytes)):>11} "
                     f"{sum(c.recompute):>4}/{len(c.recompute):<4}  "
                     f"{'comm-aware ' if c.comm_aware_split else ''}{_short(c.split_points)}")
         faster = [r for r in search.rejected if r.step_s is not None]
@@ -183,8 +195,8 @@ class Plan:
         if faster:
             lines.append("faster, but over the memory limit (rejected):")
             for r in faster:
-                lines.append(f"  {r.schedule} v={r.stages_per_rank} m={r.num_microbatches}: "
-                             f"{r.step_s:.4g} s; {r.reason}")
+                lines.append(f"  {r.schedule} v={r.stages_per_rank} m={r.num_microbatches} "
+                             f"data_parallel={r.data_parallel}: {r.step_s:.4g} s; {r.reason}")
         if invalid:
             lines.append("not valid for this pipeline (rejected):")
             for r in invalid:
@@ -220,6 +232,7 @@ def _candidate(sheet: CostSheet, c: _C.PlanCandidate) -> Candidate:
         predicted_step_s=c.step_seconds,
         predicted_peak_bytes=tuple(c.peak_bytes),
         comm_aware_split=c.comm_aware_split,
+        data_parallel=c.data_parallel,
     )
 
 
@@ -227,7 +240,8 @@ def _plan(c: Candidate, search: Optional[SearchRecord]) -> Plan:
     return Plan(schedule=c.schedule, num_microbatches=c.num_microbatches,
                 stages_per_rank=c.stages_per_rank, split_points=c.split_points,
                 recompute=c.recompute, predicted_step_s=c.predicted_step_s,
-                predicted_peak_bytes=c.predicted_peak_bytes, search=search)
+                predicted_peak_bytes=c.predicted_peak_bytes, data_parallel=c.data_parallel,
+                search=search)
 
 
 def plan_from_sheet(
@@ -239,13 +253,16 @@ def plan_from_sheet(
     stages_per_rank: Union[None, int, Sequence[int]] = None,
     recompute: bool = True,
     top_k: int = 5,
+    data_parallel: Union[None, str, Sequence[str]] = None,
 ) -> Plan:
     """The plan with the least simulated step whose predicted peak fits.
 
     ``memory_limit`` (bytes per rank; 0 for none) overrides the sheet's.
-    ``schedules``, ``num_microbatches`` and ``stages_per_rank`` restrict the
-    search to the given values (one or a list); ``recompute=False`` never
-    recomputes. ``top_k`` candidates are kept for ``describe()``.
+    ``schedules``, ``num_microbatches``, ``stages_per_rank`` and
+    ``data_parallel`` ("replicate", "shard"; default both when the sheet's
+    ``dp_size`` > 1) restrict the search to the given values (one or a
+    list); ``recompute=False`` never recomputes. ``top_k`` candidates are
+    kept for ``describe()``.
     """
     if not isinstance(sheet, CostSheet):
         raise ValueError(f"sheet must be a CostSheet, got {type(sheet).__name__}")
@@ -256,6 +273,7 @@ def plan_from_sheet(
     options.microbatch_counts = _as_list("num_microbatches", num_microbatches, int)
     options.stages_per_rank = _as_list("stages_per_rank", stages_per_rank, int)
     options.allow_recompute = bool(recompute)
+    options.data_parallel = _as_list("data_parallel", data_parallel, str)
     options.top_k = top_k
     cpp = sheet.to_cpp(memory_limit)
     result = _C.plan_pipeline(cpp, options)
@@ -263,7 +281,7 @@ def plan_from_sheet(
         top=tuple(_candidate(sheet, c) for c in result.top),
         rejected=tuple(Rejected(r.schedule, r.stages_per_rank, r.num_microbatches, r.reason,
                                 None if math.isnan(r.step_seconds) else r.step_seconds,
-                                r.max_peak_bytes) for r in result.rejected),
+                                r.max_peak_bytes, r.data_parallel) for r in result.rejected),
         candidates=result.candidates,
         simulations=result.simulations,
         search_s=result.search_seconds,
@@ -280,12 +298,14 @@ def evaluate_plan(
     stages_per_rank: Optional[int] = None,
     split_points: Optional[Sequence[str]] = None,
     recompute: Optional[Sequence[bool]] = None,
+    data_parallel: str = "replicate",
 ) -> Plan:
     """The simulated step and peak of one plan the caller fixes (no limit applied).
 
     ``split_points``: unit names where stages 1.. start (``None``: the
     min-max split on F + I + W); ``stages_per_rank``: ``None`` takes 2 for
-    the V schedules, else 1; ``recompute``: per stage (``None``: none).
+    the V schedules, else 1; ``recompute``: per stage (``None``: none);
+    ``data_parallel``: "replicate" or "shard" over the sheet's ``dp_size``.
     """
     if not isinstance(sheet, CostSheet):
         raise ValueError(f"sheet must be a CostSheet, got {type(sheet).__name__}")
@@ -301,5 +321,9 @@ def evaluate_plan(
                              f"stages_per_rank={v} stages need {stages - 1}")
         starts = [0] + [sheet.index_of(n) for n in names]
     flags = [bool(r) for r in recompute] if recompute is not None else []
-    c = _C.evaluate_plan(sheet.to_cpp(), schedule, v, num_microbatches, starts, flags)
+    if data_parallel not in _MODES:
+        raise ValueError(f"data_parallel={data_parallel!r} must be one of "
+                         f"{', '.join(map(repr, _MODES))}")
+    c = _C.evaluate_plan(sheet.to_cpp(), schedule, v, num_microbatches, starts, flags,
+                         data_parallel)
     return _plan(_candidate(sheet, c), None)

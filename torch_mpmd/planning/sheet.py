@@ -22,7 +22,7 @@ import numbers
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any, Optional, Union
 
 from torch_mpmd import _C
 
@@ -126,7 +126,12 @@ class CostSheet:
     runtime's seconds per action. Per rank its parameters cost
     ``param_bytes * (1 + grad_bytes_per_param_byte +
     optimizer_bytes_per_param_byte)`` (AdamW: 2 states, so 2.0).
-    ``memory_limit``: bytes per rank, 0 for none.
+    ``memory_limit``: bytes per rank, 0 for none. ``dp_size``: data-parallel
+    replicas of every pipeline rank (a mesh's "dp" dimension); their
+    collectives run at ``dp_latency`` s per ring step and ``dp_bandwidth``
+    bytes/s per link (0: infinite), ``None``: the link's (NOTE [Data-parallel
+    modes] in csrc/core/planner.h). A sheet's JSON without them has
+    ``dp_size`` 1.
     """
 
     units: tuple[Unit, ...]
@@ -142,6 +147,9 @@ class CostSheet:
     grad_bytes_per_param_byte: float = 1.0
     optimizer_bytes_per_param_byte: float = 2.0
     memory_limit: float = 0.0
+    dp_size: int = 1
+    dp_latency: Optional[float] = None
+    dp_bandwidth: Optional[float] = None
     _names: dict[str, int] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -164,6 +172,10 @@ class CostSheet:
         set_(self, "pp_size", _count("pp_size", self.pp_size, 1))
         set_(self, "reference_microbatch", _count("reference_microbatch", self.reference_microbatch, 1))
         set_(self, "ranks_per_node", _count("ranks_per_node", self.ranks_per_node, 0))
+        set_(self, "dp_size", _count("dp_size", self.dp_size, 1))
+        for name in ("dp_latency", "dp_bandwidth"):
+            if getattr(self, name) is not None:
+                set_(self, name, _number(name, getattr(self, name)))
         for name in ("input_bytes", "action_overhead", "link_latency", "link_bandwidth",
                      "inter_node_bandwidth", "grad_bytes_per_param_byte",
                      "optimizer_bytes_per_param_byte", "memory_limit"):
