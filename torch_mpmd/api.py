@@ -497,7 +497,10 @@ class Pipeline(torch.nn.Module):
                            schedules=c.get("schedule"),
                            num_microbatches=c.get("num_microbatches"),
                            stages_per_rank=c.get("stages_per_rank"),
-                           compile=self.config.compile)
+                           compile=self.config.compile,
+                           # Fixed when the pipeline was built (its parameters are
+                           # shards, or not, since): NOTE [Plans in the config].
+                           data_parallel=self.config.data_parallel)
         config = PipelineConfig.from_settings(self.config, plan=chosen)
         config._check_schedule_at(self.pp_size)
         self.config = config
@@ -548,7 +551,7 @@ class Pipeline(torch.nn.Module):
                              pp_size=rt.pp_size, memory_limit=limit)
         return replan_sentence(sheet, schedule=schedule, num_microbatches=self.num_microbatches,
                                stages_per_rank=n // rt.pp_size, split_points=split,
-                               memory_limit=limit)
+                               memory_limit=limit, data_parallel=config.data_parallel)
 
     # ------------------------------------------------------------ what a step did
     @property
@@ -902,13 +905,15 @@ def pipeline(module: torch.nn.Module, config: PipelineConfig | None = None,
     from the inputs; sizes the capture cannot serve (a guard it recorded
     fails, a static dim changed) capture again, with a log line saying why.
     ``plan``: a ``torch_mpmd.planning.Plan`` (``mpmd.plan(...)``, or its JSON
-    text or file) sets schedule, num_microbatches, stages_per_rank and
-    split_points (a setting given beside it that contradicts it is a
-    ValueError naming both), and the stages it recomputes recompute their
-    units; ``plan="auto"`` profiles and plans at the first
+    text or file) sets schedule, num_microbatches, stages_per_rank,
+    split_points and data_parallel (a setting given beside it that
+    contradicts it is a ValueError naming both), and the stages it recomputes
+    recompute their units; ``plan="auto"`` profiles and plans at the first
     ``step`` from its batch, keeping schedule, num_microbatches and
-    stages_per_rank given beside it as constraints and ``memory_limit``
-    (bytes per rank) as the limit (torch_mpmd/planning/auto.py);
+    stages_per_rank given beside it as constraints, data_parallel too (the
+    parameters are shards, or not, from ``pipeline()`` on; ``mpmd.plan`` on
+    the mesh searches it), and ``memory_limit`` (bytes per rank) as the limit
+    (torch_mpmd/planning/auto.py);
     ``pipe.replan()`` re-runs the search on the measured stage times.
     ``recompute``: module FQNs whose activations are not kept for backward
     but computed again in it (activation checkpointing put on at capture:

@@ -8,7 +8,12 @@
 ``plan`` profiles (profile.py: rank 0 measures, or loads the cached profile,
 and broadcasts the sheet) and searches (``plan_from_sheet``, csrc/core/
 planner.h) on pipeline rank 0, and broadcasts the plan's JSON, so every rank
-returns an equal plan; an error (nothing fits ``memory_limit``: the planner
+returns an equal plan (data-parallel replicas all plan from global rank 0's
+sheet). On a mesh with a "dp" dimension of size > 1 the sheet also has the
+dp size and the all-reduce rates measured on the real dp group, and the
+search chooses the data-parallel mode, "replicate" or "shard" (NOTE
+[Data-parallel modes] in csrc/core/planner.h); ``pipeline(mesh=mesh,
+plan=plan)`` runs it. An error (nothing fits ``memory_limit``: the planner
 names the smallest predicted peak and the limit) is raised on every rank.
 The search recomputes a stage only where the memory limit needs it (the
 pipeline then checkpoints that stage's units: torch_mpmd/graph/recompute.py).
@@ -44,6 +49,15 @@ def _pp_group(group: Any) -> Any:
     return pp_group(group)
 
 
+def _dp_group(group: Any) -> Any:
+    """The "dp" group of a DeviceMesh ``group`` when that dimension has more
+    than one rank, else None."""
+    names = getattr(group, "mesh_dim_names", None)
+    if not names or "dp" not in names or group.size(names.index("dp")) < 2:
+        return None
+    return group.get_group("dp")
+
+
 def _broadcast(value: Any, group: Any) -> Any:
     if group is None or dist.get_world_size(group) < 2:
         return value
@@ -59,21 +73,24 @@ def plan(model: Any, example_args: Any, example_kwargs: Mapping[str, Any] | None
          stages_per_rank: int | Sequence[int] | None = None, compile: Any = False,
          batch_size: int | None = None, units: Sequence[str] | None = None,
          microbatch_sizes: int | Sequence[int] | None = None, cache_dir: Any = None,
-         top_k: int = 5) -> Plan:
+         top_k: int = 5, data_parallel: str | Sequence[str] | None = None) -> Plan:
     """The plan with the least predicted step for ``model`` on this pipeline group.
 
     ``example_args``/``example_kwargs``/``target``: one training step's batch
     (as ``pipe.step`` takes it); ``batch_size``: samples per step when it is
-    not the example's. ``group``: the pipeline group or a DeviceMesh (its
-    "pp" dimension); default the default group, or one process.
-    ``memory_limit``: bytes per rank. ``schedules``, ``num_microbatches`` and
-    ``stages_per_rank`` restrict the search (one value or a list). ``units``,
+    not the example's (per dp replica). ``group``: the pipeline group or a
+    DeviceMesh (its "pp" dimension; a "dp" dimension of size > 1 adds the
+    data-parallel mode to the search); default the default group, or one
+    process. ``memory_limit``: bytes per rank. ``schedules``,
+    ``num_microbatches``, ``stages_per_rank`` and ``data_parallel``
+    ("replicate", "shard") restrict the search (one value or a list). ``units``,
     ``microbatch_sizes``, ``compile`` and ``cache_dir``: :func:`profile`'s.
     Collective: every rank calls it with the same arguments and gets an equal
     plan. The plan carries its sheet (``plan.sheet``, in memory, not in its
     JSON) for ``Pipeline.replan``.
     """
     grp = _pp_group(group)
+    dp_group = _dp_group(group)
     rank = dist.get_rank(grp) if grp is not None else 0
     sizes = microbatch_sizes
     if sizes is None and isinstance(num_microbatches, int) and not isinstance(num_microbatches, bool):
@@ -85,21 +102,27 @@ def plan(model: Any, example_args: Any, example_kwargs: Mapping[str, Any] | None
             sizes = batch // num_microbatches  # the one microbatch the plan can have
     sheet = profile(model, example_args, example_kwargs, loss_fn=loss_fn, target=target,
                     units=units, microbatch_sizes=sizes, compile=compile, cache_dir=cache_dir,
-                    group=grp, global_batch=batch_size)
+                    group=grp, global_batch=batch_size, dp_group=dp_group)
+    replicated = (dist.is_available() and dist.is_initialized()
+                  and dist.get_world_size() > (dist.get_world_size(grp) if grp is not None else 1))
+    if replicated:
+        # Data/tensor-parallel replicas each profiled (their dp groups timed
+        # together); all plan from global rank 0's sheet, so that they find
+        # the same plan, or fail alike.
+        sheet = CostSheet.from_json(_broadcast(sheet.to_json(), dist.group.WORLD))
     result: tuple[str | None, tuple[str, str] | None] = (None, None)
     raised: BaseException | None = None
     if rank == 0:
         try:
             best = plan_from_sheet(sheet, memory_limit=memory_limit, schedules=schedules,
                                    num_microbatches=num_microbatches,
-                                   stages_per_rank=stages_per_rank, top_k=top_k)
+                                   stages_per_rank=stages_per_rank, top_k=top_k,
+                                   data_parallel=data_parallel)
             result = (best.to_json(), None)
         except Exception as e:  # noqa: BLE001  (every rank raises it)
             raised, result = e, (None, (type(e).__name__, str(e)))
     text, failure = _broadcast(result, grp)
-    if (failure is None and dist.is_available() and dist.is_initialized()
-            and dist.get_world_size() > (dist.get_world_size(grp) if grp is not None else 1)):
-        # Data/tensor-parallel replicas planned each on their own: take global rank 0's.
+    if failure is None and replicated:  # (equal already: one sheet, a deterministic search)
         text = _broadcast(text, dist.group.WORLD)
     if raised is not None:
         raise raised
@@ -193,25 +216,30 @@ def _default(name: str) -> float:
 
 def replan_sentence(sheet: CostSheet, *, schedule: str, num_microbatches: int,
                     stages_per_rank: int, split_points: Sequence[str],
-                    memory_limit: float | None = None) -> tuple[Plan, str]:
+                    memory_limit: float | None = None,
+                    data_parallel: str = "replicate") -> tuple[Plan, str]:
     """The best plan on ``sheet`` and a sentence comparing it with the current
-    plan evaluated on the same sheet."""
+    plan (``data_parallel``: its mode) evaluated on the same sheet."""
     current = evaluate_plan(sheet, schedule, num_microbatches=num_microbatches,
-                            stages_per_rank=stages_per_rank, split_points=list(split_points))
+                            stages_per_rank=stages_per_rank, split_points=list(split_points),
+                            data_parallel=data_parallel)
     best = plan_from_sheet(sheet, memory_limit=memory_limit)
     best = dataclasses.replace(best, sheet=sheet, search=best.search)
     now = (f"{schedule}, v={stages_per_rank}, m={num_microbatches}, split "
            f"{list(split_points)}")
+    if sheet.dp_size > 1:
+        now += f", data_parallel={data_parallel}"
     same = (best.schedule, best.stages_per_rank, best.num_microbatches,
-            tuple(best.split_points)) == (schedule, stages_per_rank, num_microbatches,
-                                          tuple(split_points))
+            tuple(best.split_points), best.data_parallel) == (
+                schedule, stages_per_rank, num_microbatches, tuple(split_points), data_parallel)
     if same or best.predicted_step_s >= current.predicted_step_s:
         return best, (f"the current plan ({now}) is predicted the fastest: "
                       f"{current.predicted_step_s * 1e3:.3g} ms a step (simulated from the "
                       "measured stage times)")
     gain = 1 - best.predicted_step_s / current.predicted_step_s
+    dp = f", data_parallel={best.data_parallel}" if sheet.dp_size > 1 else ""
     return best, (f"a different plan is predicted faster: {best.schedule}, "
                   f"v={best.stages_per_rank}, m={best.num_microbatches}, split "
-                  f"{list(best.split_points)}: {best.predicted_step_s * 1e3:.3g} ms a step "
+                  f"{list(best.split_points)}{dp}: {best.predicted_step_s * 1e3:.3g} ms a step "
                   f"against the current plan's ({now}) {current.predicted_step_s * 1e3:.3g} ms, "
                   f"{gain:.1%} less (simulated from the measured stage times)")

@@ -51,18 +51,29 @@ price that also covers the step's time outside its actions),
 :data:`DEFAULT_LINK_LATENCY_S` (150 us, gloo's measured transfer latency
 between two CPU ranks) and :data:`DEFAULT_LINK_BANDWIDTH` (1 GB/s).
 
+Data parallel: with a ``dp_group`` of d > 1 ranks (``mpmd.plan`` on a mesh
+with a "dp" dimension), the sheet's ``dp_size`` is d and its ``dp_latency``
+and ``dp_bandwidth`` are fitted, right after the ping-pong, to the ring
+all-reduce the replicate mode runs, 2 (d - 1) latency + 2 (d - 1) / d *
+bytes / bandwidth, from the median of a 4-byte and of a 4 MiB all-reduce
+over the real dp group (every rank times its own group; pipeline rank 0's
+times go on the sheet). They are cached with the rest of the profile.
+
 Cache: a JSON file under ``cache_dir`` (default ``$MPMD_PROFILE_CACHE``, else
 ``~/.cache/torch_mpmd/profiles``) named by a hash of the model (every module
 class's name and forward source, its parameter and buffer names, shapes and
 dtypes), the batch's and target's shapes and dtypes, the units, the sizes,
-the loss, the device type, the pipeline size and the compile setting. A call
+the loss, the device type, the pipeline size (and the dp size above 1) and the
+compile setting. A call
 with the same key loads it (``cache_dir=False``: no cache).
 ``measurements`` counts the profiles measured in this process (tests check
 that a second call does not measure).
 
 Collective with a ``group``: rank 0 of the group measures (the ping-pong
 needs rank 1) and broadcasts the sheet's JSON, so every rank returns the
-same sheet.
+same sheet. With a ``dp_group`` also collective over it: the ranks of every
+dp group agree whether to measure (any replica's missing cache entry
+measures all of them), so the all-reduce timings pair up.
 """
 
 from __future__ import annotations
@@ -228,7 +239,7 @@ def _compile_key(compile: Any) -> str:
 
 def profile_key(model: torch.nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any],
                 target: Any, *, loss_fn: Any, units: Sequence[str], sizes: Sequence[int],
-                compile: Any, pp_size: int, device: str) -> str:
+                compile: Any, pp_size: int, device: str, dp_size: int = 1) -> str:
     """The cache key (a sha256 hex digest) of a profile; see the module docstring."""
     classes = sorted({type(m) for m in model.modules()}, key=lambda c: c.__qualname__)
     what = {
@@ -242,6 +253,8 @@ def profile_key(model: torch.nn.Module, args: Sequence[Any], kwargs: Mapping[str
         "units": list(units), "sizes": list(sizes), "compile": _compile_key(compile),
         "pp_size": pp_size, "device": device, "torch": torch.__version__,
     }
+    if dp_size > 1:  # (keys of profiles without data parallel stay as they were)
+        what["dp_size"] = dp_size
     return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()
 
 
@@ -404,10 +417,52 @@ def _ping_pong(group: Any, device: torch.device) -> tuple[float, float]:
     return latency, bandwidth
 
 
+def _comm_device(group: Any, device: torch.device) -> torch.device:
+    """Where a timing's buffers live: ``device``, or the current CUDA device
+    when the group runs NCCL."""
+    if dist.get_backend(group) == "nccl" and device.type != "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def _all_reduce_rates(group: Any, device: torch.device) -> tuple[float, float]:
+    """(latency s per ring step, bandwidth B/s per link) of ``group``'s
+    all-reduce: the ring model 2 (d - 1) latency + 2 (d - 1) / d * bytes /
+    bandwidth through the median times of a 4-byte and a 4 MiB all-reduce
+    (collective over ``group``)."""
+    d = dist.get_world_size(group)
+    device = _comm_device(group, device)
+
+    def median_time(nbytes: int, count: int) -> float:
+        buf = torch.zeros(max(1, nbytes // 4), dtype=torch.float32, device=device)
+        times = []
+        for i in range(count + 1):  # the first is a warm-up
+            _sync(device)
+            start = time.perf_counter()
+            dist.all_reduce(buf, group=group)
+            _sync(device)
+            if i:
+                times.append(time.perf_counter() - start)
+        return statistics.median(times)
+
+    steps = 2 * (d - 1)
+    small = median_time(_PING_BYTES, 20)
+    large = median_time(_PONG_BYTES, 5)
+    return small / steps, steps / d * _PONG_BYTES / max(large - small, 1e-9)
+
+
+def _any_over(group: Any, flag: bool, device: torch.device) -> bool:
+    """Whether ``flag`` holds on any rank of ``group`` (collective)."""
+    t = torch.tensor([int(flag)], dtype=torch.int32, device=_comm_device(group, device))
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return bool(t.item())
+
+
 def _measure(model: torch.nn.Module, args: tuple, kwargs: dict, target: Any, *,
              loss_fn: Any, units: list[str], sizes: list[int], compile: Any, repeats: int,
              batch: int, pp_size: int, global_batch: int, link: tuple[float, float],
-             runtime: RuntimeCosts, memory_limit: float) -> CostSheet:
+             runtime: RuntimeCosts, memory_limit: float,
+             dp: tuple[int, float | None, float | None] = (1, None, None)) -> CostSheet:
     from torch_mpmd.microbatch import first_microbatch, split_tree
 
     global measurements
@@ -451,7 +506,8 @@ def _measure(model: torch.nn.Module, args: tuple, kwargs: dict, target: Any, *,
         units=out_units, global_batch=global_batch, pp_size=pp_size, reference_microbatch=ref,
         input_bytes=_fit([r["input"] for r in per_size], sizes, ref),
         action_overhead=runtime.action_overhead, link_latency=runtime.transfer_latency,
-        link_bandwidth=link[1], memory_limit=memory_limit)
+        link_bandwidth=link[1], memory_limit=memory_limit, dp_size=dp[0], dp_latency=dp[1],
+        dp_bandwidth=dp[2])
 
 
 def profile(model: torch.nn.Module, example_args: Any, example_kwargs: Mapping[str, Any] | None = None,
@@ -459,13 +515,15 @@ def profile(model: torch.nn.Module, example_args: Any, example_kwargs: Mapping[s
             units: Sequence[str] | None = None, microbatch_sizes: int | Sequence[int] | None = None,
             compile: Any = False, cache_dir: Any = None, group: Any = None,
             pp_size: int | None = None, global_batch: int | None = None, repeats: int = 5,
-            memory_limit: float = 0.0) -> CostSheet:
+            memory_limit: float = 0.0, dp_group: Any = None) -> CostSheet:
     """The measured cost sheet of ``model`` on one step's batch (see the module docstring).
 
     ``example_args``/``example_kwargs``/``target``: a training step's batch
     (split along dim 0 like the pipeline splits it); ``loss_fn``: as
     ``pipeline(loss_fn=)`` takes it. ``group``: the pipeline group (default:
     the default group when one is initialized; collective over it).
+    ``dp_group``: this rank's data-parallel group (a mesh's "dp"), whose
+    size and all-reduce rates go on the sheet (collective over it too).
     ``pp_size`` (default: the group's size) and ``global_batch`` (default: the
     batch's size) go on the sheet; ``repeats``: timed runs per cost (medians).
     """
@@ -484,6 +542,7 @@ def profile(model: torch.nn.Module, example_args: Any, example_kwargs: Mapping[s
     sizes = _sizes(microbatch_sizes, batch, pp)
     unit_names = _check_units(model, units) if units is not None else find_units(model)
     device = _device_of(model)
+    dp_size = dist.get_world_size(dp_group) if dp_group is not None else 1
     text: str | None = None
     failure: tuple[str, str] | None = None
     raised: BaseException | None = None
@@ -491,7 +550,7 @@ def profile(model: torch.nn.Module, example_args: Any, example_kwargs: Mapping[s
     if rank == 0:
         key = profile_key(model, example_args, kwargs, target, loss_fn=loss_fn,
                           units=unit_names, sizes=sizes, compile=compile, pp_size=pp,
-                          device=device.type)
+                          device=device.type, dp_size=dp_size)
         cache = _cache_dir(cache_dir)
         path = cache / f"{key}.json" if cache is not None else None
         if path is not None and path.is_file():
@@ -507,9 +566,14 @@ def profile(model: torch.nn.Module, example_args: Any, example_kwargs: Mapping[s
         measure = bool(flag[0])
     else:
         measure = text is None
+    if dp_size > 1:  # the replicas' dp groups time their all-reduces together
+        measure = _any_over(dp_group, measure, device)
     if measure:
         link = ((DEFAULT_LINK_LATENCY_S, DEFAULT_LINK_BANDWIDTH) if grp is None or world < 2
                 else _ping_pong(grp, device))
+        dp: tuple[int, float | None, float | None] = (1, None, None)
+        if dp_size > 1:
+            dp = (dp_size, *_all_reduce_rates(dp_group, device))
         runtime = RuntimeCosts(DEFAULT_ACTION_OVERHEAD_S, 0.0, link[0])
         if grp is not None and world > 1 and len(unit_names) >= world:
             runtime = measure_runtime(model, example_args, kwargs, target, loss_fn=loss_fn,
@@ -520,7 +584,7 @@ def profile(model: torch.nn.Module, example_args: Any, example_kwargs: Mapping[s
                 sheet = _measure(model, example_args, kwargs, target, loss_fn=loss_fn,
                                  units=unit_names, sizes=sizes, compile=compile,
                                  repeats=repeats, batch=batch, pp_size=pp, global_batch=gb,
-                                 link=link, runtime=runtime, memory_limit=memory_limit)
+                                 link=link, runtime=runtime, memory_limit=memory_limit, dp=dp)
             except Exception as e:  # noqa: BLE001  (every rank raises it, below)
                 failure, raised = (type(e).__name__, str(e)), e
             else:
