@@ -288,6 +288,7 @@ class CostSheet:
     reference_microbatch: int
     input_bytes: float
     action_overhead: float
+    step_overhead: float
     link_latency: float
     link_bandwidth: float
     ranks_per_node: int

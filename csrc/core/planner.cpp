@@ -362,6 +362,7 @@ CostModel costModel(const CostSheet& sheet, const Staged& st, const std::vector<
   }
   model.comm_latency = sheet.link_latency;
   model.action_overhead = sheet.action_overhead;
+  model.step_overhead = sheet.step_overhead;
   // Per-link rates: each producer's bytes expressed as seconds at bandwidth 1.
   model.comm_bandwidth = 1.0;
   model.stage_output_bytes = st.link_seconds;
@@ -380,7 +381,7 @@ double lowerBound(const CostSheet& sheet, const Staged& st, const Built& b, cons
   for (size_t r = 0; r < busy.size(); ++r) {
     bound = std::max(bound, busy[r] + sheet.action_overhead * static_cast<double>(b.actions[r]));
   }
-  return bound;
+  return bound + sheet.step_overhead;
 }
 
 Plan makePlan(const std::string& name, int v, int m, int64_t mb_samples, const Staged& st, bool comm_aware,
@@ -481,6 +482,7 @@ void checkSheet(const CostSheet& sheet) {
   }
   checkFinite("input_bytes", sheet.input_bytes);
   checkFinite("action_overhead", sheet.action_overhead);
+  checkFinite("step_overhead", sheet.step_overhead);
   checkFinite("link_latency", sheet.link_latency);
   checkFinite("link_bandwidth", sheet.link_bandwidth);
   checkFinite("inter_node_bandwidth", sheet.inter_node_bandwidth);

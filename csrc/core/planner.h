@@ -132,6 +132,8 @@ struct CostSheet {
   int64_t reference_microbatch = 1;     // samples at which the costs were taken
   double input_bytes = 0.0;             // the model input per microbatch (stage 0's recompute)
   double action_overhead = 0.0;         // seconds per action (NOTE [Action overhead])
+  double step_overhead = 0.0;           // seconds per step outside its actions: added to
+                                        // every candidate's step (it does not rank them)
   double link_latency = 0.0;            // seconds per transfer
   double link_bandwidth = 0.0;          // bytes/s between ranks; 0 = infinite
   // Ranks [k*ranks_per_node, (k+1)*ranks_per_node) share a node; a transfer

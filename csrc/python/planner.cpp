@@ -32,6 +32,7 @@ void bindSheet(py::module_& m) {
       .def_readwrite("reference_microbatch", &CostSheet::reference_microbatch)
       .def_readwrite("input_bytes", &CostSheet::input_bytes)
       .def_readwrite("action_overhead", &CostSheet::action_overhead)
+      .def_readwrite("step_overhead", &CostSheet::step_overhead)
       .def_readwrite("link_latency", &CostSheet::link_latency)
       .def_readwrite("link_bandwidth", &CostSheet::link_bandwidth)
       .def_readwrite("ranks_per_node", &CostSheet::ranks_per_node)

@@ -72,6 +72,18 @@ TEST(Planner, BestPlanIsTheFirstOfTheTopAndMatchesItsOwnEvaluation) {
   }
 }
 
+TEST(Planner, TheStepOverheadAddsToEveryStepAndKeepsTheWinner) {
+  CostSheet sheet = sheetOf(14, 4, 16);
+  const PlanResult before = planPipeline(sheet);
+  sheet.step_overhead = 0.25;
+  const PlanResult after = planPipeline(sheet);
+  EXPECT_EQ(after.best.schedule, before.best.schedule);
+  EXPECT_EQ(after.best.stage_starts, before.best.stage_starts);
+  EXPECT_NEAR(after.best.step_seconds, before.best.step_seconds + 0.25, 1e-12);
+  sheet.step_overhead = -1;
+  EXPECT_NE(whatOf([&] { planPipeline(sheet); }).find("step_overhead=-1"), std::string::npos);
+}
+
 TEST(Planner, MemoryModelCountsStateActivationsAndBuffers) {
   // 2 ranks, 1F1B, one unit per stage, m = 2: rank 0 holds 2 forwards.
   CostSheet sheet;
