@@ -180,6 +180,35 @@ def limits(case: dict[str, Any]) -> dict[str, Any]:
     return res
 
 
+def refined(case: dict[str, Any]) -> dict[str, Any]:
+    """A GPT whose head (an 8192-word vocabulary) costs more than a balanced
+    stage: the profile cuts the unit after the blocks at the head (NOTE
+    [Refined units]); a plan cutting there, and one recomputing both stages,
+    train like one process."""
+    cache = _cache()
+
+    def wide() -> GPT:
+        torch.manual_seed(0)
+        return GPT(GPTConfig(vocab_size=8192, block_size=16, n_layer=2, n_head=2, d_model=32))
+
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randint(0, 8192, (8, 16), generator=g), torch.randint(0, 8192, (8, 16), generator=g)
+    sheet = mpmd.profile(wide(), (x,), loss_fn=loss_fn, target=y, cache_dir=cache)
+    res: dict[str, Any] = {"units": [u.name for u in sheet.units]}
+    plan = mpmd.plan(wide(), (x,), loss_fn=loss_fn, target=y, cache_dir=cache,
+                     schedules=["1f1b"], num_microbatches=2)
+    forced = mpmd.planning.evaluate_plan(sheet, "1f1b", num_microbatches=2,
+                                         split_points=["head"])
+    res["plan"] = plan.split_points
+    for name, chosen in (("best", plan), ("at_head", forced),
+                         ("at_head_recompute", dataclasses_replace(forced,
+                                                                   recompute=(True, True)))):
+        pipe = mpmd.pipeline(wide(), loss_fn=loss_fn, plan=chosen)
+        res[name] = _train_and_compare(pipe, wide(), x, y)
+        res[name]["held"] = pipe.last_step_stats["peak_activation_bytes"]
+    return res
+
+
 def door(case: dict[str, Any]) -> dict[str, Any]:
     """``torch.compile(fn, backend="mpmd", options={"plan": "auto", ...})``: the
     first training call profiles and plans (the schedule option kept as a
@@ -253,7 +282,8 @@ def door(case: dict[str, Any]) -> dict[str, Any]:
 
 def grid(cases: list[dict[str, Any]]) -> dict[str, Any]:
     try:
-        return run_grid(cases, {"train": train, "limits": limits, "door": door})
+        return run_grid(cases, {"train": train, "limits": limits, "door": door,
+                               "refined": refined})
     finally:
         for path in _MADE:  # rank 0 made them
             shutil.rmtree(path, ignore_errors=True)

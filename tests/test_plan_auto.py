@@ -24,7 +24,7 @@ SCHEDULES = ["1f1b", "zbv"]
 DOOR = [dict(id="door-mean-1f1b", kind="door", options={"schedule": "1f1b"}),
         dict(id="door-pair", kind="door", loss="pair")]
 CASES = ([dict(id=s, kind="train", schedule=s) for s in SCHEDULES]
-         + [dict(id="limits", kind="limits")] + DOOR)
+         + [dict(id="limits", kind="limits"), dict(id="refined", kind="refined")] + DOOR)
 _GRID = GridRun(2, "plan_worker:grid", CASES, task="plans", timeout=300)
 
 
@@ -71,6 +71,21 @@ def test_constraints_and_limits():
             assert recomputing[0] < plain[0], r["held"]
         assert r["unknown"] and "recompute names ['blocks.9'], which are not submodules" in \
             r["unknown"], r["unknown"]
+
+
+def test_a_unit_costing_more_than_a_stage_is_cut_at_its_head():
+    r0, r1 = _GRID.results("refined")
+    assert r0["units"] == ["tok", "blocks.0", "blocks.1", "ln_f", "head"], r0["units"]
+    assert r0["plan"] == r1["plan"] == ["head"], (r0["plan"], r1["plan"])
+    for rank, r in enumerate((r0, r1)):
+        for name in ("best", "at_head", "at_head_recompute"):
+            step = r[name]
+            assert step["loss"] <= 1, f"rank {rank} {name}: loss off by {step['loss']}"
+            bad = {n: d for n, d in step["grads"].items() if d > 1}
+            assert step["grads"] and not bad, f"rank {rank} {name}: gradients {bad}"
+    # Stage 0 (everything before the head) recomputes: it holds fewer bytes.
+    plain, recomputing = r0["at_head"]["held"], r0["at_head_recompute"]["held"]
+    assert recomputing["0"] < plain["0"], (plain, recomputing)
 
 
 @pytest.mark.parametrize("case", DOOR, ids=[c["id"] for c in DOOR])

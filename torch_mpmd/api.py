@@ -475,7 +475,8 @@ class Pipeline(torch.nn.Module):
             sheet = getattr(plan, "sheet", None)
             units = ([u.name for u in sheet.units] if sheet is not None else
                      find_units(self._mpmd_module))
-            fqns += stage_modules(units, plan.split_points, plan.recompute)
+            modules = [name for name, _ in self._mpmd_module.named_modules()]
+            fqns += stage_modules(units, plan.split_points, plan.recompute, modules)
         return fqns
 
     def _plan_auto(self, args: tuple, kwargs: dict, target: Any, microbatches: Any) -> None:

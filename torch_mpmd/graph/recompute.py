@@ -54,16 +54,21 @@ def checkpointed(model: torch.nn.Module, fqns: Sequence[str]) -> Iterator[None]:
                 del module.forward
 
 
-def _with_nested(units: Sequence[str], split_points: Sequence[str]) -> list[str]:
-    """``units`` with each split point that is not one of them but lies inside
-    one (a finer cut of a profile's refined units, planning/units.py) put
+def _with_nested(units: Sequence[str], split_points: Sequence[str],
+                 modules: Sequence[str] = ()) -> list[str]:
+    """``units`` with the split points that are not among them (the finer cuts
+    of a profile's refined units, planning/units.py): one inside a unit goes
     after that unit and the cuts inside it before it (split points come in
-    model order)."""
+    model order); another goes after the last unit before it in ``modules``
+    (the model's module names in registration order, when given)."""
     out = list(units)
     for point in split_points:
         if point in out:
             continue
         owner = next((u for u in reversed(out) if point.startswith(u + ".")), None)
+        if owner is None and point in modules:
+            rank = {name: i for i, name in enumerate(modules)}
+            owner = next((u for u in reversed(out) if rank.get(u, -1) < rank[point]), None)
         if owner is None:
             raise ValueError(f"split point {point!r} is not one of the units {list(units)}: a "
                              "stage's recompute needs the units it holds")
@@ -75,18 +80,19 @@ def _with_nested(units: Sequence[str], split_points: Sequence[str]) -> list[str]
 
 
 def stage_modules(units: Sequence[str], split_points: Sequence[str],
-                  recompute: Sequence[bool]) -> list[str]:
+                  recompute: Sequence[bool], modules: Sequence[str] = ()) -> list[str]:
     """The modules to checkpoint for the stages that ``recompute`` flags,
     where stage k > 0 starts at unit ``split_points[k-1]`` (a plan's
     convention): each unit of such a stage, in model order. A unit cut
     further inside (a later unit or split point is its submodule) is
     checkpointed whole where all of it lies in the stage; otherwise only its
     inner units in the stage are. ValueError when a split point is neither
-    a unit nor inside one, or the flags are not one per stage."""
+    a unit nor inside one nor in ``modules`` (see _with_nested), or the
+    flags are not one per stage."""
     if len(recompute) != len(split_points) + 1:
         raise ValueError(f"recompute has {len(recompute)} flags for {len(split_points) + 1} "
                          "stages")
-    units = _with_nested(units, split_points)
+    units = _with_nested(units, split_points, modules)
     starts = [0] + [units.index(point) for point in split_points] + [len(units)]
     out: list[str] = []
     for k, flag in enumerate(recompute):

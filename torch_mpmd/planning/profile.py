@@ -9,8 +9,11 @@ would cut (``split_points``): the children of its largest ``nn.ModuleList``
 starts at the embedding and holds whatever runs before the first block, and
 one after them that starts at the final norm (or the head) and holds
 whatever runs after the last block (norm, head, loss): the parts of real
-LLMs that weigh unlike a block (find_units, NOTE [Outer units]); or
-``units=[fqn, ...]``, the FQNs where units start (the
+LLMs that weigh unlike a block (find_units, NOTE [Outer units]). A unit that
+costs more than a balanced stage (F + B above the total over the pipeline
+size) is cut one level down where its submodules start, in call order
+(units.py, NOTE [Refined units]): a block at its attention and MLP, the part
+after the blocks at its head. Or ``units=[fqn, ...]``, the FQNs where units start (the
 first also holds what runs before it). A unit is named by its FQN, so a
 plan's ``split_points`` (the units where stages 1.. start) are FQNs that
 ``pipeline(split_points=...)`` takes.
@@ -95,6 +98,7 @@ import torch.utils._pytree as pytree
 
 from torch_mpmd.planning.calibrate import RuntimeCosts, measure_runtime
 from torch_mpmd.planning.sheet import CostSheet, Unit
+from torch_mpmd.planning.units import call_order, refine, too_big
 
 __all__ = ["profile", "find_units", "profile_key", "measurements",
            "DEFAULT_ACTION_OVERHEAD_S", "DEFAULT_LINK_LATENCY_S", "DEFAULT_LINK_BANDWIDTH"]
@@ -461,24 +465,39 @@ def _any_over(group: Any, flag: bool, device: torch.device) -> bool:
 def _measure(model: torch.nn.Module, args: tuple, kwargs: dict, target: Any, *,
              loss_fn: Any, units: list[str], sizes: list[int], compile: Any, repeats: int,
              batch: int, pp_size: int, global_batch: int, link: tuple[float, float],
-             runtime: RuntimeCosts, memory_limit: float,
+             runtime: RuntimeCosts, memory_limit: float, refine_units: bool = False,
              dp: tuple[int, float | None, float | None] = (1, None, None)) -> CostSheet:
     from torch_mpmd.microbatch import first_microbatch, split_tree
 
     global measurements
-    per_size = []
     grads = {p: p.grad for p in model.parameters()}
     buffers = [b.detach().clone() for b in model.buffers()]
     rng = torch.random.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
-    try:
+
+    def measure_units(names: list[str]) -> list[dict[str, Any]]:
+        per_size = []
         for size in sizes:
             m = batch // size
             a0, k0 = first_microbatch(args, kwargs, m)
             t0 = split_tree(target, m, "target", first_only=True)[0] if target is not None \
                 else None
-            per_size.append(_measure_at(model, a0, k0, t0, loss_fn=loss_fn, units=units,
+            per_size.append(_measure_at(model, a0, k0, t0, loss_fn=loss_fn, units=names,
                                         compile=compile, repeats=repeats))
+        return per_size
+
+    try:
+        per_size = measure_units(units)
+        # NOTE [Refined units]: a unit costing more than a balanced stage
+        # (the total over p) is cut one level down where its submodules
+        # start (units.py), and the finer units are measured again.
+        which = too_big([f + b for f, b in zip(per_size[0]["F"], per_size[0]["B"])],
+                        pp_size) if refine_units else []
+        if which:
+            order = call_order(model, *first_microbatch(args, kwargs, batch // sizes[0]))
+            finer = refine(model, order, units, which)
+            if finer != units:
+                units, per_size = finer, measure_units(finer)
     finally:
         with torch.no_grad():  # the profile leaves no trace in the model
             for p, g in grads.items():
@@ -505,7 +524,8 @@ def _measure(model: torch.nn.Module, args: tuple, kwargs: dict, target: Any, *,
     return CostSheet(
         units=out_units, global_batch=global_batch, pp_size=pp_size, reference_microbatch=ref,
         input_bytes=_fit([r["input"] for r in per_size], sizes, ref),
-        action_overhead=runtime.action_overhead, link_latency=runtime.transfer_latency,
+        action_overhead=runtime.action_overhead, step_overhead=runtime.step_overhead,
+        link_latency=runtime.transfer_latency,
         link_bandwidth=link[1], memory_limit=memory_limit, dp_size=dp[0], dp_latency=dp[1],
         dp_bandwidth=dp[2])
 
@@ -584,7 +604,8 @@ def profile(model: torch.nn.Module, example_args: Any, example_kwargs: Mapping[s
                 sheet = _measure(model, example_args, kwargs, target, loss_fn=loss_fn,
                                  units=unit_names, sizes=sizes, compile=compile,
                                  repeats=repeats, batch=batch, pp_size=pp, global_batch=gb,
-                                 link=link, runtime=runtime, memory_limit=memory_limit, dp=dp)
+                                 link=link, runtime=runtime, memory_limit=memory_limit,
+                                 refine_units=units is None, dp=dp)
             except Exception as e:  # noqa: BLE001  (every rank raises it, below)
                 failure, raised = (type(e).__name__, str(e)), e
             else:

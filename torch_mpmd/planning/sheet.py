@@ -123,7 +123,8 @@ class CostSheet:
     ranks. ``link_bandwidth`` bytes/s (0: infinite) and ``link_latency`` s
     per transfer; with ``ranks_per_node`` > 0, transfers between nodes run at
     ``inter_node_bandwidth`` (0: ``link_bandwidth``). ``action_overhead``: the
-    runtime's seconds per action. Per rank its parameters cost
+    runtime's seconds per action; ``step_overhead``: its seconds per step
+    outside the actions (added to every plan's predicted step). Per rank its parameters cost
     ``param_bytes * (1 + grad_bytes_per_param_byte +
     optimizer_bytes_per_param_byte)`` (AdamW: 2 states, so 2.0).
     ``memory_limit``: bytes per rank, 0 for none. ``dp_size``: data-parallel
@@ -140,6 +141,7 @@ class CostSheet:
     reference_microbatch: int = 1
     input_bytes: float = 0.0
     action_overhead: float = 0.0
+    step_overhead: float = 0.0
     link_latency: float = 0.0
     link_bandwidth: float = 0.0
     ranks_per_node: int = 0
@@ -176,8 +178,8 @@ class CostSheet:
         for name in ("dp_latency", "dp_bandwidth"):
             if getattr(self, name) is not None:
                 set_(self, name, _number(name, getattr(self, name)))
-        for name in ("input_bytes", "action_overhead", "link_latency", "link_bandwidth",
-                     "inter_node_bandwidth", "grad_bytes_per_param_byte",
+        for name in ("input_bytes", "action_overhead", "step_overhead", "link_latency",
+                     "link_bandwidth", "inter_node_bandwidth", "grad_bytes_per_param_byte",
                      "optimizer_bytes_per_param_byte", "memory_limit"):
             set_(self, name, _number(name, getattr(self, name)))
         if self.pp_size > len(units):
