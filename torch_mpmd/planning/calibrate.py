@@ -6,24 +6,36 @@ step's begin and end exchanges, the loss's broadcast) is measured here by
 running the model itself as a pipeline on the group the plan is for: 1F1B,
 the profile's units split evenly by count over the p ranks, at the
 profile's microbatch, two warm-up steps and ``steps`` timed ones, barrier
-to barrier. From their timelines (runtime/trace.py):
+to barrier (:func:`measure_runtime`). From their timelines (runtime/trace.py):
 
-- ``action_overhead``: per action, the gaps between a rank's actions and
-  the sends' posting (``trace.action_overhead``), median over the steps;
 - ``step_overhead``: a step's wall time outside its actions
   (``trace.step_overhead``), median;
 - ``transfer_latency``: what a message takes beyond its bytes on the link:
   the median time from a send's begin to its receive's end
   (``trace.transfer_latencies``) less the mean message's bytes over the
-  link's bandwidth; at least the ping-pong's latency.
+  link's bandwidth; at least the ping-pong's latency;
+- ``action_overhead``: the gaps between a rank's actions and the sends'
+  posting (``trace.action_overhead``), median: the start of the fit below.
 
-These are the constants with which the simulator predicted every schedule of
-the example GPT within 8% (BENCHMARKS.md, "The planner against measured
-steps"). The stages run as FX programs whatever ``compile`` the plan is for:
-the runtime's time per action does not depend on what runs inside it, and
-compiling the model twice would double the profile's cost.
-:func:`fit_action_overhead` is the other reading (the time per action at
-which the simulated step equals a measured one), for scripts/bench_predict.py.
+NOTE [Fitted action overhead]: the profile times each unit's programs alone,
+in one process; in the pipeline the same programs run inside the runtime,
+beside the other ranks' (which share the machine), and the runtime spends
+time per action that a timeline cannot separate from a program's span (a
+RECV's processing, the executor's bookkeeping). The gaps alone price an
+action at 37 us on the example GPT where the step says 127 us (BENCHMARKS.md,
+"The planner against measured steps"), and with them the planner
+under-prices schedules of many short actions: it chose 8 microbatches where
+4 ran faster. So the sheet's ``action_overhead`` is fitted
+(:func:`fit_sheet`): the price per action at which the planner's own
+prediction of the calibration run (the profile's unit costs, the measured
+step overhead and transfer latency, the same split and microbatches) equals
+its measured median step. Every plan is then predicted on that footing.
+
+The calibration runs FX programs; a profile of compiled programs
+(``compile=``) keeps the measured constants unfitted, since compiling the
+model's stages a second time would cost more than the profile.
+:func:`fit_action_overhead` is the same fit on measured stage times (no
+profile), for scripts/bench_predict.py.
 """
 
 from __future__ import annotations
@@ -41,11 +53,16 @@ __all__ = ["RuntimeCosts", "fit_action_overhead", "measure_runtime"]
 
 @dataclasses.dataclass(frozen=True)
 class RuntimeCosts:
-    """Seconds: per action, per step outside the actions, per transfer."""
+    """Seconds: per action, per step outside the actions, per transfer; and
+    the calibration run itself (its median step, split and microbatch count,
+    for :func:`fit_sheet`; a wall of 0: none ran)."""
 
     action_overhead: float
     step_overhead: float
     transfer_latency: float
+    step_wall: float = 0.0
+    split_points: tuple[str, ...] = ()
+    num_microbatches: int = 0
 
 
 def fit_action_overhead(schedule: Any, rows: Sequence[Any], wall_s: float, *,
@@ -129,8 +146,34 @@ def measure_runtime(model: torch.nn.Module, args: tuple, kwargs: dict, target: A
     costs = RuntimeCosts(
         action_overhead=statistics.median(trace.action_overhead(r) for r in rows),
         step_overhead=statistics.median(trace.step_overhead(w, r) for w, r in zip(walls, rows)),
-        transfer_latency=latency)
+        transfer_latency=latency, step_wall=statistics.median(walls),
+        split_points=tuple(split), num_microbatches=num_microbatches)
     # One answer for every rank (each timed its own walls): rank 0's.
     box = [costs]
     dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
     return box[0]
+
+
+def fit_sheet(sheet: Any, costs: RuntimeCosts, batch: int) -> Any:
+    """``sheet`` (measured units, the calibration's step and link constants)
+    with the action overhead at which the planner's own prediction of the
+    calibration run (1F1B, its split, its microbatches of ``batch`` samples)
+    equals its measured median step: NOTE [Fitted action overhead]."""
+    from torch_mpmd.planning.plan import evaluate_plan
+
+    if costs.step_wall <= 0 or not costs.num_microbatches:
+        return sheet
+    at = dataclasses.replace(sheet, global_batch=batch, memory_limit=0.0)
+
+    def predicted(overhead_s: float) -> float:
+        return evaluate_plan(dataclasses.replace(at, action_overhead=overhead_s), "1f1b",
+                             num_microbatches=costs.num_microbatches,
+                             split_points=list(costs.split_points)).predicted_step_s
+
+    lo, hi = 0.0, max(costs.action_overhead, 1e-6)
+    while predicted(hi) < costs.step_wall and hi < 1.0:
+        hi *= 2
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if predicted(mid) < costs.step_wall else (lo, mid)
+    return dataclasses.replace(sheet, action_overhead=(lo + hi) / 2)

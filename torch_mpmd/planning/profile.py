@@ -46,13 +46,15 @@ The runtime and the link: with a ``group`` of more than one rank, pipeline
 ranks 0 and 1 measure the link by a ping-pong (median round trip of 4 bytes
 / 2; the time of 4 MiB one way less that latency), and then every rank runs
 the model as a 1F1B pipeline for a few steps (calibrate.py): the sheet's
-``action_overhead`` is the runtime's measured time per action and its
-``link_latency`` what a transfer took beyond its bytes. On one process they
-are :data:`DEFAULT_ACTION_OVERHEAD_S` (110 us: fitted so that the simulated
-1F1B step equals the measured one on two CPU ranks with FX programs, a
-price that also covers the step's time outside its actions),
-:data:`DEFAULT_LINK_LATENCY_S` (150 us, gloo's measured transfer latency
-between two CPU ranks) and :data:`DEFAULT_LINK_BANDWIDTH` (1 GB/s).
+``step_overhead`` is the runtime's measured time per step outside its
+actions, its ``link_latency`` what a transfer took beyond its bytes, and its
+``action_overhead`` the price per action at which the planner predicts that
+run's measured step (NOTE [Fitted action overhead]). On one process they
+are :data:`DEFAULT_ACTION_OVERHEAD_S` (110 us: fitted the same way on two
+CPU ranks with FX programs, a price that also covers the step's time
+outside its actions), 0, :data:`DEFAULT_LINK_LATENCY_S` (150 us, gloo's
+measured transfer latency between two CPU ranks) and
+:data:`DEFAULT_LINK_BANDWIDTH` (1 GB/s).
 
 Data parallel: with a ``dp_group`` of d > 1 ranks (``mpmd.plan`` on a mesh
 with a "dp" dimension), the sheet's ``dp_size`` is d and its ``dp_latency``
@@ -96,7 +98,7 @@ import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 
-from torch_mpmd.planning.calibrate import RuntimeCosts, measure_runtime
+from torch_mpmd.planning.calibrate import RuntimeCosts, fit_sheet, measure_runtime
 from torch_mpmd.planning.sheet import CostSheet, Unit
 from torch_mpmd.planning.units import call_order, refine, too_big
 
@@ -606,6 +608,8 @@ def profile(model: torch.nn.Module, example_args: Any, example_kwargs: Mapping[s
                                  repeats=repeats, batch=batch, pp_size=pp, global_batch=gb,
                                  link=link, runtime=runtime, memory_limit=memory_limit,
                                  refine_units=units is None, dp=dp)
+                if compile is False:  # the calibration ran the programs the sheet timed
+                    sheet = fit_sheet(sheet, runtime, batch)
             except Exception as e:  # noqa: BLE001  (every rank raises it, below)
                 failure, raised = (type(e).__name__, str(e)), e
             else:
