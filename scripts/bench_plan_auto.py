@@ -143,6 +143,10 @@ def main() -> None:
     if rank == 0:
         print(f"planning: {first:.2f} s (profile + search), {second:.2f} s with the cached "
               "profile")
+        s = plan.sheet
+        print(f"profile's runtime constants: {s.action_overhead * 1e6:.0f} us per action "
+              f"(fitted), {s.step_overhead * 1e3:.2f} ms per step outside the actions, "
+              f"{s.link_latency * 1e6:.0f} us per transfer")
         print(plan.describe())
 
     pipes = {

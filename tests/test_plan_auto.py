@@ -6,6 +6,7 @@ process (units, bytes, the cache key)."""
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -271,3 +272,41 @@ def test_recompute_of_stages_cut_inside_a_unit():
     # A plan's nested split point on the static units (a plan read from JSON).
     assert stage_modules(["blocks.0", "blocks.1"], ["blocks.0.mlp"], [False, True]) == \
         ["blocks.0.mlp", "blocks.1"]
+
+
+def test_the_fitted_action_overhead_predicts_the_calibration_run():
+    from torch_mpmd.planning import CostSheet, Unit, evaluate_plan
+    from torch_mpmd.planning.calibrate import RuntimeCosts, fit_sheet
+
+    units = [Unit(f"blocks.{i}", 1e-3, 1e-3, 1e-3, forward_fixed=1e-4) for i in range(4)]
+    sheet = CostSheet(units=units, global_batch=8, pp_size=2, reference_microbatch=2,
+                      action_overhead=0.0, step_overhead=1e-3, link_latency=1e-4)
+
+    def step(overhead: float) -> float:
+        return evaluate_plan(dataclasses.replace(sheet, action_overhead=overhead), "1f1b",
+                             num_microbatches=4, split_points=["blocks.2"]).predicted_step_s
+
+    # A run that took what 300 us per action predicts: the fit finds 300 us.
+    costs = RuntimeCosts(action_overhead=5e-5, step_overhead=1e-3, transfer_latency=1e-4,
+                         split_points=("blocks.2",), steps=((4, step(3e-4)),))
+    fitted = fit_sheet(sheet, costs, batch=8)
+    assert fitted.action_overhead == pytest.approx(3e-4, rel=1e-6)
+    assert fitted.units == sheet.units
+    # A run faster than the timelines' own reading predicts: that reading stays.
+    costs = dataclasses.replace(costs, steps=((4, step(0.0)),))
+    assert fit_sheet(sheet, costs, batch=8).action_overhead == pytest.approx(5e-5)
+    assert fit_sheet(sheet, dataclasses.replace(costs, steps=()), batch=8) is sheet
+
+
+def test_unit_times_are_fitted_with_their_fixed_parts():
+    # 0.2 ms whatever the size, 0.5 ms per sample: at 4 samples 2.2 ms, 0.2 of it fixed.
+    assert profiling._affine([2.2e-3, 1.2e-3], [4, 2], 4) == pytest.approx((2.2e-3, 0.2e-3))
+    # A line below the origin: no fixed part, the line through the origin.
+    total, fixed = profiling._affine([2.0e-3, 0.8e-3], [4, 2], 4)
+    assert fixed == 0.0 and total == pytest.approx(4 * (2.0e-3 * 4 + 0.8e-3 * 2) / 20)
+    assert profiling._affine([1e-3], [4], 4) == (1e-3, 0.0)
+    assert profiling._sizes(None, 16, 2) == [4, 2] and profiling._sizes(None, 3, 2) == [1, 3]
+    from torch_mpmd.planning import Unit
+    with pytest.raises(ValueError, match=r"forward_fixed=0.002 must be at most units\[0\]"):
+        mpmd.planning.CostSheet(units=[Unit("a", 1e-3, 0, 0, forward_fixed=2e-3)],
+                                global_batch=1, pp_size=1)

@@ -277,6 +277,9 @@ class UnitCost:
     forward: float
     backward_input: float
     backward_weight: float
+    forward_fixed: float
+    backward_input_fixed: float
+    backward_weight_fixed: float
     saved_bytes: float
     param_bytes: float
     output_bytes: float

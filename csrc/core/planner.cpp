@@ -214,15 +214,16 @@ Staged stage(const CostSheet& sheet, const std::vector<int>& starts, double scal
     double f = 0, i = 0, w = 0, saved = 0, params = 0;
     for (int u = begin; u < end; ++u) {
       const UnitCost& c = sheet.units[u];
-      f += c.forward;
-      i += c.backward_input;
-      w += c.backward_weight;
+      // NOTE [Microbatch scaling]: the fixed part does not scale.
+      f += c.forward_fixed + (c.forward - c.forward_fixed) * scale;
+      i += c.backward_input_fixed + (c.backward_input - c.backward_input_fixed) * scale;
+      w += c.backward_weight_fixed + (c.backward_weight - c.backward_weight_fixed) * scale;
       saved += c.saved_bytes;
       params += c.param_bytes;
     }
-    st.F.push_back(f * scale);
-    st.I.push_back(i * scale);
-    st.W.push_back(w * scale);
+    st.F.push_back(f);
+    st.I.push_back(i);
+    st.W.push_back(w);
     st.saved.push_back(saved * scale);
     st.params.push_back(params);
     st.input.push_back((begin == 0 ? sheet.input_bytes : sheet.units[begin - 1].output_bytes) * scale);
@@ -462,6 +463,17 @@ void checkSheet(const CostSheet& sheet) {
     checkFinite(where + "forward", c.forward);
     checkFinite(where + "backward_input", c.backward_input);
     checkFinite(where + "backward_weight", c.backward_weight);
+    const std::pair<double, double> parts[] = {{c.forward_fixed, c.forward},
+                                               {c.backward_input_fixed, c.backward_input},
+                                               {c.backward_weight_fixed, c.backward_weight}};
+    const char* names[] = {"forward_fixed", "backward_input_fixed", "backward_weight_fixed"};
+    for (int k = 0; k < 3; ++k) {
+      checkFinite(where + names[k], parts[k].first);
+      if (parts[k].first > parts[k].second) {
+        throw std::invalid_argument(fmt::format("{}{}={} must be at most the time it is part of, {}",
+                                                where, names[k], parts[k].first, parts[k].second));
+      }
+    }
     checkFinite(where + "saved_bytes", c.saved_bytes);
     checkFinite(where + "param_bytes", c.param_bytes);
     checkFinite(where + "output_bytes", c.output_bytes);

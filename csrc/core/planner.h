@@ -32,9 +32,12 @@
 //
 // NOTE [Microbatch scaling]: a sheet's times and per-microbatch bytes are
 // measured (or computed) at reference_microbatch samples per microbatch. At
-// b = global_batch / m samples every time and every per-microbatch byte count
-// scales by b / reference_microbatch (linear: no fixed kernel cost; the fixed
-// cost per action is action_overhead, which does not scale).
+// b = global_batch / m samples every per-microbatch byte count scales by
+// b / reference_microbatch, and so does every time but its fixed part (a
+// unit's *_fixed: what its program costs whatever the size, e.g. the
+// dispatch of each of its operators, which dominates small microbatches):
+// t(b) = fixed + (t - fixed) * b / reference_microbatch. The runtime's own
+// cost per action is action_overhead, which does not scale either.
 //
 // NOTE [Planner memory model]: the predicted peak of rank r is
 //   static:      sum over its stages of param_bytes * (1 + grad_bytes_per_param_byte
@@ -124,6 +127,11 @@ struct UnitCost {
   double saved_bytes = 0.0;       // held from its forward to its backward, per microbatch
   double param_bytes = 0.0;       // its parameters
   double output_bytes = 0.0;      // what crosses a cut right after it, per microbatch
+  // Of each time above, the part that does not scale with the microbatch's
+  // size (NOTE [Microbatch scaling]); at most the time itself.
+  double forward_fixed = 0.0;
+  double backward_input_fixed = 0.0;
+  double backward_weight_fixed = 0.0;
 };
 
 struct CostSheet {

@@ -21,6 +21,9 @@ void bindSheet(py::module_& m) {
       .def_readwrite("forward", &UnitCost::forward)
       .def_readwrite("backward_input", &UnitCost::backward_input)
       .def_readwrite("backward_weight", &UnitCost::backward_weight)
+      .def_readwrite("forward_fixed", &UnitCost::forward_fixed)
+      .def_readwrite("backward_input_fixed", &UnitCost::backward_input_fixed)
+      .def_readwrite("backward_weight_fixed", &UnitCost::backward_weight_fixed)
       .def_readwrite("saved_bytes", &UnitCost::saved_bytes)
       .def_readwrite("param_bytes", &UnitCost::param_bytes)
       .def_readwrite("output_bytes", &UnitCost::output_bytes);

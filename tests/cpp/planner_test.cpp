@@ -84,6 +84,22 @@ TEST(Planner, TheStepOverheadAddsToEveryStepAndKeepsTheWinner) {
   EXPECT_NE(whatOf([&] { planPipeline(sheet); }).find("step_overhead=-1"), std::string::npos);
 }
 
+TEST(Planner, FixedTimesDoNotScaleWithTheMicrobatch) {
+  CostSheet sheet = sheetOf(2, 2, 8);
+  const Plan linear = evaluatePlan(sheet, "1f1b", 1, 8, {0, 2});  // 1 sample, the reference
+  const Plan linear_half = evaluatePlan(sheet, "1f1b", 1, 4, {0, 2});  // 2 samples
+  EXPECT_NEAR(linear_half.stage_seconds[0], 2 * linear.stage_seconds[0], 1e-12);
+  for (auto& u : sheet.units) {  // all fixed: a microbatch of any size costs the same
+    u.forward_fixed = u.forward;
+    u.backward_input_fixed = u.backward_input;
+    u.backward_weight_fixed = u.backward_weight;
+  }
+  EXPECT_NEAR(evaluatePlan(sheet, "1f1b", 1, 4, {0, 2}).stage_seconds[0], linear.stage_seconds[0], 1e-12);
+  sheet.units[1].forward_fixed = 2.0;  // above its forward, 1.0
+  EXPECT_NE(whatOf([&] { planPipeline(sheet); }).find("units[1] ('blocks.0').forward_fixed=2 must be at most"),
+            std::string::npos);
+}
+
 TEST(Planner, MemoryModelCountsStateActivationsAndBuffers) {
   // 2 ranks, 1F1B, one unit per stage, m = 2: rank 0 holds 2 forwards.
   CostSheet sheet;

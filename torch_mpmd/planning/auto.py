@@ -197,11 +197,15 @@ def replan_sheet(times: Mapping[int, Mapping[str, float]], *, profile_sheet: Cos
         f, i, w = fiw(s, pi / (pi + pw) if pi + pw > 0 else 0.5)
         for u in rng:
             p = profile_sheet.units[u]
+            forward = f * (p.forward / pf if pf > 0 else 1 / len(rng))
+            b_in = i * (p.backward_input / pi if pi > 0 else 1 / len(rng))
+            b_w = w * (p.backward_weight / pw if pw > 0 else 1 / len(rng))
             units[u] = dataclasses.replace(
-                p,
-                forward=f * (p.forward / pf if pf > 0 else 1 / len(rng)),
-                backward_input=i * (p.backward_input / pi if pi > 0 else 1 / len(rng)),
-                backward_weight=w * (p.backward_weight / pw if pw > 0 else 1 / len(rng)),
+                p, forward=forward, backward_input=b_in, backward_weight=b_w,
+                # The profile's fixed parts, within the measured times.
+                forward_fixed=min(p.forward_fixed, forward),
+                backward_input_fixed=min(p.backward_input_fixed, b_in),
+                backward_weight_fixed=min(p.backward_weight_fixed, b_w),
                 saved_bytes=p.saved_bytes * scale, output_bytes=p.output_bytes * scale)
     return dataclasses.replace(profile_sheet, units=tuple(units), global_batch=global_batch,
                                pp_size=pp_size, reference_microbatch=mb,

@@ -25,11 +25,16 @@ RECV's processing, the executor's bookkeeping). The gaps alone price an
 action at 37 us on the example GPT where the step says 127 us (BENCHMARKS.md,
 "The planner against measured steps"), and with them the planner
 under-prices schedules of many short actions: it chose 8 microbatches where
-4 ran faster. So the sheet's ``action_overhead`` is fitted
-(:func:`fit_sheet`): the price per action at which the planner's own
-prediction of the calibration run (the profile's unit costs, the measured
-step overhead and transfer latency, the same split and microbatches) equals
-its measured median step. Every plan is then predicted on that footing.
+4 ran faster. So :func:`fit_sheet` fits the price per action (at least the
+timelines' reading): the one at which the planner's own prediction of the
+calibration run (the profile's unit costs, the measured step overhead and
+transfer latency, the same split and microbatches) equals its measured
+median step. Every plan is then predicted on that footing. The fit also
+takes in that programs run slower beside the other ranks than alone, which
+grows with the work rather than the actions; a second run at half the
+microbatch, to tell the two apart, moved the price by hundreds of
+microseconds between identical calibrations on two shared cores (steps
+vary by a few percent), so one run it is.
 
 The calibration runs FX programs; a profile of compiled programs
 (``compile=``) keeps the measured constants unfitted, since compiling the
@@ -48,21 +53,21 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["RuntimeCosts", "fit_action_overhead", "measure_runtime"]
+__all__ = ["RuntimeCosts", "fit_action_overhead", "fit_sheet", "measure_runtime"]
 
 
 @dataclasses.dataclass(frozen=True)
 class RuntimeCosts:
-    """Seconds: per action, per step outside the actions, per transfer; and
-    the calibration run itself (its median step, split and microbatch count,
-    for :func:`fit_sheet`; a wall of 0: none ran)."""
+    """Seconds: per action (the timelines' reading), per step outside the
+    actions, per transfer; and the calibration run itself (its split, its
+    microbatch count and median step, for :func:`fit_sheet`; none: nothing
+    ran)."""
 
     action_overhead: float
     step_overhead: float
     transfer_latency: float
-    step_wall: float = 0.0
     split_points: tuple[str, ...] = ()
-    num_microbatches: int = 0
+    steps: tuple[tuple[int, float], ...] = ()
 
 
 def fit_action_overhead(schedule: Any, rows: Sequence[Any], wall_s: float, *,
@@ -79,13 +84,10 @@ def fit_action_overhead(schedule: Any, rows: Sequence[Any], wall_s: float, *,
                                  action_overhead_s=overhead_s, step_overhead_s=step_s,
                                  statistic="mean").makespan * 1e-3
 
-    lo, hi = 0.0, max(action_overhead(rows), 1e-6)
+    hi = max(action_overhead(rows), 1e-6)
     while predicted(hi) < wall_s and hi < 1.0:
         hi *= 2
-    for _ in range(40):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if predicted(mid) < wall_s else (lo, mid)
-    return (lo + hi) / 2
+    return _bisect(predicted, wall_s, 0.0, hi)
 
 
 def _message_bytes(pipe: Any) -> float:
@@ -99,9 +101,27 @@ def _message_bytes(pipe: Any) -> float:
     return statistics.fmean(cuts)
 
 
+def _timed_steps(pipe: Any, args: tuple, kwargs: dict, target: Any, steps: int
+                 ) -> tuple[list[float], list[Any]]:
+    """Two warm-up steps (capture, build, first transfers), then ``steps``
+    timed barrier to barrier: their walls and every rank's timelines."""
+    group = pipe._mpmd_group
+    walls, rows = [], []
+    for step in range(2 + steps):
+        dist.barrier(group=group)
+        start = time.perf_counter()
+        pipe.step(*args, **kwargs, target=target)
+        dist.barrier(group=group)
+        wall = time.perf_counter() - start
+        if step >= 2:
+            walls.append(wall)
+            rows.append(pipe.timelines())  # every rank's (collective)
+    return walls, rows
+
+
 def measure_runtime(model: torch.nn.Module, args: tuple, kwargs: dict, target: Any, *,
                     loss_fn: Any, group: Any, units: Sequence[str], num_microbatches: int,
-                    link: tuple[float, float], steps: int = 6) -> RuntimeCosts:
+                    link: tuple[float, float], steps: int = 10) -> RuntimeCosts:
     """The runtime's costs running ``model`` on ``group`` (a pipeline group of
     at least two ranks; collective over it): see the module docstring.
     ``units``: the profile's (the split cuts at every ``len(units) / p``-th);
@@ -116,19 +136,10 @@ def measure_runtime(model: torch.nn.Module, args: tuple, kwargs: dict, target: A
     buffers = [b.detach().clone() for b in model.buffers()]
     rng = torch.random.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
-    walls, rows = [], []
     try:
         pipe = pipeline(model, loss_fn=loss_fn, schedule="1f1b",
                         num_microbatches=num_microbatches, group=group, split_points=split)
-        for step in range(2 + steps):  # two warm-up steps: capture, build, first transfers
-            dist.barrier(group=group)
-            start = time.perf_counter()
-            pipe.step(*args, **kwargs, target=target)
-            dist.barrier(group=group)
-            wall = time.perf_counter() - start
-            if step >= 2:
-                walls.append(wall)
-                rows.append(pipe.timelines())  # every rank's (collective)
+        walls, rows = _timed_steps(pipe, args, kwargs, target, steps)
         message = _message_bytes(pipe)
     finally:
         with torch.no_grad():  # the calibration leaves no trace in the model
@@ -146,34 +157,48 @@ def measure_runtime(model: torch.nn.Module, args: tuple, kwargs: dict, target: A
     costs = RuntimeCosts(
         action_overhead=statistics.median(trace.action_overhead(r) for r in rows),
         step_overhead=statistics.median(trace.step_overhead(w, r) for w, r in zip(walls, rows)),
-        transfer_latency=latency, step_wall=statistics.median(walls),
-        split_points=tuple(split), num_microbatches=num_microbatches)
+        transfer_latency=latency, split_points=tuple(split),
+        steps=((num_microbatches, statistics.median(walls)),))
     # One answer for every rank (each timed its own walls): rank 0's.
     box = [costs]
     dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
     return box[0]
 
 
+def _bisect(f: Any, target: float, lo: float, hi: float) -> float:
+    """The x in [lo, hi] where the increasing ``f`` reaches ``target`` (an end
+    when it does not cross there)."""
+    if f(lo) >= target:
+        return lo
+    if f(hi) <= target:
+        return hi
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if f(mid) < target else (lo, mid)
+    return (lo + hi) / 2
+
+
 def fit_sheet(sheet: Any, costs: RuntimeCosts, batch: int) -> Any:
     """``sheet`` (measured units, the calibration's step and link constants)
     with the action overhead at which the planner's own prediction of the
-    calibration run (1F1B, its split, its microbatches of ``batch`` samples)
-    equals its measured median step: NOTE [Fitted action overhead]."""
+    calibration run (1F1B, its split, ``batch`` samples in its microbatches)
+    equals its measured median step, and at least what the timelines
+    measured (NOTE [Fitted action overhead])."""
     from torch_mpmd.planning.plan import evaluate_plan
 
-    if costs.step_wall <= 0 or not costs.num_microbatches:
+    if not costs.steps:
         return sheet
-    at = dataclasses.replace(sheet, global_batch=batch, memory_limit=0.0)
+    (m, wall), = costs.steps
+    # As the calibration ran: this batch, one replica (its pipeline group only).
+    at = dataclasses.replace(sheet, global_batch=batch, memory_limit=0.0, dp_size=1)
 
     def predicted(overhead_s: float) -> float:
         return evaluate_plan(dataclasses.replace(at, action_overhead=overhead_s), "1f1b",
-                             num_microbatches=costs.num_microbatches,
+                             num_microbatches=m,
                              split_points=list(costs.split_points)).predicted_step_s
 
-    lo, hi = 0.0, max(costs.action_overhead, 1e-6)
-    while predicted(hi) < costs.step_wall and hi < 1.0:
-        hi *= 2
-    for _ in range(40):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if predicted(mid) < costs.step_wall else (lo, mid)
-    return dataclasses.replace(sheet, action_overhead=(lo + hi) / 2)
+    top = max(costs.action_overhead, 1e-6)
+    while predicted(top) < wall and top < 1.0:
+        top *= 2
+    fitted = _bisect(predicted, wall, costs.action_overhead, top)
+    return dataclasses.replace(sheet, action_overhead=fitted)

@@ -204,8 +204,11 @@ def default_microbatch(batch: int, pp_size: int) -> int:
 
 
 def _sizes(microbatch_sizes: Any, batch: int, pp_size: int) -> list[int]:
-    if microbatch_sizes is None:
-        return [default_microbatch(batch, pp_size)]
+    if microbatch_sizes is None:  # the reference, and a second size for the fixed parts
+        ref = default_microbatch(batch, pp_size)
+        smaller = [d for d in _divisors(batch) if d < ref]
+        second = smaller[-1:] or [d for d in _divisors(batch) if d > ref][:1]
+        return [ref] + second
     sizes = [microbatch_sizes] if isinstance(microbatch_sizes, int) else list(microbatch_sizes)
     if not sizes:
         raise ValueError("microbatch_sizes=[] must name at least one size")
@@ -390,6 +393,24 @@ def _fit(values: Sequence[float], sizes: Sequence[int], at: int) -> float:
     return max(0.0, slope * at)
 
 
+def _affine(values: Sequence[float], sizes: Sequence[int], at: int) -> tuple[float, float]:
+    """A time at ``at`` samples and its fixed part: the least-squares line
+    ``fixed + slope * size`` over (size, value), the fixed part within [0,
+    the time] (through the origin, no fixed part, from one size or where
+    the line crosses below 0)."""
+    if len(set(sizes)) < 2:
+        return _fit(values, sizes, at), 0.0
+    n = len(sizes)
+    ms, mv = sum(sizes) / n, sum(values) / n
+    slope = (sum((s - ms) * (v - mv) for s, v in zip(sizes, values))
+             / sum((s - ms) ** 2 for s in sizes))
+    fixed = mv - slope * ms
+    if fixed < 0:
+        return _fit(values, sizes, at), 0.0
+    total = max(0.0, fixed + slope * at)
+    return total, min(fixed, total)
+
+
 def _ping_pong(group: Any, device: torch.device) -> tuple[float, float]:
     """(latency s, bandwidth B/s) between pipeline ranks 0 and 1 of ``group``
     (collective over those two; other ranks return zeros)."""
@@ -514,11 +535,13 @@ def _measure(model: torch.nn.Module, args: tuple, kwargs: dict, target: Any, *,
     out_units = []
     for u, name in enumerate(units):
         col = {k: [r[k][u] for r in per_size] for k in ("F", "B", "I", "W", "saved", "out")}
-        f, b = _fit(col["F"], sizes, ref), _fit(col["B"], sizes, ref)
-        i, w = _fit(col["I"], sizes, ref), _fit(col["W"], sizes, ref)
+        (f, f0), (b, b0) = _affine(col["F"], sizes, ref), _affine(col["B"], sizes, ref)
+        (i, i0), (w, w0) = _affine(col["I"], sizes, ref), _affine(col["W"], sizes, ref)
         scale = b / (i + w) if i + w > 0 else 0.0  # I + W = B, their ratio kept
         out_units.append(Unit(name=name, forward=f, backward_input=i * scale,
                               backward_weight=w * scale if i + w > 0 else b,
+                              forward_fixed=f0, backward_input_fixed=i0 * scale,
+                              backward_weight_fixed=w0 * scale if i + w > 0 else b0,
                               saved_bytes=_fit(col["saved"], sizes, ref),
                               param_bytes=float(per_size[0]["params"][u]),
                               output_bytes=(_fit(col["out"], sizes, ref)

@@ -3,7 +3,8 @@
 A sheet is what the planner (csrc/core/planner.h) plans from: written by hand,
 computed from FLOPs (scripts/plan_on_paper.py) or, later, measured. Times are
 seconds per microbatch at ``reference_microbatch`` samples and scale linearly
-with the microbatch (NOTE [Microbatch scaling] in csrc/core/planner.h); bytes
+with the microbatch but for their fixed parts (NOTE [Microbatch scaling] in
+csrc/core/planner.h); bytes
 per microbatch (``saved_bytes``, ``output_bytes``, ``input_bytes``) scale the
 same way, parameter bytes do not.
 
@@ -77,6 +78,9 @@ class Unit:
     microbatch (B = I + W). ``saved_bytes``: what its forward keeps for its
     backward, per microbatch. ``param_bytes``: its parameters.
     ``output_bytes``: what crosses a cut right after it, per microbatch.
+    ``forward_fixed``, ``backward_input_fixed``, ``backward_weight_fixed``:
+    the part of each time that does not scale with the microbatch's size
+    (NOTE [Microbatch scaling] in csrc/core/planner.h; 0: linear).
     """
 
     name: str
@@ -86,12 +90,19 @@ class Unit:
     saved_bytes: float = 0.0
     param_bytes: float = 0.0
     output_bytes: float = 0.0
+    forward_fixed: float = 0.0
+    backward_input_fixed: float = 0.0
+    backward_weight_fixed: float = 0.0
 
     def _checked(self, where: str) -> "Unit":
         if not isinstance(self.name, str) or not self.name:
             raise ValueError(f"{where}.name={self.name!r} must be a non-empty string")
         values = {f.name: _number(f"{where}.{f.name}", getattr(self, f.name))
                   for f in dataclasses.fields(self) if f.name != "name"}
+        for kind in ("forward", "backward_input", "backward_weight"):
+            if values[kind + "_fixed"] > values[kind]:
+                raise ValueError(f"{where}.{kind}_fixed={values[kind + '_fixed']!r} must be at "
+                                 f"most {where}.{kind}={values[kind]!r}, the time it is part of")
         return Unit(self.name, **values)
 
     @classmethod
