@@ -296,6 +296,13 @@ def test_the_fitted_action_overhead_predicts_the_calibration_run():
     costs = dataclasses.replace(costs, steps=((4, step(0.0)),))
     assert fit_sheet(sheet, costs, batch=8).action_overhead == pytest.approx(5e-5)
     assert fit_sheet(sheet, dataclasses.replace(costs, steps=()), batch=8) is sheet
+    # The run's compute actions took 1.2x what the profile predicts of them
+    # (4 microbatches of 2 samples, the reference: 4 units x 3 ms each): the
+    # units' times, fixed parts included, scale by 1.2 before the fit.
+    slow = fit_sheet(sheet, dataclasses.replace(costs, compute_seconds=1.2 * 4 * 4 * 3e-3),
+                     batch=8)
+    assert [u.forward for u in slow.units] == pytest.approx([1.2e-3] * 4)
+    assert [u.forward_fixed for u in slow.units] == pytest.approx([1.2e-4] * 4)
 
 
 def test_unit_times_are_fitted_with_their_fixed_parts():

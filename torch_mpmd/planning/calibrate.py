@@ -29,12 +29,16 @@ under-prices schedules of many short actions: it chose 8 microbatches where
 timelines' reading): the one at which the planner's own prediction of the
 calibration run (the profile's unit costs, the measured step overhead and
 transfer latency, the same split and microbatches) equals its measured
-median step. Every plan is then predicted on that footing. The fit also
-takes in that programs run slower beside the other ranks than alone, which
-grows with the work rather than the actions; a second run at half the
-microbatch, to tell the two apart, moved the price by hundreds of
-microseconds between identical calibrations on two shared cores (steps
-vary by a few percent), so one run it is.
+median step. Every plan is then predicted on that footing. Before that fit,
+the units' times are scaled by one factor, the run's compute actions' spans
+over the profile's prediction of them: the programs run slower beside the
+other ranks than alone (on two shared CPU cores, 10-15%), which grows with
+the work and not with the actions, and a price per action that took it in
+came out at 300-600 us and made the planner choose the fewest microbatches.
+A second run at half the microbatch, to tell the two apart from steps
+alone, moved the price by hundreds of microseconds between identical
+calibrations (steps vary by a few percent); the spans, summed over every
+action of every step, do not.
 
 The calibration runs FX programs; a profile of compiled programs
 (``compile=``) keeps the measured constants unfitted, since compiling the
@@ -68,6 +72,7 @@ class RuntimeCosts:
     transfer_latency: float
     split_points: tuple[str, ...] = ()
     steps: tuple[tuple[int, float], ...] = ()
+    compute_seconds: float = 0.0    # a step's compute actions' spans, all ranks, median
 
 
 def fit_action_overhead(schedule: Any, rows: Sequence[Any], wall_s: float, *,
@@ -158,7 +163,10 @@ def measure_runtime(model: torch.nn.Module, args: tuple, kwargs: dict, target: A
         action_overhead=statistics.median(trace.action_overhead(r) for r in rows),
         step_overhead=statistics.median(trace.step_overhead(w, r) for w, r in zip(walls, rows)),
         transfer_latency=latency, split_points=tuple(split),
-        steps=((num_microbatches, statistics.median(walls)),))
+        steps=((num_microbatches, statistics.median(walls)),),
+        compute_seconds=statistics.median(
+            sum(end - start for row in r for action, start, end in row if action.is_compute)
+            for r in rows))
     # One answer for every rank (each timed its own walls): rank 0's.
     box = [costs]
     dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
@@ -178,27 +186,43 @@ def _bisect(f: Any, target: float, lo: float, hi: float) -> float:
     return (lo + hi) / 2
 
 
+_TIMES = ("forward", "backward_input", "backward_weight", "forward_fixed",
+          "backward_input_fixed", "backward_weight_fixed")
+
+
 def fit_sheet(sheet: Any, costs: RuntimeCosts, batch: int) -> Any:
     """``sheet`` (measured units, the calibration's step and link constants)
-    with the action overhead at which the planner's own prediction of the
-    calibration run (1F1B, its split, ``batch`` samples in its microbatches)
-    equals its measured median step, and at least what the timelines
-    measured (NOTE [Fitted action overhead])."""
+    fitted to the calibration run (NOTE [Fitted action overhead]): its unit
+    times scaled to the compute the run's actions measured, and the action
+    overhead at which the planner's own prediction of the run (1F1B, its
+    split, ``batch`` samples in its microbatches) equals its measured median
+    step, at least what the timelines measured."""
     from torch_mpmd.planning.plan import evaluate_plan
 
     if not costs.steps:
         return sheet
     (m, wall), = costs.steps
+    split = list(costs.split_points)
     # As the calibration ran: this batch, one replica (its pipeline group only).
     at = dataclasses.replace(sheet, global_batch=batch, memory_limit=0.0, dp_size=1)
+    # The profile's compute of the run: every unit's F, I and W per microbatch
+    # (NOTE [Microbatch scaling]), times the microbatches.
+    ratio = batch / m / sheet.reference_microbatch
+    profiled = m * sum(getattr(u, kind + "_fixed") + (getattr(u, kind) - getattr(u, kind + "_fixed"))
+                       * ratio for u in sheet.units
+                       for kind in ("forward", "backward_input", "backward_weight"))
+    scale = min(2.0, max(0.5, costs.compute_seconds / profiled)) \
+        if costs.compute_seconds > 0 and profiled > 0 else 1.0
+    units = [dataclasses.replace(u, **{name: getattr(u, name) * scale for name in _TIMES})
+             for u in sheet.units]
+    at = dataclasses.replace(at, units=units)
 
     def predicted(overhead_s: float) -> float:
         return evaluate_plan(dataclasses.replace(at, action_overhead=overhead_s), "1f1b",
-                             num_microbatches=m,
-                             split_points=list(costs.split_points)).predicted_step_s
+                             num_microbatches=m, split_points=split).predicted_step_s
 
     top = max(costs.action_overhead, 1e-6)
     while predicted(top) < wall and top < 1.0:
         top *= 2
     fitted = _bisect(predicted, wall, costs.action_overhead, top)
-    return dataclasses.replace(sheet, action_overhead=fitted)
+    return dataclasses.replace(sheet, units=units, action_overhead=fitted)
