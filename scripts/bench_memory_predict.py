@@ -10,8 +10,8 @@ activations walked over the rank's program, transfer buffers), and the
 pipeline runs the same plan for two steps with AdamW. Measured per rank:
 the bytes of the rank's parameters, their gradients and AdamW's states (read
 off the tensors), plus the peak bytes held for backward (``last_step_stats
-["peak_activation_bytes"]``, the stage programs' saved tensors; with two
-stages on a rank the sum of their peaks, an upper bound). Prints schedule,
+["peak_held_bytes"]``, the stage programs' saved tensors over all the
+rank's stages at once). Prints schedule,
 rank, predicted, measured, predicted / measured.
 """
 
@@ -80,7 +80,7 @@ def main() -> None:
         grads = [p.grad for p in params if p.grad is not None]
         states = [t for s in opt.state.values() for t in s.values()
                   if isinstance(t, torch.Tensor) and t.dim() > 0]
-        held = sum(pipe.last_step_stats["peak_activation_bytes"].values())
+        held = pipe.last_step_stats["peak_held_bytes"]
         measured = _bytes(params) + _bytes(grads) + _bytes(states) + held
         mine = [schedule, rank, plan.predicted_peak_bytes[rank], measured, held]
         every = [None] * pp

@@ -90,11 +90,11 @@ def measured_peak(pipe: Any) -> int:
     """The largest rank's bytes at its peak, as the planner counts them: its
     parameters, their gradients, AdamW's two fp32 states (2 x the parameters'
     fp32 bytes, not allocated here), and the peak bytes held for backward in
-    the last step (summed over the rank's stages: an upper bound)."""
+    the last step (over all the rank's stages at once: ``peak_held_bytes``)."""
     params = list(pipe.parameters())
     weights = sum(p.numel() * p.element_size() for p in params)
     adamw = sum(2 * p.numel() * 4 for p in params)
-    held = sum(pipe.last_step_stats["peak_activation_bytes"].values())
+    held = pipe.last_step_stats["peak_held_bytes"]
     peak = torch.tensor([weights * 2 + adamw + held], dtype=torch.int64)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     return int(peak)

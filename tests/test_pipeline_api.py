@@ -183,6 +183,9 @@ def test_step_trace_covers_every_action_and_exports_chrome_json_and_png(tmp_path
     assert 0.0 <= stats["bubble_fraction"] < 1.0 and stats["compute_s"] <= stats["span_s"]
     assert set(stats["peak_activation_bytes"]) == {0, 1}
     assert all(b > 0 for b in stats["peak_activation_bytes"].values())
+    # The rank's peak over both its stages at once: at least either's, at most both.
+    peaks = stats["peak_activation_bytes"].values()
+    assert max(peaks) <= stats["peak_held_bytes"] <= sum(peaks), stats
     (row,) = pipe.timelines()
     assert [t for t, _, _ in row] == pipe.schedule.actions[0]
     assert all(s <= e for _, s, e in row)
@@ -203,6 +206,7 @@ def test_activation_bytes_follow_the_schedules_live_forwards():
                              schedule=name)
         pipe.step(x, target=y)
         peaks[name] = pipe.last_step_stats["peak_activation_bytes"][0]
+        assert pipe.last_step_stats["peak_held_bytes"] == peaks[name]  # the one stage's
     # One stage on one rank: GPipe holds all 8 forwards, 1F1B one at a time.
     assert peaks["gpipe"] > 6 * peaks["1f1b"]
 

@@ -588,6 +588,8 @@ class Pipeline(torch.nn.Module):
         ``peak_live_forwards`` (forwards held before their backward),
         ``peak_buffered`` values, ``peak_state_values`` (values held for
         backward by the executor), ``peak_activation_bytes`` per local stage,
+        ``peak_held_bytes`` (the same over all local stages at once: the
+        rank's peak, at most the sum of the stages' peaks),
         ``span_s``, ``compute_s`` and the measured ``bubble_fraction``
         (:func:`torch_mpmd.trace.step_metrics`), ``microbatch_shapes`` (the
         shape of each microbatch's first tensor input: the lengths of

@@ -542,13 +542,13 @@ def _measure(model: torch.nn.Module, args: tuple, kwargs: dict, target: Any, *,
                               backward_weight=w * scale if i + w > 0 else b,
                               forward_fixed=f0, backward_input_fixed=i0 * scale,
                               backward_weight_fixed=w0 * scale if i + w > 0 else b0,
-                              saved_bytes=_fit(col["saved"], sizes, ref),
+                              saved_bytes=_affine(col["saved"], sizes, ref)[0],
                               param_bytes=float(per_size[0]["params"][u]),
-                              output_bytes=(_fit(col["out"], sizes, ref)
+                              output_bytes=(_affine(col["out"], sizes, ref)[0]
                                             if u < len(units) - 1 else 0.0)))
     return CostSheet(
         units=out_units, global_batch=global_batch, pp_size=pp_size, reference_microbatch=ref,
-        input_bytes=_fit([r["input"] for r in per_size], sizes, ref),
+        input_bytes=_affine([r["input"] for r in per_size], sizes, ref)[0],
         action_overhead=runtime.action_overhead, step_overhead=runtime.step_overhead,
         link_latency=runtime.transfer_latency,
         link_bandwidth=link[1], memory_limit=memory_limit, dp_size=dp[0], dp_latency=dp[1],

@@ -285,10 +285,7 @@ class ProgramRunner(StageRunner):
                 outs = self._run_forward(prog, args)
         else:
             outs = self._run_forward(prog, args)
-        live = self.live_bytes[stage] + prog.saved_bytes
-        self.live_bytes[stage] = live
-        if live > self.peak_bytes[stage]:
-            self.peak_bytes[stage] = live
+        self._hold(stage, prog.saved_bytes)
         saved = list(outs[plan.saved_from:])
         if prog.saved_sizes:
             _box(saved, prog.saved_sizes)
@@ -354,10 +351,7 @@ class ProgramRunner(StageRunner):
                   ) -> tuple[dict[int, torch.Tensor], list[torch.Tensor] | None]:
         if input_only:
             # The forward's saved values go now; the carry lives until W.
-            live = self.live_bytes[stage] + prog.carry_bytes - prog.saved_bytes
-            self.live_bytes[stage] = live
-            if live > self.peak_bytes[stage]:
-                self.peak_bytes[stage] = live
+            self._hold(stage, prog.carry_bytes - prog.saved_bytes)
             if prog.saved_sizes:
                 state = _unbox(state, prog.saved_sizes)
             outs = prog.input_backward(*state, *tangents)
@@ -366,7 +360,7 @@ class ProgramRunner(StageRunner):
             if prog.carry_sizes:
                 _box(carry, prog.carry_sizes)
             return dict(zip(prog.i_input_slots, outs[:n])), carry
-        self.live_bytes[stage] -= prog.saved_bytes
+        self._hold(stage, -prog.saved_bytes)
         if prog.saved_sizes:
             state = _unbox(state, prog.saved_sizes)
         outs = prog.backward(*state, *tangents)
@@ -381,7 +375,7 @@ class ProgramRunner(StageRunner):
         if not self._functional:
             return super().backward_weight(stage, mb)
         prog = self.programs[stage]
-        self.live_bytes[stage] -= prog.carry_bytes
+        self._hold(stage, -prog.carry_bytes)
         if prog.carry_sizes:
             carry = _unbox(carry, prog.carry_sizes)
         if torch.is_grad_enabled() or torch.autograd.profiler._is_profiler_enabled:

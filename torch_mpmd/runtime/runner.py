@@ -284,8 +284,20 @@ class StageRunner:
         # (tensors saved for backward, parameters and buffers excluded).
         self.live_bytes: dict[int, int] = {s: 0 for s in self.stages}
         self.peak_bytes: dict[int, int] = {s: 0 for s in self.stages}
+        self.live_total = self.peak_total = 0  # the same over all local stages at once
         self.error: BaseException | None = None
         self.begin_step([], [], None, 0, 0, training=True)
+
+    def _hold(self, stage: int, delta: int) -> None:
+        """``delta`` bytes more (or fewer) held for ``stage``'s backward: the
+        stage's and the rank's counts now and at their peaks."""
+        live = self.live_bytes[stage] + delta
+        self.live_bytes[stage] = live
+        if live > self.peak_bytes[stage]:
+            self.peak_bytes[stage] = live
+        self.live_total += delta
+        if self.live_total > self.peak_total:
+            self.peak_total = self.live_total
 
     # ------------------------------------------------------------ per step
     def begin_step(self, inputs: Sequence[Mapping[str, Any]], targets: Sequence[Any],
@@ -317,6 +329,7 @@ class StageRunner:
         self.error = None
         self.live_bytes = {s: 0 for s in self.stages}
         self.peak_bytes = {s: 0 for s in self.stages}
+        self.live_total = self.peak_total = 0
         self._loss_grad_value: torch.Tensor | None = None  # (_loss_grad)
         # Stages reading a user input that requires grad (the compile door's
         # inputs): their backward is never split, so the input's gradient
@@ -459,10 +472,7 @@ class StageRunner:
         if training:
             self._saved[(stage, mb)] = _Saved(leaves, roots, root_nodes, measured, zs,
                                               xs=xs)
-            live = self.live_bytes[stage] + measured
-            self.live_bytes[stage] = live
-            if live > self.peak_bytes[stage]:
-                self.peak_bytes[stage] = live
+            self._hold(stage, measured)
         if draws is None:  # NOTE [Seeding only random stages]
             after = _rng_states()
             self._draws_rng[rng_key] = len(after) != len(rng_before) or any(
@@ -542,7 +552,7 @@ class StageRunner:
             return self._whole_backward_as_input(stage, mb, grads)
         saved = self._saved[(stage, mb)] if input_only else self._saved.pop((stage, mb))
         if not input_only:
-            self.live_bytes[stage] -= saved.saved_bytes
+            self._hold(stage, -saved.saved_bytes)
         if stage == self.num_stages - 1 and not self.outputs_as_roots:
             loss = saved.roots[0]
             roots, root_grads = (loss,), (self._loss_grad(loss),)
@@ -622,7 +632,7 @@ class StageRunner:
         if self.sharded is not None:
             self.sharded.ready(stage)
         saved = self._saved.pop((stage, mb))
-        self.live_bytes[stage] -= saved.saved_bytes
+        self._hold(stage, -saved.saved_bytes)
         weights = self.stages[stage].weights
         wplan = self.stages[stage].wplan
         if saved.dzs and wplan is not None and wplan.can_accumulate(saved.zs, saved.dzs,

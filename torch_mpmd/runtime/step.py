@@ -80,7 +80,8 @@ class CallHistory:
         record = trace.StepRecord(kind, int(rt.runner.step), rt.rank, rt.programs(kind),
                                   executor.trace_array, executor.counters,
                                   dict(rt.runner.peak_bytes),
-                                  tuple(_first_shape(named) for named in rt.runner.inputs))
+                                  tuple(_first_shape(named) for named in rt.runner.inputs),
+                                  peak_held_bytes=rt.runner.peak_total)
         self.records.append(record)
         self.last = record
         self._last_stats = None

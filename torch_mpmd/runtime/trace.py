@@ -132,6 +132,7 @@ class StepRecord:
     # Per microbatch, the shape of its first tensor input: the sizes of
     # explicit microbatches of different lengths ("0F3" is microbatch 3's).
     microbatch_shapes: tuple[tuple[int, ...], ...] = ()
+    peak_held_bytes: int = 0                # over all local stages at once
 
     @property
     def program(self) -> Sequence[Action]:
@@ -149,6 +150,7 @@ class StepRecord:
                 "peak_buffered": self.counters["peak_buffered"],
                 "peak_state_values": self.counters["peak_state_values"],
                 "peak_activation_bytes": dict(self.peak_activation_bytes),
+                "peak_held_bytes": self.peak_held_bytes,
                 "microbatch_shapes": [list(shape) for shape in self.microbatch_shapes],
                 **step_metrics(self.row())}
 
