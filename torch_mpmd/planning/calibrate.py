@@ -49,10 +49,11 @@ profile), for scripts/bench_predict.py.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import statistics
 import time
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -93,6 +94,27 @@ def fit_action_overhead(schedule: Any, rows: Sequence[Any], wall_s: float, *,
     while predicted(hi) < wall_s and hi < 1.0:
         hi *= 2
     return _bisect(predicted, wall_s, 0.0, hi)
+
+
+@contextlib.contextmanager
+def model_state_kept(model: torch.nn.Module) -> Iterator[None]:
+    """Within the block, the model may run (forward, backward): after it, its
+    parameters' gradients, its buffers and the RNG states are as before."""
+    grads = {p: p.grad for p in model.parameters()}
+    buffers = [b.detach().clone() for b in model.buffers()]
+    rng = torch.random.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for p, g in grads.items():
+                p.grad = g
+            for b, was in zip(model.buffers(), buffers):
+                b.copy_(was)
+        torch.random.set_rng_state(rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
 
 
 def _message_bytes(pipe: Any) -> float:
@@ -137,24 +159,11 @@ def measure_runtime(model: torch.nn.Module, args: tuple, kwargs: dict, target: A
 
     pp = dist.get_world_size(group)
     split = [units[len(units) * k // pp] for k in range(1, pp)]
-    grads = {p: p.grad for p in model.parameters()}
-    buffers = [b.detach().clone() for b in model.buffers()]
-    rng = torch.random.get_rng_state()
-    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
-    try:
+    with model_state_kept(model):  # the calibration leaves no trace in the model
         pipe = pipeline(model, loss_fn=loss_fn, schedule="1f1b",
                         num_microbatches=num_microbatches, group=group, split_points=split)
         walls, rows = _timed_steps(pipe, args, kwargs, target, steps)
         message = _message_bytes(pipe)
-    finally:
-        with torch.no_grad():  # the calibration leaves no trace in the model
-            for p, g in grads.items():
-                p.grad = g
-            for b, was in zip(model.buffers(), buffers):
-                b.copy_(was)
-        torch.random.set_rng_state(rng)
-        if cuda_rng is not None:
-            torch.cuda.set_rng_state_all(cuda_rng)
     latency, bandwidth = link
     arrivals = [t for r in rows for t in trace.transfer_latencies(r)]
     if arrivals:  # what a message takes beyond its bytes on the link

@@ -98,7 +98,8 @@ import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 
-from torch_mpmd.planning.calibrate import RuntimeCosts, fit_sheet, measure_runtime
+from torch_mpmd.planning.calibrate import (RuntimeCosts, fit_sheet, measure_runtime,
+                                           model_state_kept)
 from torch_mpmd.planning.sheet import CostSheet, Unit
 from torch_mpmd.planning.units import call_order, refine, too_big
 
@@ -493,10 +494,6 @@ def _measure(model: torch.nn.Module, args: tuple, kwargs: dict, target: Any, *,
     from torch_mpmd.microbatch import first_microbatch, split_tree
 
     global measurements
-    grads = {p: p.grad for p in model.parameters()}
-    buffers = [b.detach().clone() for b in model.buffers()]
-    rng = torch.random.get_rng_state()
-    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
 
     def measure_units(names: list[str]) -> list[dict[str, Any]]:
         per_size = []
@@ -509,7 +506,7 @@ def _measure(model: torch.nn.Module, args: tuple, kwargs: dict, target: Any, *,
                                         compile=compile, repeats=repeats))
         return per_size
 
-    try:
+    with model_state_kept(model):  # the profile leaves no trace in the model
         per_size = measure_units(units)
         # NOTE [Refined units]: a unit costing more than a balanced stage
         # (the total over p) is cut one level down where its submodules
@@ -521,15 +518,6 @@ def _measure(model: torch.nn.Module, args: tuple, kwargs: dict, target: Any, *,
             finer = refine(model, order, units, which)
             if finer != units:
                 units, per_size = finer, measure_units(finer)
-    finally:
-        with torch.no_grad():  # the profile leaves no trace in the model
-            for p, g in grads.items():
-                p.grad = g
-            for b, was in zip(model.buffers(), buffers):
-                b.copy_(was)
-        torch.random.set_rng_state(rng)
-        if cuda_rng is not None:
-            torch.cuda.set_rng_state_all(cuda_rng)
     measurements += 1
     ref = sizes[0]
     out_units = []
