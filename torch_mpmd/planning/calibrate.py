@@ -154,14 +154,15 @@ def measure_runtime(model: torch.nn.Module, args: tuple, kwargs: dict, target: A
     ``units``: the profile's (the split cuts at every ``len(units) / p``-th);
     ``link``: the ping-pong's (latency s, bandwidth B/s). The model's
     gradients, buffers and the RNG state are left as they were."""
-    from torch_mpmd.api import pipeline
+    import torch_mpmd  # (its public pipeline(): api imports planning, not the reverse)
     from torch_mpmd.runtime import trace
 
     pp = dist.get_world_size(group)
     split = [units[len(units) * k // pp] for k in range(1, pp)]
     with model_state_kept(model):  # the calibration leaves no trace in the model
-        pipe = pipeline(model, loss_fn=loss_fn, schedule="1f1b",
-                        num_microbatches=num_microbatches, group=group, split_points=split)
+        pipe = torch_mpmd.pipeline(model, loss_fn=loss_fn, schedule="1f1b",
+                                   num_microbatches=num_microbatches, group=group,
+                                   split_points=split)
         walls, rows = _timed_steps(pipe, args, kwargs, target, steps)
         message = _message_bytes(pipe)
     latency, bandwidth = link
