@@ -209,6 +209,32 @@ def refined(case: dict[str, Any]) -> dict[str, Any]:
     return res
 
 
+def hf_llama(case: dict[str, Any]) -> dict[str, Any]:
+    """A Hugging Face Llama (its units: the embedding, the decoder layers, the
+    final norm with the head), planned with its keyword input and trained
+    with the plan like one process."""
+    from token_worker import tiny_llama
+
+    _cache()
+
+    def hf_loss(out: Any, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(out.logits.flatten(0, 1), y.flatten())
+
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randint(0, 64, (8, 8), generator=g), torch.randint(0, 64, (8, 8), generator=g)
+    plan = mpmd.plan(tiny_llama(), (x,), {"use_cache": False}, loss_fn=hf_loss, target=y)
+    pipe = mpmd.pipeline(tiny_llama(), loss_fn=hf_loss, plan=plan)
+    ref = tiny_llama()
+    want = hf_loss(ref(x, use_cache=False), y)
+    want.backward()
+    got = pipe.step(x, use_cache=False, target=y)
+    grads = dict(ref.named_parameters())
+    return {"units": [u.name for u in plan.sheet.units], "plan": plan.to_dict() | {"search": None},
+            "loss": _diff(got, want),
+            "grads": {n: _diff(p.grad, grads[n].grad)
+                      for n, p in pipe.named_parameters(remove_duplicate=False)}}
+
+
 def door(case: dict[str, Any]) -> dict[str, Any]:
     """``torch.compile(fn, backend="mpmd", options={"plan": "auto", ...})``: the
     first training call profiles and plans (the schedule option kept as a
@@ -283,7 +309,7 @@ def door(case: dict[str, Any]) -> dict[str, Any]:
 def grid(cases: list[dict[str, Any]]) -> dict[str, Any]:
     try:
         return run_grid(cases, {"train": train, "limits": limits, "door": door,
-                               "refined": refined})
+                               "refined": refined, "hf_llama": hf_llama})
     finally:
         for path in _MADE:  # rank 0 made them
             shutil.rmtree(path, ignore_errors=True)

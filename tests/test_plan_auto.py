@@ -25,7 +25,8 @@ SCHEDULES = ["1f1b", "zbv"]
 DOOR = [dict(id="door-mean-1f1b", kind="door", options={"schedule": "1f1b"}),
         dict(id="door-pair", kind="door", loss="pair")]
 CASES = ([dict(id=s, kind="train", schedule=s) for s in SCHEDULES]
-         + [dict(id="limits", kind="limits"), dict(id="refined", kind="refined")] + DOOR)
+         + [dict(id="limits", kind="limits"), dict(id="refined", kind="refined"),
+            dict(id="hf_llama", kind="hf_llama")] + DOOR)
 _GRID = GridRun(2, "plan_worker:grid", CASES, task="plans", timeout=300)
 
 
@@ -87,6 +88,17 @@ def test_a_unit_costing_more_than_a_stage_is_cut_at_its_head():
     # Stage 0 (everything before the head) recomputes: it holds fewer bytes.
     plain, recomputing = r0["at_head"]["held"], r0["at_head_recompute"]["held"]
     assert recomputing["0"] < plain["0"], (plain, recomputing)
+
+
+def test_a_hugging_face_llama_is_planned_and_trains_like_one_process():
+    r0, r1 = _GRID.results("hf_llama")
+    assert r0["units"] == ["model.embed_tokens"] + [f"model.layers.{i}" for i in range(4)] + \
+        ["model.norm"], r0["units"]
+    assert r0["plan"] == r1["plan"], (r0["plan"], r1["plan"])
+    for rank, r in enumerate((r0, r1)):
+        assert r["loss"] <= 1, f"rank {rank}: loss off by {r['loss']}"
+        bad = {n: d for n, d in r["grads"].items() if d > 1}
+        assert r["grads"] and not bad, f"rank {rank}: gradients (inf: missing) {bad}"
 
 
 @pytest.mark.parametrize("case", DOOR, ids=[c["id"] for c in DOOR])
