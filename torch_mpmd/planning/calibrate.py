@@ -128,11 +128,11 @@ def _message_bytes(pipe: Any) -> float:
     return statistics.fmean(cuts)
 
 
-def _timed_steps(pipe: Any, args: tuple, kwargs: dict, target: Any, steps: int
+def _timed_steps(pipe: Any, group: Any, args: tuple, kwargs: dict, target: Any, steps: int
                  ) -> tuple[list[float], list[Any]]:
     """Two warm-up steps (capture, build, first transfers), then ``steps``
-    timed barrier to barrier: their walls and every rank's timelines."""
-    group = pipe._mpmd_group
+    timed barrier to barrier on ``group``: their walls and every rank's
+    timelines."""
     walls, rows = [], []
     for step in range(2 + steps):
         dist.barrier(group=group)
@@ -163,12 +163,13 @@ def measure_runtime(model: torch.nn.Module, args: tuple, kwargs: dict, target: A
         pipe = torch_mpmd.pipeline(model, loss_fn=loss_fn, schedule="1f1b",
                                    num_microbatches=num_microbatches, group=group,
                                    split_points=split)
-        walls, rows = _timed_steps(pipe, args, kwargs, target, steps)
+        walls, rows = _timed_steps(pipe, group, args, kwargs, target, steps)
         message = _message_bytes(pipe)
     latency, bandwidth = link
     arrivals = [t for r in rows for t in trace.transfer_latencies(r)]
     if arrivals:  # what a message takes beyond its bytes on the link
-        latency = max(latency, statistics.median(arrivals) - message / bandwidth)
+        on_link = message / bandwidth if bandwidth > 0 else 0.0
+        latency = max(latency, statistics.median(arrivals) - on_link)
     costs = RuntimeCosts(
         action_overhead=statistics.median(trace.action_overhead(r) for r in rows),
         step_overhead=statistics.median(trace.step_overhead(w, r) for w, r in zip(walls, rows)),
