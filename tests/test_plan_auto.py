@@ -300,14 +300,14 @@ def test_the_fitted_action_overhead_predicts_the_calibration_run():
 
     # A run that took what 300 us per action predicts: the fit finds 300 us.
     costs = RuntimeCosts(action_overhead=5e-5, step_overhead=1e-3, transfer_latency=1e-4,
-                         split_points=("blocks.2",), steps=((4, step(3e-4)),))
+                         split_points=("blocks.2",), num_microbatches=4, step_wall=step(3e-4))
     fitted = fit_sheet(sheet, costs, batch=8)
     assert fitted.action_overhead == pytest.approx(3e-4, rel=1e-6)
     assert fitted.units == sheet.units
     # A run faster than the timelines' own reading predicts: that reading stays.
-    costs = dataclasses.replace(costs, steps=((4, step(0.0)),))
+    costs = dataclasses.replace(costs, step_wall=step(0.0))
     assert fit_sheet(sheet, costs, batch=8).action_overhead == pytest.approx(5e-5)
-    assert fit_sheet(sheet, dataclasses.replace(costs, steps=()), batch=8) is sheet
+    assert fit_sheet(sheet, dataclasses.replace(costs, num_microbatches=0), batch=8) is sheet
     # The run's compute actions took 1.2x what the profile predicts of them
     # (4 microbatches of 2 samples, the reference: 4 units x 3 ms each): the
     # units' times, fixed parts included, scale by 1.2 before the fit.

@@ -65,14 +65,14 @@ __all__ = ["RuntimeCosts", "fit_action_overhead", "fit_sheet", "measure_runtime"
 class RuntimeCosts:
     """Seconds: per action (the timelines' reading), per step outside the
     actions, per transfer; and the calibration run itself (its split, its
-    microbatch count and median step, for :func:`fit_sheet`; none: nothing
-    ran)."""
+    microbatch count and median step, for :func:`fit_sheet`)."""
 
     action_overhead: float
     step_overhead: float
     transfer_latency: float
     split_points: tuple[str, ...] = ()
-    steps: tuple[tuple[int, float], ...] = ()
+    num_microbatches: int = 0       # 0: no calibration ran
+    step_wall: float = 0.0          # its median step, barrier to barrier
     compute_seconds: float = 0.0    # a step's compute actions' spans, all ranks, median
 
 
@@ -174,7 +174,7 @@ def measure_runtime(model: torch.nn.Module, args: tuple, kwargs: dict, target: A
         action_overhead=statistics.median(trace.action_overhead(r) for r in rows),
         step_overhead=statistics.median(trace.step_overhead(w, r) for w, r in zip(walls, rows)),
         transfer_latency=latency, split_points=tuple(split),
-        steps=((num_microbatches, statistics.median(walls)),),
+        num_microbatches=num_microbatches, step_wall=statistics.median(walls),
         compute_seconds=statistics.median(
             sum(end - start for row in r for action, start, end in row if action.is_compute)
             for r in rows))
@@ -210,9 +210,9 @@ def fit_sheet(sheet: Any, costs: RuntimeCosts, batch: int) -> Any:
     step, at least what the timelines measured."""
     from torch_mpmd.planning.plan import evaluate_plan
 
-    if not costs.steps:
+    if not costs.num_microbatches:
         return sheet
-    (m, wall), = costs.steps
+    m, wall = costs.num_microbatches, costs.step_wall
     split = list(costs.split_points)
     # As the calibration ran: this batch, one replica (its pipeline group only).
     at = dataclasses.replace(sheet, global_batch=batch, memory_limit=0.0, dp_size=1)
