@@ -101,6 +101,7 @@ def train(case: dict[str, Any]) -> dict[str, Any]:
                      cache_dir=cache)
     res["plan"] = plan.to_dict() | {"search": None}
     res["describe"] = plan.describe()
+    res["units"] = [u.name for u in plan.sheet.units]
     again = mpmd.plan(model, (x,), loss_fn=loss_fn, target=y, schedules=[case["schedule"]],
                       cache_dir=cache)
     res["measured"] = profiling.measurements - before  # rank 0: 1 (the second call loads)

@@ -38,8 +38,11 @@ def test_plan_is_the_same_on_every_rank_and_trains_like_one_process(schedule):
     assert r0["config"] == r1["config"] == [
         schedule, r0["plan"]["num_microbatches"], r0["plan"]["stages_per_rank"],
         r0["plan"]["split_points"]]
-    units = {"tok", "ln_f"} | {f"blocks.{i}" for i in range(4)}
-    assert set(r0["plan"]["split_points"]) <= units, r0["plan"]["split_points"]
+    # The profile's units: the model's own, and finer ones inside a block
+    # where whole blocks do not balance (NOTE [Refined units]); the plan cuts
+    # only at units.
+    assert {"tok", "ln_f"} | {f"blocks.{i}" for i in range(4)} <= set(r0["units"]), r0["units"]
+    assert set(r0["plan"]["split_points"]) <= set(r0["units"]), r0["plan"]["split_points"]
     for rank, r in enumerate((r0, r1)):
         for key in ("step", "auto_step"):
             assert r[key]["loss"] <= 1, f"rank {rank} {key}: loss off by {r[key]['loss']}"
@@ -75,9 +78,18 @@ def test_constraints_and_limits():
             r["unknown"], r["unknown"]
 
 
+def _whole(units: list[str]) -> list[str]:
+    """The units that are no other unit's submodule (the profile's first
+    units, before any is refined)."""
+    return [u for u in units if not any(u.startswith(v + ".") for v in units)]
+
+
 def test_a_unit_costing_more_than_a_stage_is_cut_at_its_head():
     r0, r1 = _GRID.results("refined")
-    assert r0["units"] == ["tok", "blocks.0", "blocks.1", "ln_f", "head"], r0["units"]
+    # The last unit is cut at its head (and the blocks, too coarse for two
+    # ranks' V stages, at their attention and MLP: units.coarse).
+    assert _whole(r0["units"]) == ["tok", "blocks.0", "blocks.1", "ln_f", "head"], r0["units"]
+    assert r0["units"][-2:] == ["ln_f", "head"], r0["units"]
     assert r0["plan"] == r1["plan"] == ["head"], (r0["plan"], r1["plan"])
     for rank, r in enumerate((r0, r1)):
         for name in ("best", "at_head", "at_head_recompute"):
@@ -92,8 +104,8 @@ def test_a_unit_costing_more_than_a_stage_is_cut_at_its_head():
 
 def test_a_hugging_face_llama_is_planned_and_trains_like_one_process():
     r0, r1 = _GRID.results("hf_llama")
-    assert r0["units"] == ["model.embed_tokens"] + [f"model.layers.{i}" for i in range(4)] + \
-        ["model.norm"], r0["units"]
+    assert _whole(r0["units"]) == ["model.embed_tokens"] + \
+        [f"model.layers.{i}" for i in range(4)] + ["model.norm"], r0["units"]
     assert r0["plan"] == r1["plan"], (r0["plan"], r1["plan"])
     for rank, r in enumerate((r0, r1)):
         assert r["loss"] <= 1, f"rank {rank}: loss off by {r['loss']}"
@@ -159,9 +171,11 @@ class _HFLike(nn.Module):
 def test_profile_finds_the_blocks_and_measures_positive_costs(tmp_path):
     model = _gpt()
     x, y = torch.randint(0, 32, (4, 16)), torch.randint(0, 32, (4, 16))
+    # The embeddings, the blocks, and the final norm with the head (given
+    # units are measured as given: only the default ones are refined).
+    assert profiling.find_units(model) == ["tok", "blocks.0", "blocks.1", "blocks.2", "ln_f"]
     sheet = mpmd.profile(model, (x,), loss_fn=_ce, target=y, cache_dir=tmp_path, pp_size=2,
-                         repeats=2)
-    # The embeddings, the blocks, and the final norm with the head.
+                         repeats=2, units=profiling.find_units(model))
     assert [u.name for u in sheet.units] == ["tok", "blocks.0", "blocks.1", "blocks.2", "ln_f"]
     assert sheet.global_batch == 4 and sheet.pp_size == 2 and sheet.reference_microbatch == 1
     for u in sheet.units:
@@ -271,6 +285,22 @@ def test_inner_cuts_follow_the_call_order_one_level_down():
     net.forward = lambda h: net.layers[1](net.layers[0](h))
     order = call_order(net, (torch.randn(2, 4),), {})
     assert inner_cuts(net, order, "layers.0", "layers.1") == ["layers.0.attn", "layers.0.mlp"]
+
+
+def test_coarse_units_are_the_ones_holding_a_balanced_boundary() -> None:
+    from torch_mpmd.planning.units import coarse
+
+    # An embedding, 8 like blocks and a head as heavy as a block: 2 ranks
+    # split 5:4 blocks at best (11% over a half), 4 stages 3:2:2:2; the
+    # boundaries at a quarter, a half and three quarters fall inside
+    # blocks 2, 4 and 6 (units 3, 5, 7).
+    assert coarse([0.25] + [4.5] * 8 + [4.36], 2) == [3, 5, 7]
+    assert coarse([1.0] * 8, 2) == []                  # 4:4 and 2:2:2:2 balance
+    assert coarse([1.0] * 9, 2) == [2, 4, 6]           # 5:4 and 3:2:2:2 do not
+    assert coarse([1.0] * 9, 2, tolerance=0.5) == []   # within a loose tolerance
+    assert coarse([1.0, 1.0, 1.0], 4) == [] and coarse([2.0], 2) == []
+    assert coarse([1.0] * 9, 1) == []                  # one rank
+    assert coarse([1.0, 0.0, 1.0, 1.0], 2) == [0, 2, 3]  # never the empty unit (at 1.0)
 
 
 def test_recompute_of_stages_cut_inside_a_unit():

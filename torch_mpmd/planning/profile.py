@@ -11,9 +11,10 @@ one after them that starts at the final norm (or the head) and holds
 whatever runs after the last block (norm, head, loss): the parts of real
 LLMs that weigh unlike a block (find_units, NOTE [Outer units]). A unit that
 costs more than a balanced stage (F + B above the total over the pipeline
-size) is cut one level down where its submodules start, in call order
-(units.py, NOTE [Refined units]): a block at its attention and MLP, the part
-after the blocks at its head. Or ``units=[fqn, ...]``, the FQNs where units start (the
+size), or one holding a balanced split's boundary where whole units cannot
+balance (units.coarse), is cut one level down where its submodules start,
+in call order (units.py, NOTE [Refined units]): a block at its attention
+and MLP, the part after the blocks at its head. Or ``units=[fqn, ...]``, the FQNs where units start (the
 first also holds what runs before it). A unit is named by its FQN, so a
 plan's ``split_points`` (the units where stages 1.. start) are FQNs that
 ``pipeline(split_points=...)`` takes.
@@ -101,7 +102,7 @@ import torch.utils._pytree as pytree
 from torch_mpmd.planning.calibrate import (RuntimeCosts, fit_sheet, measure_runtime,
                                            model_state_kept)
 from torch_mpmd.planning.sheet import CostSheet, Unit
-from torch_mpmd.planning.units import call_order, refine, too_big
+from torch_mpmd.planning.units import call_order, coarse, refine, too_big
 
 __all__ = ["profile", "find_units", "profile_key", "measurements",
            "DEFAULT_ACTION_OVERHEAD_S", "DEFAULT_LINK_LATENCY_S", "DEFAULT_LINK_BANDWIDTH"]
@@ -509,10 +510,13 @@ def _measure(model: torch.nn.Module, args: tuple, kwargs: dict, target: Any, *,
     with model_state_kept(model):  # the profile leaves no trace in the model
         per_size = measure_units(units)
         # NOTE [Refined units]: a unit costing more than a balanced stage
-        # (the total over p) is cut one level down where its submodules
-        # start (units.py), and the finer units are measured again.
-        which = too_big([f + b for f, b in zip(per_size[0]["F"], per_size[0]["B"])],
-                        pp_size) if refine_units else []
+        # (the total over p), or one holding a balanced split's boundary
+        # where whole units split unevenly (units.coarse), is cut one level
+        # down where its submodules start (units.py), and the finer units
+        # are measured again.
+        costs = [f + b for f, b in zip(per_size[0]["F"], per_size[0]["B"])]
+        which = sorted(set(too_big(costs, pp_size)) | set(coarse(costs, pp_size))) \
+            if refine_units else []
         if which:
             order = call_order(model, *first_microbatch(args, kwargs, batch // sizes[0]))
             finer = refine(model, order, units, which)
