@@ -248,6 +248,12 @@ def _compile_key(compile: Any) -> str:
     return repr(compile)
 
 
+# How a profile is measured, in the key: a cached profile measured otherwise
+# (other units refined, fields a newer sheet prices) is measured again.
+# Bump it when that changes.
+_METHOD = 2
+
+
 def profile_key(model: torch.nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any],
                 target: Any, *, loss_fn: Any, units: Sequence[str], sizes: Sequence[int],
                 compile: Any, pp_size: int, device: str, dp_size: int = 1) -> str:
@@ -263,6 +269,7 @@ def profile_key(model: torch.nn.Module, args: Sequence[Any], kwargs: Mapping[str
         "target": _describe_value(target), "loss": _loss_label(loss_fn),
         "units": list(units), "sizes": list(sizes), "compile": _compile_key(compile),
         "pp_size": pp_size, "device": device, "torch": torch.__version__,
+        "method": _METHOD,
     }
     if dp_size > 1:  # (keys of profiles without data parallel stay as they were)
         what["dp_size"] = dp_size
