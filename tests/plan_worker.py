@@ -9,7 +9,8 @@ plan, programs and split equal the explicit plan's), ``pipeline(plan=<JSON
 text>)``, and ``pipe.replan()``. The "limits" case: a user constraint
 (num_microbatches=4) kept, an infeasible memory_limit's error, a
 contradicting setting's error, a plan recomputing stage 0 (exact, fewer
-bytes held there) and recompute= naming no submodule.
+bytes held there) and recompute= naming no submodule. The "compiled" case:
+the profile's calibration runs the programs compiled as ``compile=`` says.
 """
 
 from __future__ import annotations
@@ -307,10 +308,50 @@ def door(case: dict[str, Any]) -> dict[str, Any]:
     return res
 
 
+def compiled(case: dict[str, Any]) -> dict[str, Any]:
+    """``mpmd.plan(compile=compiler)`` with a compiler that runs each graph as
+    it is and counts its calls: the profile's calibration pipeline runs the
+    compiled programs (NOTE [Fitted action overhead]: it fits the runtime's
+    costs around the programs the plan will run), and the plan trains with
+    them like one process."""
+    from torch_mpmd.planning import calibrate
+
+    calls = {"profile": 0, "calibration": 0}
+    phase = ["profile"]
+
+    def compiler(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+        def run(*args: Any) -> Any:
+            calls[phase[0]] += 1
+            return gm(*args)
+        return run
+
+    def calibration(*args: Any, **kwargs: Any) -> Any:
+        phase[0] = "calibration"
+        try:
+            return calibrate.measure_runtime(*args, **kwargs)
+        finally:
+            phase[0] = "profile"
+
+    cache = _cache()
+    x, y = _batch()
+    real, profiling.measure_runtime = profiling.measure_runtime, calibration
+    try:
+        plan = mpmd.plan(_model(), (x,), loss_fn=loss_fn, target=y, cache_dir=cache,
+                         compile=compiler)
+    finally:
+        profiling.measure_runtime = real
+    res: dict[str, Any] = {"calls": dict(calls)}
+    pipe = mpmd.pipeline(_model(), loss_fn=loss_fn, plan=plan, compile=compiler)
+    res["step"] = _train_and_compare(pipe, _model(), x, y)
+    res["step_calls"] = calls["profile"] - res["calls"]["profile"]
+    return res
+
+
 def grid(cases: list[dict[str, Any]]) -> dict[str, Any]:
     try:
         return run_grid(cases, {"train": train, "limits": limits, "door": door,
-                               "refined": refined, "hf_llama": hf_llama})
+                               "refined": refined, "hf_llama": hf_llama,
+                               "compiled": compiled})
     finally:
         for path in _MADE:  # rank 0 made them
             shutil.rmtree(path, ignore_errors=True)

@@ -26,7 +26,8 @@ DOOR = [dict(id="door-mean-1f1b", kind="door", options={"schedule": "1f1b"}),
         dict(id="door-pair", kind="door", loss="pair")]
 CASES = ([dict(id=s, kind="train", schedule=s) for s in SCHEDULES]
          + [dict(id="limits", kind="limits"), dict(id="refined", kind="refined"),
-            dict(id="hf_llama", kind="hf_llama")] + DOOR)
+            dict(id="hf_llama", kind="hf_llama"), dict(id="compiled", kind="compiled")]
+         + DOOR)
 _GRID = GridRun(2, "plan_worker:grid", CASES, task="plans", timeout=300)
 
 
@@ -76,6 +77,19 @@ def test_constraints_and_limits():
             assert recomputing[0] < plain[0], r["held"]
         assert r["unknown"] and "recompute names ['blocks.9'], which are not submodules" in \
             r["unknown"], r["unknown"]
+
+
+def test_a_compiled_plan_is_calibrated_on_its_compiled_programs():
+    for rank, r in enumerate(_GRID.results("compiled")):
+        # Every rank's calibration stage ran compiled programs; rank 0 also
+        # profiled the units with them.
+        assert r["calls"]["calibration"] > 0, (rank, r["calls"])
+        assert (r["calls"]["profile"] > 0) == (rank == 0), (rank, r["calls"])
+        assert r["step_calls"] > 0, rank
+        step = r["step"]
+        assert step["loss"] <= 1, f"rank {rank}: loss off by {step['loss']}"
+        bad = {n: d for n, d in step["grads"].items() if d > 1}
+        assert step["grads"] and not bad, f"rank {rank}: gradients {bad}"
 
 
 def _whole(units: list[str]) -> list[str]:

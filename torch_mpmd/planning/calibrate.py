@@ -40,9 +40,11 @@ alone, moved the price by hundreds of microseconds between identical
 calibrations (steps vary by a few percent); the spans, summed over every
 action of every step, do not.
 
-The calibration runs FX programs; a profile of compiled programs
-(``compile=``) keeps the measured constants unfitted, since compiling the
-model's stages a second time would cost more than the profile.
+The calibration runs the programs the profile timed: FX, or compiled as
+``compile=`` compiles them (its two stages compile once more, on their own
+ranks at once; the profile's unit programs are other graphs). Fitted on FX
+runs, a sheet of Inductor programs predicted 0.81 of the measured step: the
+runtime's costs around a compiled program are not those around an FX one.
 :func:`fit_action_overhead` is the same fit on measured stage times (no
 profile), for scripts/bench_predict.py.
 """
@@ -148,11 +150,13 @@ def _timed_steps(pipe: Any, group: Any, args: tuple, kwargs: dict, target: Any, 
 
 def measure_runtime(model: torch.nn.Module, args: tuple, kwargs: dict, target: Any, *,
                     loss_fn: Any, group: Any, units: Sequence[str], num_microbatches: int,
-                    link: tuple[float, float], steps: int = 10) -> RuntimeCosts:
+                    link: tuple[float, float], steps: int = 10,
+                    compile: Any = False) -> RuntimeCosts:
     """The runtime's costs running ``model`` on ``group`` (a pipeline group of
     at least two ranks; collective over it): see the module docstring.
     ``units``: the profile's (the split cuts at every ``len(units) / p``-th);
-    ``link``: the ping-pong's (latency s, bandwidth B/s). The model's
+    ``link``: the ping-pong's (latency s, bandwidth B/s); ``compile``: the
+    stage programs' compiler, as ``pipeline(compile=)`` takes it. The model's
     gradients, buffers and the RNG state are left as they were."""
     import torch_mpmd  # (its public pipeline(): api imports planning, not the reverse)
     from torch_mpmd.runtime import trace
@@ -162,7 +166,7 @@ def measure_runtime(model: torch.nn.Module, args: tuple, kwargs: dict, target: A
     with model_state_kept(model):  # the calibration leaves no trace in the model
         pipe = torch_mpmd.pipeline(model, loss_fn=loss_fn, schedule="1f1b",
                                    num_microbatches=num_microbatches, group=group,
-                                   split_points=split)
+                                   split_points=split, compile=compile)
         walls, rows = _timed_steps(pipe, group, args, kwargs, target, steps)
         message = _message_bytes(pipe)
     latency, bandwidth = link

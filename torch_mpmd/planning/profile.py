@@ -622,7 +622,8 @@ def profile(model: torch.nn.Module, example_args: Any, example_kwargs: Mapping[s
         if grp is not None and world > 1 and len(unit_names) >= world:
             runtime = measure_runtime(model, example_args, kwargs, target, loss_fn=loss_fn,
                                       group=grp, units=unit_names,
-                                      num_microbatches=batch // sizes[0], link=link)
+                                      num_microbatches=batch // sizes[0], link=link,
+                                      compile=compile)
         if rank == 0:
             try:
                 sheet = _measure(model, example_args, kwargs, target, loss_fn=loss_fn,
@@ -630,8 +631,7 @@ def profile(model: torch.nn.Module, example_args: Any, example_kwargs: Mapping[s
                                  repeats=repeats, batch=batch, pp_size=pp, global_batch=gb,
                                  link=link, runtime=runtime, memory_limit=memory_limit,
                                  refine_units=units is None, dp=dp)
-                if compile is False:  # the calibration ran the programs the sheet timed
-                    sheet = fit_sheet(sheet, runtime, batch)
+                sheet = fit_sheet(sheet, runtime, batch)
             except Exception as e:  # noqa: BLE001  (every rank raises it, below)
                 failure, raised = (type(e).__name__, str(e)), e
             else:
