@@ -1,10 +1,12 @@
 """mpmd.plan against the default a user starts from, measured side by side.
 
-    torchrun --standalone --nproc-per-node 2 scripts/bench_plan_auto.py [--layers 8] [--wide-head]
+    torchrun --standalone --nproc-per-node 2 scripts/bench_plan_auto.py [--layers 8] [--wide-head] [--ffn-widths W,...]
 
 The example GPT (untied head; ``--wide-head``: a 16x larger vocabulary, so
 the embedding and head outweigh a block: the heterogeneous shape of real
-LLMs), batch 16 x 64 tokens, 2 ranks x 1 thread (gloo), FX programs. Prints
+LLMs; ``--ffn-widths 8,8,6,6,4,4,2,2``: each block's MLP width in multiples
+of d_model instead of 4, blocks of different widths as in NAS-pruned
+models such as Nemotron-51B, where a split by layer count is wrong), batch 16 x 64 tokens, 2 ranks x 1 thread (gloo), FX programs. Prints
 the planning time (profile + search, and a second call that loads the
 cached profile), the plan (``describe()``), then the median step of the
 plan and of the default (1f1b, m=8, split in the middle by layer count),
@@ -49,15 +51,36 @@ def model_of(args: argparse.Namespace) -> GPT:
     m = GPT(GPTConfig(vocab_size=vocab, block_size=64, n_layer=args.layers, n_head=4,
                       d_model=args.d_model))
     m.head.weight = torch.nn.Parameter(m.tok.weight.detach().clone())  # untied
+    for block, width in zip(m.blocks, args.ffn_widths or ()):
+        d = args.d_model
+        block.mlp = torch.nn.Sequential(torch.nn.Linear(d, width * d), torch.nn.GELU(),
+                                        torch.nn.Linear(width * d, d))
     return m
 
 
+def torch_bounds(args: argparse.Namespace, plan: Any, n_stages: int, split: str) -> list[int]:
+    """Where torch's stages start and end, in blocks: ``even`` by layer
+    count, or ``balanced``: the exact min-max split of the blocks' measured
+    costs (the plan's profile, finer units summed into their block; the
+    embedding counted with the first block, the head with the last), the
+    balanced split a torch user would have to work out by hand."""
+    if split == "even":
+        return [args.layers * k // n_stages for k in range(n_stages + 1)]
+    cost = [0.0] * args.layers
+    for u in plan.sheet.units:
+        parts = u.name.split(".")
+        at = int(parts[1]) if parts[0] == "blocks" else (0 if u.name in ("tok", "pos")
+                                                          else args.layers - 1)
+        cost[at] += u.forward + u.backward_input + u.backward_weight
+    return list(mpmd._C.min_max_split(cost, n_stages)) + [args.layers]
+
+
 def torch_step(args: argparse.Namespace, schedule: str, spr: int, m: int, x: torch.Tensor,
-               y: torch.Tensor, *, compile_stages: bool) -> Any:
+               y: torch.Tensor, bounds: list[int], *, compile_stages: bool) -> Any:
     """One step of torch.distributed.pipelining on the same model (this
-    rank's stages as bench_vs_torch's Parts: blocks split evenly, the
-    embedding first and the head last), each stage module torch.compile'd
-    with ``compile_stages`` (torchtitan's way)."""
+    rank's stages as bench_vs_torch's Parts: the blocks from ``bounds[s]``
+    to ``bounds[s + 1]``, the embedding first and the head last), each stage
+    module torch.compile'd with ``compile_stages`` (torchtitan's way)."""
     from torch.distributed.pipelining import (PipelineStage, Schedule1F1B,
                                               ScheduleInterleaved1F1B)
 
@@ -66,7 +89,6 @@ def torch_step(args: argparse.Namespace, schedule: str, spr: int, m: int, x: tor
     rank, world = dist.get_rank(), dist.get_world_size()
     n_stages = world * spr
     model = model_of(args)
-    bounds = [args.layers * k // n_stages for k in range(n_stages + 1)]
     ids = [rank + world * v for v in range(spr)]
     parts = [Part(model, bounds[s], bounds[s + 1]) for s in ids]
     if compile_stages:
@@ -105,6 +127,9 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--d-model", type=int, default=128)
     ap.add_argument("--wide-head", action="store_true")
+    ap.add_argument("--ffn-widths", type=lambda t: [int(w) for w in t.split(",")],
+                    default=None, help="each block's MLP width in multiples of d_model, "
+                    "comma-separated (default 4 for every block)")
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--memory-limit-mib", type=float, default=0.0,
                     help="plan under this limit per rank; contenders whose measured peak "
@@ -121,6 +146,8 @@ def main() -> None:
                     help="also measure 1f1b / interleaved_1f1b / zero_bubble x m in {4, 8, 16} "
                     "x even / balanced split")
     args = ap.parse_args()
+    if args.ffn_widths and len(args.ffn_widths) != args.layers:
+        ap.error(f"--ffn-widths has {len(args.ffn_widths)} widths for --layers {args.layers}")
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -169,11 +196,14 @@ def main() -> None:
                         model_of(args), loss_fn=loss_fn, schedule=schedule,
                         num_microbatches=m, **where)
     steps = {name: functools.partial(pipe.step, x, target=y) for name, pipe in pipes.items()}
-    if args.vs_torch:  # torch.distributed.pipelining on the same grid (even splits)
+    if args.vs_torch:  # torch.distributed.pipelining on the same grid
         for schedule, spr in (("1f1b", 1), ("interleaved_1f1b", 2)):
             for m in (4, 8, 16):
-                steps[f"torch {schedule} m={m} even"] = torch_step(
-                    args, schedule, spr, m, x, y, compile_stages=args.torch_compile)
+                for split in ("even", "balanced"):
+                    bounds = torch_bounds(args, plan, dist.get_world_size() * spr, split)
+                    steps[f"torch {schedule} m={m} {split}"] = torch_step(
+                        args, schedule, spr, m, x, y, bounds,
+                        compile_stages=args.torch_compile)
     times: dict[str, list[float]] = {k: [] for k in steps}
     for name, step in steps.items():  # warm-up: capture, programs, compilation
         step()
