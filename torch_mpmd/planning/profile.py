@@ -126,24 +126,35 @@ def _has_parameters(module: torch.nn.Module) -> bool:
 
 def find_units(model: torch.nn.Module) -> list[str]:
     """Where the units start: the FQNs of the children of ``model``'s largest
-    ``nn.ModuleList`` (the first found, shallowest first, on a tie), led by
+    ``nn.ModuleList`` not inside another one's child (on a tie, the one
+    holding more parameters, then the first found), led by
     the first module with parameters registered before the list on the way
     down to it (the embedding: a unit of what runs before the blocks) and
     followed by the first one registered after it (the final norm or the
     head: a unit of what runs after them). ValueError when the model has no
     list of two or more modules."""
-    best: tuple[int, str] | None = None
-    for name, mod in model.named_modules():
-        if isinstance(mod, torch.nn.ModuleList) and len(mod) >= 2:
-            if best is None or len(mod) > best[0]:
-                best = (len(mod), name)
+    lists = {name: mod for name, mod in model.named_modules()
+             if isinstance(mod, torch.nn.ModuleList) and len(mod) >= 2}
+    best: tuple[int, int, str] | None = None
+    for name, mod in lists.items():
+        # A list inside a child of another list is part of one block: a
+        # mixture of experts' experts (an nn.ModuleList per block, as in
+        # transformers 4's Mixtral and Qwen-MoE, and in MoEs users write),
+        # often more of them than there are blocks; cutting there would
+        # leave the other blocks whole in the units before and after it.
+        if any(outer != name and (not outer or name.startswith(outer + "."))
+               for outer in lists):
+            continue
+        size = (len(mod), sum(p.numel() for p in mod.parameters()))
+        if best is None or size > best[:2]:
+            best = (*size, name)
     if best is None:
         raise ValueError(f"{type(model).__name__} has no nn.ModuleList of blocks to cut at; "
                          "pass units=[module FQNs where units start]")
-    prefix = best[1] + "." if best[1] else ""
-    mods = model.get_submodule(best[1]) if best[1] else model
-    blocks = [f"{prefix}{child}" for child, _ in mods.named_children()]
-    return _outer(model, best[1], "before") + blocks + _outer(model, best[1], "after")
+    path = best[2]
+    mods = model.get_submodule(path) if path else model
+    blocks = [f"{path}.{child}" if path else child for child, _ in mods.named_children()]
+    return _outer(model, path, "before") + blocks + _outer(model, path, "after")
 
 
 def _outer(model: torch.nn.Module, path: str, side: str) -> list[str]:
