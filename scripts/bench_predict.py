@@ -11,7 +11,11 @@ actions (trace.step_overhead). Every schedule is then predicted by the
 simulator from its own stages' measured F/B/I/W means (what a profile gives
 the planner) with those constants, and, second, with the time per action
 fitted so that the simulated 1F1B step equals its measured one; both are
-printed beside the measured median step.
+printed beside the measured median step. Third, what the planner itself
+predicts: ``mpmd.profile`` of the model (its units timed alone, the
+runtime's costs calibrated on the group: planning/calibrate.py) and
+``evaluate_plan`` of each schedule's split and microbatches, measured
+before any schedule runs.
 """
 
 from __future__ import annotations
@@ -110,6 +114,13 @@ def main() -> None:
     for name, case in (("example GPT (8 layers, d=128, batch 16x64)", _gpt_case),
                        ("deep MLP (8 blocks, d=256, batch 64)", _mlp_case)):
         make, loss_fn, inputs, target, prefix = case(m)
+        torch.manual_seed(0)
+        sheet = mpmd.profile(make(), inputs, loss_fn=loss_fn, target=target, cache_dir=False,
+                             compile=args.compile)
+        planned = {s: mpmd.planning.evaluate_plan(
+            sheet, s, stages_per_rank=spr, num_microbatches=m,
+            split_points=_splits(prefix, 8, pp * spr)).predicted_step_s * 1e3
+            for s, spr in SCHEDULES}
         results = {s: measure(make, loss_fn, inputs, target, prefix, s, spr, m, args.steps,
                               args.compile) for s, spr in SCHEDULES}
         base = results["1f1b"]
@@ -122,9 +133,13 @@ def main() -> None:
               f"{base['latency'] * 1e6:.0f} us per transfer, {base['step'] * 1e3:.2f} ms per "
               f"step outside the actions; per action fitted to 1F1B's step: "
               f"{fitted * 1e6:.0f} us")
+        print(f"the profile's sheet: {sheet.action_overhead * 1e6:.0f} us per action (fitted), "
+              f"{sheet.step_overhead * 1e3:.2f} ms per step, {sheet.link_latency * 1e6:.0f} us "
+              f"per transfer, units {[u.name for u in sheet.units]}")
         print("| schedule | measured | predicted (measured constants) | ratio "
-              "| predicted (per-action time fitted on 1F1B) | ratio |")
-        print("|---|---|---|---|---|---|")
+              "| predicted (per-action time fitted on 1F1B) | ratio "
+              "| planner (profile) | ratio |")
+        print("|---|---|---|---|---|---|---|---|")
         for s, _ in SCHEDULES:
             r = results[s]
             rows = [row for step_rows in r["rows"] for row in step_rows]
@@ -134,7 +149,8 @@ def main() -> None:
                 action_overhead_s=overhead, step_overhead_s=base["step"],
                 statistic="mean").makespan for overhead in (base["action"], fitted)]
             print(f"| {s} | {wall:.1f} ms | {predicted[0]:.1f} ms | {predicted[0] / wall:.2f} | "
-                  f"{predicted[1]:.1f} ms | {predicted[1] / wall:.2f} |")
+                  f"{predicted[1]:.1f} ms | {predicted[1] / wall:.2f} | "
+                  f"{planned[s]:.1f} ms | {planned[s] / wall:.2f} |")
     dist.destroy_process_group()
 
 
