@@ -4,7 +4,7 @@
 
 The example GPT (untied head; ``--wide-head``: a 16x larger vocabulary, so
 the embedding and head outweigh a block: the heterogeneous shape of real
-LLMs; ``--ffn-widths 8,8,6,6,4,4,2,2``: each block's MLP width in multiples
+LLMs; ``--ffn-widths 2,2,4,4,6,6,8,8``: each block's MLP width in multiples
 of d_model instead of 4, blocks of different widths as in NAS-pruned
 models such as Nemotron-51B, where a split by layer count is wrong), batch 16 x 64 tokens, 2 ranks x 1 thread (gloo), FX programs. Prints
 the planning time (profile + search, and a second call that loads the

@@ -19,8 +19,10 @@ of 2 blocks). Llama is test_plan_auto.py's.
 from __future__ import annotations
 
 import pytest
+import torch
 import torch.nn as nn
 
+import torch_mpmd as mpmd
 from dist_harness import GridRun
 from torch_mpmd.planning import profile as profiling
 
@@ -47,13 +49,17 @@ UNITS = {
     "qwen2": ["model.embed_tokens", *_blocks("model.layers"), "model.norm"],
     "gemma2": ["model.embed_tokens", *_blocks("model.layers"), "model.norm"],
     "gpt_neox": ["gpt_neox.embed_in", *_blocks("gpt_neox.layers"), "gpt_neox.final_layer_norm"],
-    # OPT registers its final norm before its layers: the unit after them
-    # starts at the head (the norm runs in the last block's unit).
+    # OPT registers its final norm before its layers: by registration the
+    # unit after them starts at the head (the profile takes the call order:
+    # PROFILED).
     "opt": ["model.decoder.embed_tokens", *_blocks("model.decoder.layers"), "lm_head"],
     "gpt2": ["transformer.wte", *_blocks("transformer.h"), "transformer.ln_f"],
     "bloom": ["transformer.word_embeddings", *_blocks("transformer.h"), "transformer.ln_f"],
     "moe_list": ["model.embed_tokens", *_blocks("model.layers"), "model.norm"],
 }
+# The profile's units before any is refined: by call order (NOTE [Outer units]).
+PROFILED = UNITS | {"opt": ["model.decoder.embed_tokens", *_blocks("model.decoder.layers"),
+                            "model.decoder.final_layer_norm"]}
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c["id"] for c in CASES])
@@ -61,9 +67,9 @@ def test_a_hugging_face_layout_is_planned_and_trains_like_one_process(case):
     r0, r1 = _GRID.results(case["id"])
     assert r0["units_found"] == UNITS[case["id"]], r0["units_found"]
     # The profile's units: those, in order, and maybe finer ones between
-    # them (NOTE [Refined units]; OPT's final norm, called after the last
-    # block, can be one).
-    assert [u for u in r0["units"] if u in UNITS[case["id"]]] == UNITS[case["id"]], r0["units"]
+    # them (NOTE [Refined units]).
+    want = PROFILED[case["id"]]
+    assert [u for u in r0["units"] if u in want] == want, r0["units"]
     assert r0["plan"] == r1["plan"] and r0["stages"] == r1["stages"], (r0["plan"], r1["plan"])
     schedule, m, _, split = r0["stages"]
     assert [schedule] == case["schedules"] and m == case["num_microbatches"], r0["stages"]
@@ -104,4 +110,36 @@ def test_find_units_takes_the_blocks_not_a_list_inside_one():
     assert profiling.find_units(stacked) == ["0", "1"]
     assert profiling.find_units(nn.ModuleList(nn.Linear(2, 2) for _ in range(3))) == \
         ["0", "1", "2"]
+
+
+class _NormFirst(nn.Module):
+    """Registers its final norm first and calls it last (as OPT does)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.final = nn.LayerNorm(4)
+        self.emb = nn.Embedding(10, 4)
+        self.rope = nn.Identity()  # called first, no parameters
+        self.layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(3))
+        self.head = nn.Linear(4, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.rope(self.emb(x))
+        for layer in self.layers:
+            h = layer(h)
+        return self.head(self.final(h))
+
+
+def test_outer_units_follow_the_call_order_when_a_forward_ran():
+    from torch_mpmd.planning.units import call_order
+
+    model, x = _NormFirst(), torch.randint(0, 10, (2, 3))
+    blocks = ["layers.0", "layers.1", "layers.2"]
+    assert profiling.find_units(model) == ["final", *blocks, "head"]  # registration
+    order = call_order(model, (x,), {})
+    assert profiling.find_units(model, order) == ["emb", *blocks, "final"]
+    # The profile runs that forward: its units are the called ones.
+    sheet = mpmd.profile(model, (x,), loss_fn=lambda out, y: out.float().mean(), target=x,
+                         cache_dir=False, repeats=1)
+    assert [u.name for u in sheet.units] == ["emb", *blocks, "final"]
 

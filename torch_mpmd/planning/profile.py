@@ -124,14 +124,18 @@ def _has_parameters(module: torch.nn.Module) -> bool:
     return next(module.parameters(), None) is not None
 
 
-def find_units(model: torch.nn.Module) -> list[str]:
+def find_units(model: torch.nn.Module, order: Mapping[str, int] | None = None) -> list[str]:
     """Where the units start: the FQNs of the children of ``model``'s largest
     ``nn.ModuleList`` not inside another one's child (on a tie, the one
     holding more parameters, then the first found), led by
     the first module with parameters registered before the list on the way
     down to it (the embedding: a unit of what runs before the blocks) and
     followed by the first one registered after it (the final norm or the
-    head: a unit of what runs after them). ValueError when the model has no
+    head: a unit of what runs after them). With ``order`` (units.call_order
+    of one forward), "before" and "after" are the first calls with
+    parameters before the first block's and after the last block's, outside
+    the list and its ancestors (OPT registers its final norm before its
+    layers and calls it after them). ValueError when the model has no
     list of two or more modules."""
     lists = {name: mod for name, mod in model.named_modules()
              if isinstance(mod, torch.nn.ModuleList) and len(mod) >= 2}
@@ -154,7 +158,30 @@ def find_units(model: torch.nn.Module) -> list[str]:
     path = best[2]
     mods = model.get_submodule(path) if path else model
     blocks = [f"{path}.{child}" if path else child for child, _ in mods.named_children()]
+    if order is not None and all(b in order for b in blocks):
+        return (_outer_called(model, path, blocks, order, "before") + blocks
+                + _outer_called(model, path, blocks, order, "after"))
     return _outer(model, path, "before") + blocks + _outer(model, path, "after")
+
+
+def _outer_called(model: torch.nn.Module, path: str, blocks: list[str],
+                  order: Mapping[str, int], side: str) -> list[str]:
+    """:func:`_outer` by call order: the first module with parameters called
+    before the first block (``side`` "before") or after the last block
+    starts ("after"), neither inside the list at ``path`` nor one of its
+    ancestors (they are called around it); [] when none."""
+    begin, end = min(order[b] for b in blocks), max(order[b] for b in blocks)
+    modules = dict(model.named_modules())
+    called = sorted(order, key=order.__getitem__)
+    for name in called:
+        at = order[name]
+        if (at < begin) if side == "before" else (at > end):
+            inside = path and name.startswith(path + ".")
+            around = not path or path.startswith(name + ".") or path == name
+            if not inside and not around and name in modules and \
+                    _has_parameters(modules[name]):
+                return [name]
+    return []
 
 
 def _outer(model: torch.nn.Module, path: str, side: str) -> list[str]:
@@ -163,10 +190,12 @@ def _outer(model: torch.nn.Module, path: str, side: str) -> list[str]:
     up to the root (HF's ``model.embed_tokens`` before ``model.layers``,
     ``model.norm`` after it; ``lm_head`` where the list's parent has none
     after it); [] when none.
-    NOTE [Outer units]: registration order stands for call order (it does in
-    the models we know, and a user reads the model the same way); a cut at
-    such a module is still a valid split if a model calls it elsewhere, only
-    a less balanced one."""
+    NOTE [Outer units]: registration order stands for call order where no
+    forward was run (it does in most models, and a user reads the model the
+    same way); the profile runs one and takes the call order
+    (:func:`_outer_called`): OPT registers its final norm before its layers.
+    A cut at a module called elsewhere is still a valid split, only a less
+    balanced one."""
     parts = path.split(".") if path else []
     while parts:
         parent_path, child = ".".join(parts[:-1]), parts[-1]
@@ -595,7 +624,14 @@ def profile(model: torch.nn.Module, example_args: Any, example_kwargs: Mapping[s
     batch = batch_size_of(example_args, kwargs)
     gb = batch if global_batch is None else global_batch
     sizes = _sizes(microbatch_sizes, batch, pp)
-    unit_names = _check_units(model, units) if units is not None else find_units(model)
+    if units is not None:
+        unit_names = _check_units(model, units)
+    else:  # the outer units by call order (NOTE [Outer units]): one forward, no grad
+        from torch_mpmd.microbatch import first_microbatch
+
+        with model_state_kept(model):
+            order = call_order(model, *first_microbatch(example_args, kwargs, batch // sizes[0]))
+        unit_names = find_units(model, order)
     device = _device_of(model)
     dp_size = dist.get_world_size(dp_group) if dp_group is not None else 1
     text: str | None = None
