@@ -17,21 +17,18 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import os
 import shutil
-import tempfile
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 import torch_mpmd as mpmd
 from dist_harness import run_grid
+from plan_worker import _MADE, _cache, _diff  # one cache per case; <= 1: within tolerance
 from torch_mpmd.planning import profile as profiling
 
 V = 64
-RTOL, ATOL = 1e-5, 1e-6
 # Width 32, 4 heads of 8, 2 key/value heads where the model has them.
 _COMMON = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_attention_heads=4,
                num_key_value_heads=2, max_position_embeddings=64)
@@ -150,27 +147,6 @@ def build(arch: str, layers: int = 2) -> torch.nn.Module:
 
 def hf_loss(out: Any, y: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(out.logits.flatten(0, 1), y.flatten())
-
-
-_MADE: list[str] = []
-
-
-def _cache() -> str:
-    """A fresh cache directory, the same name on every rank (rank 0 uses it)."""
-    box = [tempfile.mkdtemp(prefix="mpmd_hf_profiles_") if dist.get_rank() == 0 else None]
-    if box[0] is not None:
-        _MADE.append(box[0])
-    dist.broadcast_object_list(box, src=0)
-    os.environ["MPMD_PROFILE_CACHE"] = box[0]
-    return box[0]
-
-
-def _diff(got: torch.Tensor | None, want: torch.Tensor | None) -> float:
-    """max |got - want| scaled so that <= 1 is within tolerance; inf when missing."""
-    if got is None or want is None or got.shape != want.shape:
-        return float("inf")
-    got, want = got.detach().double(), want.detach().double()
-    return float(((got - want).abs() / (ATOL + RTOL * want.abs())).max())
 
 
 def _abs(got: torch.Tensor | None, want: torch.Tensor | None) -> float:
