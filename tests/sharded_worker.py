@@ -359,6 +359,12 @@ def _train(case: dict[str, Any]) -> dict[str, Any]:
             {type(v).__name__ for p in pipe.parameters() for k, v in opt.state[p].items()
              if k != "step"})
     res["functional"] = pipe.inspect().uses_programs
+    # The step's peak of gathered full parameters (0 unless sharded) and its
+    # bound: every local stage's full parameters at once.
+    res["peak_gathered_bytes"] = pipe.last_step_stats["peak_gathered_bytes"]
+    res["stages_full_bytes"] = sum(p.numel() * p.element_size()
+                                   for stage in pipe.inspect().stages.values()
+                                   for p in stage.parameters())
     if probe is not None:
         res["probe"] = probe.report()
         res["gathered_peak_bytes"] = pipe.last_step_stats["collectives"]["gathered_peak_bytes"]

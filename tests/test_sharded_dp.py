@@ -99,6 +99,12 @@ def test_sharded_training_equals_one_process(model, schedule):
         assert not r["layout_after"]["bad"], (rank, r["layout_after"]["bad"])
         assert r["optimizer_state_types"] == ["DTensor"]
         assert r["param_types"] == ["DTensor"] and r["grad_types"] == ["DTensor"]
+        # last_step_stats: the gathered storages' peak (ShardedStages.report's
+        # too), at most every local stage's full parameters at once.
+        assert 0 < r["peak_gathered_bytes"] <= r["stages_full_bytes"], \
+            (rank, r["peak_gathered_bytes"], r["stages_full_bytes"])
+        if "gathered_peak_bytes" in r:
+            assert r["peak_gathered_bytes"] == r["gathered_peak_bytes"], rank
         if model == "mlp":   # uneven dim 0 over dp=2: ceil(rows / 2) on dp rank 0
             rows = r["layout_before"]["local_rows"]
             want = {"a.weight": [4, 3], "b.weight": [3, 2], "b.bias": [3, 2],
@@ -133,6 +139,7 @@ def test_replicate_and_shard_give_the_same_losses_and_gradients(model):
     check_training(got)
     for rank, r in enumerate(got):
         assert r["param_types"] == ["Parameter"] and r["grad_types"] == ["Tensor"]
+        assert r["peak_gathered_bytes"] == 0, rank   # nothing gathered
         assert "vs_other_mode" in r, "the shard run of this case did not finish first"
         assert r["vs_other_mode"]["loss"] <= 1 and r["vs_other_mode"]["grads"] <= 1, \
             (rank, r["vs_other_mode"])

@@ -590,6 +590,9 @@ class Pipeline(torch.nn.Module):
         backward by the executor), ``peak_activation_bytes`` per local stage,
         ``peak_held_bytes`` (the same over all local stages at once: the
         rank's peak, at most the sum of the stages' peaks),
+        ``peak_gathered_bytes`` (with sharded data parallel, the most bytes
+        of full parameters gathered at once, their storages from unpacking
+        to RESHARD, the all-gathers' own buffers not counted; 0 otherwise),
         ``span_s``, ``compute_s`` and the measured ``bubble_fraction``
         (:func:`torch_mpmd.trace.step_metrics`), ``microbatch_shapes`` (the
         shape of each microbatch's first tensor input: the lengths of

@@ -608,6 +608,16 @@ class ShardedStages:
         self._gathers = []
         self._peak_held = self._held
 
+    @property
+    def peak_gathered(self) -> int:
+        """The most bytes of full parameter storages held at once in this
+        executor run (begin_run resets it): last_step_stats
+        ["peak_gathered_bytes"]. Gathers are counted from their unpacking
+        (``_refill``) to their RESHARD (``_free``), a parameter several local
+        stages read once; the collectives' own buffers, freed as ``ready``
+        returns, are not."""
+        return self._peak_held
+
     def report(self) -> dict[str, Any]:
         """The last step's collectives on this rank: all-gathers (count, bytes
         received, seconds from post to completion, seconds a compute action

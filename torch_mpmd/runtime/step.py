@@ -77,15 +77,17 @@ class CallHistory:
         derived when asked for (a Python walk over every action would cost
         each call as much as ~100 actions)."""
         kind = rt.kind_of(executor)
+        sharded = rt.shards is not None and rt.dp is not None
         record = trace.StepRecord(kind, int(rt.runner.step), rt.rank, rt.programs(kind),
                                   executor.trace_array, executor.counters,
                                   dict(rt.runner.peak_bytes),
                                   tuple(_first_shape(named) for named in rt.runner.inputs),
-                                  peak_held_bytes=rt.runner.peak_total)
+                                  peak_held_bytes=rt.runner.peak_total,
+                                  peak_gathered_bytes=rt.dp.peak_gathered if sharded else 0)
         self.records.append(record)
         self.last = record
         self._last_stats = None
-        collectives = (rt.dp.report() if rt.shards is not None and rt.dp is not None else {})
+        collectives = rt.dp.report() if sharded else {}
         if rt.tied is not None and kind == "step":
             collectives["tied_all_reduce"] = rt.tied.report()
         self._last_collectives = collectives or None

@@ -133,6 +133,7 @@ class StepRecord:
     # explicit microbatches of different lengths ("0F3" is microbatch 3's).
     microbatch_shapes: tuple[tuple[int, ...], ...] = ()
     peak_held_bytes: int = 0                # over all local stages at once
+    peak_gathered_bytes: int = 0            # full parameters gathered at once (shard mode)
 
     @property
     def program(self) -> Sequence[Action]:
@@ -151,6 +152,7 @@ class StepRecord:
                 "peak_state_values": self.counters["peak_state_values"],
                 "peak_activation_bytes": dict(self.peak_activation_bytes),
                 "peak_held_bytes": self.peak_held_bytes,
+                "peak_gathered_bytes": self.peak_gathered_bytes,
                 "microbatch_shapes": [list(shape) for shape in self.microbatch_shapes],
                 **step_metrics(self.row())}
 
