@@ -2,7 +2,8 @@
 tiny Hugging Face causal LMs of different module layouts, 2 gloo ranks.
 
 Per architecture (``build``; "moe_list" is a user-written mixture of
-experts with an ``nn.ModuleList`` of experts per block): the model (seeded
+experts with an ``nn.ModuleList`` of experts per block, "sequential" a
+model whose blocks are an ``nn.Sequential``): the model (seeded
 alike on every rank and for the reference), its units (``find_units``), a
 plan (profiled into a fresh cache directory, with the keyword input
 ``use_cache=False``), a pipeline with that plan, and two training steps
@@ -135,10 +136,37 @@ class TinyMoE(torch.nn.Module):
         return _Output(self.lm_head(self.model.norm(h)))
 
 
+class _SeqBlock(torch.nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(d)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(d, 2 * d), torch.nn.GELU(),
+                                       torch.nn.Linear(2 * d, d))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + self.mlp(self.norm(h))
+
+
+class TinySequential(torch.nn.Module):
+    """Blocks in an ``nn.Sequential`` (as timm's ViT holds them) and a head
+    that is a longer ``nn.Sequential`` of few parameters; no ModuleList."""
+
+    def __init__(self, layers: int) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(V, 32)
+        self.blocks = torch.nn.Sequential(*(_SeqBlock(32) for _ in range(layers)))
+        self.head = torch.nn.Sequential(torch.nn.LayerNorm(32), torch.nn.Linear(32, 8),
+                                        torch.nn.GELU(), torch.nn.Linear(8, 8), torch.nn.GELU(),
+                                        torch.nn.Linear(8, V))
+
+    def forward(self, input_ids: torch.Tensor, use_cache: bool = False) -> Any:
+        return _Output(self.head(self.blocks(self.embed(input_ids))))
+
+
 def build(arch: str, layers: int = 2) -> torch.nn.Module:
-    if arch == "moe_list":
+    if arch in ("moe_list", "sequential"):
         torch.manual_seed(0)
-        return TinyMoE(layers)
+        return (TinyMoE if arch == "moe_list" else TinySequential)(layers)
     cls, cfg = _config(arch, layers)
     cfg._attn_implementation = "eager"
     torch.manual_seed(0)

@@ -208,7 +208,7 @@ def test_profile_finds_the_blocks_and_measures_positive_costs(tmp_path):
     assert [u.name for u in s2.units] == units
     assert s2.units[-2].param_bytes == (16 * 16 + 16) * 4  # layer 2
     assert s2.units[-1].param_bytes == (16 * 32 + 32) * 4  # lm_head
-    with pytest.raises(ValueError, match="no nn.ModuleList of blocks"):
+    with pytest.raises(ValueError, match="no nn.ModuleList or nn.Sequential of blocks"):
         profiling.find_units(nn.Sequential(nn.Linear(2, 2)))
 
 

@@ -35,6 +35,7 @@ CASES = [
     dict(id="gpt2", arch="gpt2", schedules=["interleaved_1f1b"], **M4),
     dict(id="bloom", arch="bloom", schedules=["1f1b"], mask=True, **M4),
     dict(id="moe_list", arch="moe_list", schedules=["1f1b"], **M4),
+    dict(id="sequential", arch="sequential", schedules=["zbv"], layers=4, **M4),
 ]
 for _case in CASES:
     _case["kind"] = "arch"
@@ -56,6 +57,8 @@ UNITS = {
     "gpt2": ["transformer.wte", *_blocks("transformer.h"), "transformer.ln_f"],
     "bloom": ["transformer.word_embeddings", *_blocks("transformer.h"), "transformer.ln_f"],
     "moe_list": ["model.embed_tokens", *_blocks("model.layers"), "model.norm"],
+    # No ModuleList: the Sequential of blocks, not the longer head.
+    "sequential": ["embed", *_blocks("blocks", 4), "head"],
 }
 # The profile's units before any is refined: by call order (NOTE [Outer units]).
 PROFILED = UNITS | {"opt": ["model.decoder.embed_tokens", *_blocks("model.decoder.layers"),
@@ -109,6 +112,17 @@ def test_find_units_takes_the_blocks_not_a_list_inside_one():
     stacked = nn.ModuleList(nn.ModuleList(nn.Linear(2, 2) for _ in range(3)) for _ in range(2))
     assert profiling.find_units(stacked) == ["0", "1"]
     assert profiling.find_units(nn.ModuleList(nn.Linear(2, 2) for _ in range(3))) == \
+        ["0", "1", "2"]
+
+
+def test_find_units_takes_a_sequential_of_blocks_where_there_is_no_module_list():
+    from plan_hf_worker import TinySequential
+
+    model = TinySequential(3)
+    assert profiling.find_units(model) == ["embed", "blocks.0", "blocks.1", "blocks.2", "head"]
+    model.extra = nn.ModuleList(nn.LayerNorm(32) for _ in range(2))  # a list: it wins
+    assert profiling.find_units(model) == ["embed", "extra.0", "extra.1"]
+    assert profiling.find_units(nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 2))) == \
         ["0", "1", "2"]
 
 

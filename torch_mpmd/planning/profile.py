@@ -126,8 +126,10 @@ def _has_parameters(module: torch.nn.Module) -> bool:
 
 def find_units(model: torch.nn.Module, order: Mapping[str, int] | None = None) -> list[str]:
     """Where the units start: the FQNs of the children of ``model``'s largest
-    ``nn.ModuleList`` not inside another one's child (on a tie, the one
-    holding more parameters, then the first found), led by
+    list of blocks (an ``nn.ModuleList``; where there is none, the
+    ``nn.Sequential`` holding the most parameters, as timm's ViT holds its
+    blocks) not inside another one's child (on a tie, the one holding more
+    parameters, then the first found), led by
     the first module with parameters registered before the list on the way
     down to it (the embedding: a unit of what runs before the blocks) and
     followed by the first one registered after it (the final norm or the
@@ -137,8 +139,14 @@ def find_units(model: torch.nn.Module, order: Mapping[str, int] | None = None) -
     the list and its ancestors (OPT registers its final norm before its
     layers and calls it after them). ValueError when the model has no
     list of two or more modules."""
-    lists = {name: mod for name, mod in model.named_modules()
-             if isinstance(mod, torch.nn.ModuleList) and len(mod) >= 2}
+    # An nn.Sequential only where no nn.ModuleList holds two modules: a
+    # model with a list of blocks often builds small Sequentials too (an
+    # MLP, a classifier head), longer than a short list of blocks.
+    for kind in (torch.nn.ModuleList, torch.nn.Sequential):
+        lists = {name: mod for name, mod in model.named_modules()
+                 if isinstance(mod, kind) and len(mod) >= 2}
+        if lists:
+            break
     best: tuple[int, int, str] | None = None
     for name, mod in lists.items():
         # A list inside a child of another list is part of one block: a
@@ -150,10 +158,13 @@ def find_units(model: torch.nn.Module, order: Mapping[str, int] | None = None) -
                for outer in lists):
             continue
         size = (len(mod), sum(p.numel() for p in mod.parameters()))
+        if kind is torch.nn.Sequential:  # the blocks outweigh a head's few layers
+            size = size[::-1]
         if best is None or size > best[:2]:
             best = (*size, name)
     if best is None:
-        raise ValueError(f"{type(model).__name__} has no nn.ModuleList of blocks to cut at; "
+        raise ValueError(f"{type(model).__name__} has no nn.ModuleList or nn.Sequential of "
+                         "blocks to cut at; "
                          "pass units=[module FQNs where units start]")
     path = best[2]
     mods = model.get_submodule(path) if path else model
