@@ -20,11 +20,13 @@ rank, predicted, measured, predicted / measured.
 data_parallel=)``; the sheet profiled with the mesh's dp group, the plan
 evaluated with ``data_parallel=``). Measured: the parameters, gradients and
 AdamW states as this rank holds them (in "shard" its DTensor shards' local
-tensors), plus ``peak_held_bytes``, plus ``peak_gathered_bytes`` (the full
-parameters gathered at once, shard only). Not measured (the planner counts
-them): the all-gathers' and reductions' own buffers, shard's full gradients
-before their reduce-scatter (the last columns add their size, the local
-stages' full parameter bytes), the transfer buffers between ranks.
+tensors), plus ``peak_live_bytes``: the most bytes beyond those at once,
+sampled before each compute action: held for backward, and in "shard" the
+full parameters gathered and the full gradients no REDUCE_GRAD has taken
+yet (``peak_held_bytes`` and ``peak_gathered_bytes``, each at its own
+moment, are printed beside it). Not measured (the planner counts them): the
+all-gathers' and reductions' own buffers, the transfer buffers between
+ranks.
 """
 
 from __future__ import annotations
@@ -121,14 +123,17 @@ def main() -> None:
 
 
 def _measured(pipe, opt) -> tuple[int, int, int]:
-    """(total, peak_held_bytes, peak_gathered_bytes) of this rank after a step."""
+    """(total, peak_held_bytes, peak_gathered_bytes) of this rank after a step:
+    total = its parameters, gradients and AdamW states as it holds them, plus
+    ``peak_live_bytes``."""
     params = list(pipe.parameters())
     grads = [p.grad for p in params if p.grad is not None]
     states = [t for s in opt.state.values() for t in s.values()
               if isinstance(t, torch.Tensor) and t.dim() > 0]
     stats = pipe.last_step_stats
     held, gathered = stats["peak_held_bytes"], stats["peak_gathered_bytes"]
-    return _bytes(params) + _bytes(grads) + _bytes(states) + held + gathered, held, gathered
+    return _bytes(params) + _bytes(grads) + _bytes(states) + stats["peak_live_bytes"], \
+        held, gathered
 
 
 def main_dp(dp: int) -> None:
@@ -173,15 +178,8 @@ def main_dp(dp: int) -> None:
                     opt = torch.optim.AdamW(pipe.parameters(), lr=1e-3)
                 opt.step()
             measured, held, gathered = _measured(pipe, opt)
-            # Shard: the compute parameters' full gradients, held from a
-            # stage's first backward to its REDUCE_GRAD (the planner's
-            # FirstGrad), are not tracked; their size, the local stages'
-            # full parameter bytes, gives the last column.
-            full = {id(p): p for stage in pipe.inspect().stages.values()
-                    for p in stage.parameters()}
-            full_grads = _bytes(list(full.values())) if mode == "shard" else 0
             mine = [schedule, mode, rank, plan.predicted_peak_bytes[pipe.rank], measured, held,
-                    gathered, full_grads]
+                    gathered]
             every = [None] * dist.get_world_size()
             dist.all_gather_object(every, mine)
             rows += every
@@ -189,14 +187,12 @@ def main_dp(dp: int) -> None:
         print(f"example GPT 8 x d=128 (untied), batch 16x64 per replica, m={m}, "
               f"dp={dp} x pp={pp}, FX programs, 2 AdamW steps")
         print("| schedule | mode | rank | predicted peak | measured peak | predicted / measured "
-              "| of which held for backward | of which gathered | + full gradients (shard) "
-              "| predicted / that |")
-        print("|---|---|---|---|---|---|---|---|---|---|")
-        for schedule, mode, r, pred, meas, held, gathered, grads in rows:
+              "| peak held for backward | peak gathered |")
+        print("|---|---|---|---|---|---|---|---|")
+        for schedule, mode, r, pred, meas, held, gathered in rows:
             print(f"| {schedule} | {mode} | {r} | {pred / 2**20:.2f} MiB | "
                   f"{meas / 2**20:.2f} MiB | {pred / meas:.2f} | {held / 2**20:.2f} MiB | "
-                  f"{gathered / 2**20:.2f} MiB | {(meas + grads) / 2**20:.2f} MiB | "
-                  f"{pred / (meas + grads):.2f} |")
+                  f"{gathered / 2**20:.2f} MiB |")
         import shutil
         shutil.rmtree(box[0], ignore_errors=True)
     dist.destroy_process_group()

@@ -362,6 +362,8 @@ def _train(case: dict[str, Any]) -> dict[str, Any]:
     # The step's peak of gathered full parameters (0 unless sharded) and its
     # bound: every local stage's full parameters at once.
     res["peak_gathered_bytes"] = pipe.last_step_stats["peak_gathered_bytes"]
+    res["peak_held_bytes"] = pipe.last_step_stats["peak_held_bytes"]
+    res["peak_live_bytes"] = pipe.last_step_stats["peak_live_bytes"]
     res["stages_full_bytes"] = sum(p.numel() * p.element_size()
                                    for stage in pipe.inspect().stages.values()
                                    for p in stage.parameters())

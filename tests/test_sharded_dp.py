@@ -105,6 +105,12 @@ def test_sharded_training_equals_one_process(model, schedule):
             (rank, r["peak_gathered_bytes"], r["stages_full_bytes"])
         if "gathered_peak_bytes" in r:
             assert r["peak_gathered_bytes"] == r["gathered_peak_bytes"], rank
+        # The bytes beyond the shards at once: at least a gathered stage's,
+        # at most held + gathered + every local stage's full gradients.
+        assert r["peak_live_bytes"] > 0, rank
+        assert r["peak_live_bytes"] <= r["peak_held_bytes"] + r["peak_gathered_bytes"] + \
+            r["stages_full_bytes"], (rank, r["peak_live_bytes"], r["peak_held_bytes"],
+                                     r["peak_gathered_bytes"], r["stages_full_bytes"])
         if model == "mlp":   # uneven dim 0 over dp=2: ceil(rows / 2) on dp rank 0
             rows = r["layout_before"]["local_rows"]
             want = {"a.weight": [4, 3], "b.weight": [3, 2], "b.bias": [3, 2],
@@ -140,6 +146,7 @@ def test_replicate_and_shard_give_the_same_losses_and_gradients(model):
     for rank, r in enumerate(got):
         assert r["param_types"] == ["Parameter"] and r["grad_types"] == ["Tensor"]
         assert r["peak_gathered_bytes"] == 0, rank   # nothing gathered
+        assert r["peak_live_bytes"] == r["peak_held_bytes"], rank
         assert "vs_other_mode" in r, "the shard run of this case did not finish first"
         assert r["vs_other_mode"]["loss"] <= 1 and r["vs_other_mode"]["grads"] <= 1, \
             (rank, r["vs_other_mode"])

@@ -593,6 +593,11 @@ class Pipeline(torch.nn.Module):
         ``peak_gathered_bytes`` (with sharded data parallel, the most bytes
         of full parameters gathered at once, their storages from unpacking
         to RESHARD, the all-gathers' own buffers not counted; 0 otherwise),
+        ``peak_live_bytes`` (the most bytes beyond the rank's persistent
+        state at once, measured after each compute action: those held for
+        backward and, with sharded data parallel, the gathered full
+        parameters and the full gradients no REDUCE_GRAD has taken yet;
+        ``peak_held_bytes`` otherwise),
         ``span_s``, ``compute_s`` and the measured ``bubble_fraction``
         (:func:`torch_mpmd.trace.step_metrics`), ``microbatch_shapes`` (the
         shape of each microbatch's first tensor input: the lengths of

@@ -416,6 +416,11 @@ class ShardedStages:
                     by_id[id(p)] = p
         self.reduce_layout = {s: _buckets([by_id[i] for i, o in owner.items() if o == s], shards)
                               for s in stage_params}
+        # The full gradients the stages' backwards made and no REDUCE_GRAD has
+        # taken yet: id(compute parameter) -> bytes (note_grads, live_bytes).
+        self._grad_params = {s: [p for p in ps if id(p) in by_id] for s, ps in stage_params.items()}
+        self._grads: dict[int, int] = {}
+        self._grad_bytes = 0
         self._users: dict[int, int] = {}  # id(compute parameter) -> gathered stages using it
         # id(compute parameter) -> the tensor whose storage holds its full
         # value, emptied by RESHARD (NOTE [Resharding frees the storage]);
@@ -580,6 +585,7 @@ class ShardedStages:
                         n = (stop - start) * slot.row_numel
                         table[r, slot.offset:slot.offset + n].copy_(g[start:stop].reshape(-1))
                 slot.param.grad = None
+            self._taken(slot.param for slot in slots)
             table.div_(self.size)
             out = table.new_empty(numel)
             opts = torch._C._distributed_c10d.ReduceScatterOptions()
@@ -595,6 +601,7 @@ class ShardedStages:
                 grads.append(g.reshape(-1) if g is not None else
                              torch.zeros(_base(p).numel(), dtype=p.dtype, device=_base(p).device))
                 p.grad = None
+            self._taken(replicated)
             flat = torch.cat(grads).div_(self.size)
             work = lockstep.all_reduce(flat, self.group, self.timeout_s)
             self._reductions.append((work, flat, [], replicated))
@@ -602,11 +609,33 @@ class ShardedStages:
     def begin_step(self) -> None:
         self._reductions = []
         self._reduced_bytes = 0
+        self._grads.clear()  # (the last step's REDUCE_GRADs took them)
+        self._grad_bytes = 0
 
     def begin_run(self) -> None:
         """An executor run starts: report() covers it alone."""
         self._gathers = []
         self._peak_held = self._held
+
+    def note_grads(self, stage: int) -> None:
+        """After a backward of ``stage`` (B, I or W): the full gradients its
+        parameters hold now, for :meth:`live_bytes`."""
+        for p in self._grad_params.get(stage, ()):
+            g = local_grad(p)
+            nbytes = g.numel() * g.element_size() if g is not None else 0
+            self._grad_bytes += nbytes - self._grads.get(id(p), 0)
+            self._grads[id(p)] = nbytes
+
+    def live_bytes(self) -> int:
+        """The bytes this rank holds now beyond its shards: the full parameters
+        gathered (as :attr:`peak_gathered` counts them) and the full gradients
+        noted since their REDUCE_GRAD (StageRunner.peak_live)."""
+        return self._held + self._grad_bytes
+
+    def _taken(self, params: Iterable[torch.nn.Parameter]) -> None:
+        """REDUCE_GRAD took these parameters' full gradients."""
+        for p in params:
+            self._grad_bytes -= self._grads.pop(id(p), 0)
 
     @property
     def peak_gathered(self) -> int:

@@ -263,8 +263,7 @@ class ProgramRunner(StageRunner):
         return plan
 
     def forward(self, stage: int, mb: int, inputs: list[list[torch.Tensor]]) -> Any:
-        if self.sharded is not None:
-            self.sharded.ready(stage)
+        self._ready(stage, backward=False)
         if not self._functional:
             return super().forward(stage, mb, inputs), None
         plan = self._plans.get(stage) or self._plan(stage)
@@ -333,8 +332,7 @@ class ProgramRunner(StageRunner):
 
     def backward(self, stage: int, mb: int, grads: list[list[torch.Tensor]], input_only: bool,
                  state: list[torch.Tensor] | None = None) -> Any:
-        if self.sharded is not None:
-            self.sharded.ready(stage)
+        self._ready(stage, backward=True)
         if not self._functional:
             return super().backward(stage, mb, grads, input_only), None
         plan = self._plans.get(stage) or self._plan(stage)
@@ -370,8 +368,7 @@ class ProgramRunner(StageRunner):
 
     def backward_weight(self, stage: int, mb: int, carry: list[torch.Tensor] | None = None
                         ) -> None:
-        if self.sharded is not None:
-            self.sharded.ready(stage)
+        self._ready(stage, backward=True)
         if not self._functional:
             return super().backward_weight(stage, mb)
         prog = self.programs[stage]

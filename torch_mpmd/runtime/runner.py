@@ -285,6 +285,8 @@ class StageRunner:
         self.live_bytes: dict[int, int] = {s: 0 for s in self.stages}
         self.peak_bytes: dict[int, int] = {s: 0 for s in self.stages}
         self.live_total = self.peak_total = 0  # the same over all local stages at once
+        self.peak_live = 0  # with sharded data parallel's transient bytes too (_ready)
+        self._grads_from: int | None = None  # the stage whose B or W ran last (_ready)
         self.error: BaseException | None = None
         self.begin_step([], [], None, 0, 0, training=True)
 
@@ -329,7 +331,8 @@ class StageRunner:
         self.error = None
         self.live_bytes = {s: 0 for s in self.stages}
         self.peak_bytes = {s: 0 for s in self.stages}
-        self.live_total = self.peak_total = 0
+        self.live_total = self.peak_total = self.peak_live = 0
+        self._grads_from = None
         self._loss_grad_value: torch.Tensor | None = None  # (_loss_grad)
         # Stages reading a user input that requires grad (the compile door's
         # inputs): their backward is never split, so the input's gradient
@@ -375,6 +378,24 @@ class StageRunner:
         if self.sharded is not None:
             self.sharded.reshard(stage)
 
+    def _ready(self, stage: int, backward: bool) -> None:
+        """Before a compute action of ``stage`` (a B, I or W when ``backward``)
+        with sharded data parallel: its parameters gathered (NOTE [Lazy
+        gather]), and the rank's bytes beyond its persistent state at this
+        moment noted at their peak (``peak_live``): held for backward,
+        gathered full parameters, and full gradients no REDUCE_GRAD has taken
+        (the last backward's counted now; summing the three peaks apart would
+        count moments that never meet)."""
+        if self.sharded is None:
+            return
+        self.sharded.ready(stage)
+        if self._grads_from is not None:
+            self.sharded.note_grads(self._grads_from)
+        self._grads_from = stage if backward else None
+        now = self.live_total + self.sharded.live_bytes()
+        if now > self.peak_live:
+            self.peak_live = now
+
     def reduce_grad(self, stage: int) -> None:
         """REDUCE_GRAD: the stage's backward is over; starts its data-parallel
         reduction and the sums of tied weights it posts (runtime._reduce_grad)."""
@@ -393,8 +414,7 @@ class StageRunner:
 
     def forward(self, stage: int, mb: int, inputs: list[list[torch.Tensor]]
                 ) -> list[list[torch.Tensor]]:
-        if self.sharded is not None:
-            self.sharded.ready(stage)
+        self._ready(stage, backward=False)
         st = self.stages[stage]
         sig = st.signature
         training = self.training
@@ -546,8 +566,7 @@ class StageRunner:
 
     def backward(self, stage: int, mb: int, grads: list[list[torch.Tensor]],
                  input_only: bool) -> list[list[torch.Tensor]]:
-        if self.sharded is not None:
-            self.sharded.ready(stage)
+        self._ready(stage, backward=True)
         if input_only and stage in self.whole_backward:
             return self._whole_backward_as_input(stage, mb, grads)
         saved = self._saved[(stage, mb)] if input_only else self._saved.pop((stage, mb))
@@ -629,8 +648,7 @@ class StageRunner:
         return result
 
     def backward_weight(self, stage: int, mb: int) -> None:
-        if self.sharded is not None:
-            self.sharded.ready(stage)
+        self._ready(stage, backward=True)
         saved = self._saved.pop((stage, mb))
         self._hold(stage, -saved.saved_bytes)
         weights = self.stages[stage].weights

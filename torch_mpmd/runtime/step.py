@@ -83,7 +83,9 @@ class CallHistory:
                                   dict(rt.runner.peak_bytes),
                                   tuple(_first_shape(named) for named in rt.runner.inputs),
                                   peak_held_bytes=rt.runner.peak_total,
-                                  peak_gathered_bytes=rt.dp.peak_gathered if sharded else 0)
+                                  peak_gathered_bytes=rt.dp.peak_gathered if sharded else 0,
+                                  peak_live_bytes=(rt.runner.peak_live if sharded
+                                                   else rt.runner.peak_total))
         self.records.append(record)
         self.last = record
         self._last_stats = None

@@ -134,6 +134,7 @@ class StepRecord:
     microbatch_shapes: tuple[tuple[int, ...], ...] = ()
     peak_held_bytes: int = 0                # over all local stages at once
     peak_gathered_bytes: int = 0            # full parameters gathered at once (shard mode)
+    peak_live_bytes: int = 0                # held + gathered + unreduced full gradients at once
 
     @property
     def program(self) -> Sequence[Action]:
@@ -153,6 +154,7 @@ class StepRecord:
                 "peak_activation_bytes": dict(self.peak_activation_bytes),
                 "peak_held_bytes": self.peak_held_bytes,
                 "peak_gathered_bytes": self.peak_gathered_bytes,
+                "peak_live_bytes": self.peak_live_bytes,
                 "microbatch_shapes": [list(shape) for shape in self.microbatch_shapes],
                 **step_metrics(self.row())}
 
