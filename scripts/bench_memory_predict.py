@@ -11,8 +11,8 @@ activations walked over the rank's program, transfer buffers), and the
 pipeline runs the same plan for two steps with AdamW. Measured per rank:
 the bytes of the rank's parameters, their gradients and AdamW's states (read
 off the tensors), plus the peak bytes held for backward (``last_step_stats
-["peak_held_bytes"]``, the stage programs' saved tensors over all the
-rank's stages at once). Prints schedule,
+["peak_live_bytes"]``, here ``peak_held_bytes``: the stage programs' saved
+tensors over all the rank's stages at once). Prints schedule,
 rank, predicted, measured, predicted / measured.
 
 ``--dp 2``: 4 ranks on a ("dp", "pp") = (2, 2) mesh, each replica on its own
@@ -76,11 +76,7 @@ def main() -> None:
     if dp > 1:
         return main_dp(dp)
     rank, pp = dist.get_rank(), dist.get_world_size()
-    g = torch.Generator().manual_seed(1)
-    x = torch.randint(0, 96, (16, 64), generator=g)
-    y = torch.randint(0, 96, (16, 64), generator=g)
-    box = [tempfile.mkdtemp(prefix="mpmd_mem_") if rank == 0 else None]
-    dist.broadcast_object_list(box, src=0)
+    x, y, box = _batch_and_cache(seed=1)
     m = 8
     sheet = mpmd.profile(model(), (x,), loss_fn=loss_fn, target=y, cache_dir=box[0],
                          microbatch_sizes=[16 // m], global_batch=16, pp_size=pp)
@@ -93,18 +89,7 @@ def main() -> None:
                                       split_points=split)
         pipe = mpmd.pipeline(model(), loss_fn=loss_fn, schedule=schedule, num_microbatches=m,
                              split_points=split)
-        opt = None
-        for _ in range(2):
-            pipe.step(x, target=y)
-            if opt is None:
-                opt = torch.optim.AdamW(pipe.parameters(), lr=1e-3)
-            opt.step()
-        params = [p for p in pipe.parameters()]
-        grads = [p.grad for p in params if p.grad is not None]
-        states = [t for s in opt.state.values() for t in s.values()
-                  if isinstance(t, torch.Tensor) and t.dim() > 0]
-        held = pipe.last_step_stats["peak_held_bytes"]
-        measured = _bytes(params) + _bytes(grads) + _bytes(states) + held
+        measured, held, _ = _measured(pipe, _two_steps(pipe, x, y))
         mine = [schedule, rank, plan.predicted_peak_bytes[rank], measured, held]
         every = [None] * pp
         dist.all_gather_object(every, mine)
@@ -120,6 +105,28 @@ def main() -> None:
         import shutil
         shutil.rmtree(box[0], ignore_errors=True)
     dist.destroy_process_group()
+
+
+def _batch_and_cache(seed: int) -> tuple[torch.Tensor, torch.Tensor, list]:
+    """A 16 x 64 batch of ids and targets, and ``[cache directory]`` (global
+    rank 0's, every rank told)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, 96, (16, 64), generator=g)
+    y = torch.randint(0, 96, (16, 64), generator=g)
+    box = [tempfile.mkdtemp(prefix="mpmd_mem_") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return x, y, box
+
+
+def _two_steps(pipe, x: torch.Tensor, y: torch.Tensor) -> torch.optim.Optimizer:
+    """Two steps with AdamW (its states exist after the first); the optimizer."""
+    opt = None
+    for _ in range(2):
+        pipe.step(x, target=y)
+        if opt is None:
+            opt = torch.optim.AdamW(pipe.parameters(), lr=1e-3)
+        opt.step()
+    return opt
 
 
 def _measured(pipe, opt) -> tuple[int, int, int]:
@@ -143,11 +150,7 @@ def main_dp(dp: int) -> None:
     mesh = init_device_mesh("cpu", (dp, pp), mesh_dim_names=("dp", "pp"))
     rank = dist.get_rank()
     replica = mesh.get_local_rank("dp")
-    g = torch.Generator().manual_seed(1 + replica)  # each replica its own batch
-    x = torch.randint(0, 96, (16, 64), generator=g)
-    y = torch.randint(0, 96, (16, 64), generator=g)
-    box = [tempfile.mkdtemp(prefix="mpmd_mem_") if rank == 0 else None]
-    dist.broadcast_object_list(box, src=0)
+    x, y, box = _batch_and_cache(seed=1 + replica)  # each replica its own batch
     m = 8
     # Each replica profiles (collective over its pp group and the dp groups);
     # all use global rank 0's sheet, as mpmd.plan does (every rank must get
@@ -171,13 +174,7 @@ def main_dp(dp: int) -> None:
             pipe = mpmd.pipeline(model(), loss_fn=loss_fn, schedule=schedule,
                                  num_microbatches=m, split_points=split, mesh=mesh,
                                  data_parallel=mode, **extra)
-            opt = None
-            for _ in range(2):
-                pipe.step(x, target=y)
-                if opt is None:
-                    opt = torch.optim.AdamW(pipe.parameters(), lr=1e-3)
-                opt.step()
-            measured, held, gathered = _measured(pipe, opt)
+            measured, held, gathered = _measured(pipe, _two_steps(pipe, x, y))
             mine = [schedule, mode, rank, plan.predicted_peak_bytes[pipe.rank], measured, held,
                     gathered]
             every = [None] * dist.get_world_size()

@@ -281,6 +281,7 @@ class UnitCost:
     backward_input_fixed: float
     backward_weight_fixed: float
     saved_bytes: float
+    saved_input_bytes: float
     param_bytes: float
     output_bytes: float
     def __init__(self) -> None: ...

@@ -218,7 +218,7 @@ Staged stage(const CostSheet& sheet, const std::vector<int>& starts, double scal
       f += c.forward_fixed + (c.forward - c.forward_fixed) * scale;
       i += c.backward_input_fixed + (c.backward_input - c.backward_input_fixed) * scale;
       w += c.backward_weight_fixed + (c.backward_weight - c.backward_weight_fixed) * scale;
-      saved += c.saved_bytes;
+      saved += c.saved_bytes + (u > begin ? c.saved_input_bytes : 0.0);
       params += c.param_bytes;
     }
     st.F.push_back(f);
@@ -475,6 +475,7 @@ void checkSheet(const CostSheet& sheet) {
       }
     }
     checkFinite(where + "saved_bytes", c.saved_bytes);
+    checkFinite(where + "saved_input_bytes", c.saved_input_bytes);
     checkFinite(where + "param_bytes", c.param_bytes);
     checkFinite(where + "output_bytes", c.output_bytes);
   }

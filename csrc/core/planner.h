@@ -132,6 +132,10 @@ struct UnitCost {
   double forward_fixed = 0.0;
   double backward_input_fixed = 0.0;
   double backward_weight_fixed = 0.0;
+  // Of its inputs, the bytes its forward keeps for its backward: not in
+  // saved_bytes (a stage's received values are transfer buffers), held
+  // anew where an earlier unit of the same stage produces them.
+  double saved_input_bytes = 0.0;
 };
 
 struct CostSheet {

@@ -25,6 +25,7 @@ void bindSheet(py::module_& m) {
       .def_readwrite("backward_input_fixed", &UnitCost::backward_input_fixed)
       .def_readwrite("backward_weight_fixed", &UnitCost::backward_weight_fixed)
       .def_readwrite("saved_bytes", &UnitCost::saved_bytes)
+      .def_readwrite("saved_input_bytes", &UnitCost::saved_input_bytes)
       .def_readwrite("param_bytes", &UnitCost::param_bytes)
       .def_readwrite("output_bytes", &UnitCost::output_bytes);
 

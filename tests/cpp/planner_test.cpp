@@ -117,6 +117,30 @@ TEST(Planner, MemoryModelCountsStateActivationsAndBuffers) {
   EXPECT_GT(rec.step_seconds, plan.step_seconds);  // one more forward per backward
 }
 
+TEST(Planner, InputsAUnitKeepsAreNewBytesOnlyInsideAStage) {
+  // Three units, a keeping 30 bytes of its input, b 40 and c 60 of theirs.
+  CostSheet sheet;
+  sheet.units = {{"a", 1, 1, 1, 100, 10, 7}, {"b", 1, 1, 1, 50, 20, 3}, {"c", 1, 1, 1, 50, 20, 3}};
+  sheet.units[0].saved_input_bytes = 30;
+  sheet.units[1].saved_input_bytes = 40;
+  sheet.units[2].saved_input_bytes = 60;
+  sheet.global_batch = 1;
+  sheet.pp_size = 2;
+  // Stages [a] and [b, c]: b starts its stage (its input arrives: a transfer
+  // buffer), c's input is b's output, made inside the stage: 60 more.
+  const Plan joined = evaluatePlan(sheet, "1f1b", 1, 1, {0, 1});
+  // Stages [a, b] and [c]: b's 40 on rank 0, c's input a received buffer.
+  const Plan other = evaluatePlan(sheet, "1f1b", 1, 1, {0, 2});
+  CostSheet none = sheet;
+  for (UnitCost& u : none.units) u.saved_input_bytes = 0;
+  EXPECT_DOUBLE_EQ(joined.peak_bytes[1] - evaluatePlan(none, "1f1b", 1, 1, {0, 1}).peak_bytes[1], 60);
+  EXPECT_DOUBLE_EQ(joined.peak_bytes[0], evaluatePlan(none, "1f1b", 1, 1, {0, 1}).peak_bytes[0]);
+  EXPECT_DOUBLE_EQ(other.peak_bytes[0] - evaluatePlan(none, "1f1b", 1, 1, {0, 2}).peak_bytes[0], 40);
+  sheet.units[2].saved_input_bytes = -1;
+  EXPECT_NE(whatOf([&] { checkSheet(sheet); }).find("units[2] ('c').saved_input_bytes=-1"),
+            std::string::npos);
+}
+
 // Two units, one per stage on 2 ranks, 1F1B at m = 2, with dp_size = 2:
 // stage a 100 bytes of parameters, b 200 (g = 1, o = 2).
 CostSheet dpSheet() {

@@ -30,7 +30,9 @@ I + W equals the measured B (the schedules without the split run B; the
 ratio is kept). Saved bytes: what each stage program's forward saves for its
 backward per microbatch (``StagePrograms.saved_bytes``: parameters, inputs
 and views of them excluded; under the autograd fallback, what
-saved_tensors_hooks saw). Parameter bytes: the parameters each unit reads (a
+saved_tensors_hooks saw), and apart the unit's received values it keeps
+(``saved_input_bytes``: new bytes where an earlier unit of the same stage
+produces them, as inside a refined block). Parameter bytes: the parameters each unit reads (a
 weight tied across units counts in each). Output bytes: everything that
 crosses the cut right after a unit (values produced at or before it and read
 after it, skip connections included). Input bytes: the model inputs of one
@@ -302,7 +304,7 @@ def _compile_key(compile: Any) -> str:
 # How a profile is measured, in the key: a cached profile measured otherwise
 # (other units refined, fields a newer sheet prices) is measured again.
 # Bump it when that changes.
-_METHOD = 2
+_METHOD = 3
 
 
 def profile_key(model: torch.nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any],
@@ -390,7 +392,7 @@ def _measure_at(model: torch.nn.Module, args: tuple, kwargs: dict, target: Any, 
     targets = [target]
     runner.prepare(inputs, targets, loss_fn)
     times: dict[str, list[list[float]]] = {k: [[] for _ in range(n)] for k in "FBIW"}
-    saved = [0] * n
+    saved = kept = [0] * n
     for rep in range(repeats + 1):  # the first is a warm-up
         runner.begin_step(inputs, targets, loss_fn, 0, rep, training=True)
         try:
@@ -407,6 +409,9 @@ def _measure_at(model: torch.nn.Module, args: tuple, kwargs: dict, target: Any, 
                         values[(s, c)] = v
                 if rep == 0 and not split:
                     saved = [runner.peak_bytes[s] for s in range(n)]
+                    # (the autograd fallback's hooks see no inputs apart: 0)
+                    kept = [runner.programs[s].saved_input_bytes if runner.programs else 0
+                            for s in range(n)]
                 grads: dict[tuple[int, int], Any] = {}
                 for s in reversed(range(n)):
                     out_grads = [grads[(s, c)] for c in consumers[s]]
@@ -441,6 +446,7 @@ def _measure_at(model: torch.nn.Module, args: tuple, kwargs: dict, target: Any, 
     input_bytes = sum(t.numel() * t.element_size() for name in first.user_inputs
                       for t in [inputs[0][name]] if isinstance(t, torch.Tensor))
     return {"F": med["F"], "B": med["B"], "I": med["I"], "W": med["W"], "saved": saved,
+            "kept": kept,
             "params": param_bytes, "out": out_bytes, "input": input_bytes,
             "functional": runner.programs is not None}
 
@@ -584,7 +590,8 @@ def _measure(model: torch.nn.Module, args: tuple, kwargs: dict, target: Any, *,
     ref = sizes[0]
     out_units = []
     for u, name in enumerate(units):
-        col = {k: [r[k][u] for r in per_size] for k in ("F", "B", "I", "W", "saved", "out")}
+        col = {k: [r[k][u] for r in per_size]
+               for k in ("F", "B", "I", "W", "saved", "kept", "out")}
         (f, f0), (b, b0) = _affine(col["F"], sizes, ref), _affine(col["B"], sizes, ref)
         (i, i0), (w, w0) = _affine(col["I"], sizes, ref), _affine(col["W"], sizes, ref)
         scale = b / (i + w) if i + w > 0 else 0.0  # I + W = B, their ratio kept
@@ -593,6 +600,7 @@ def _measure(model: torch.nn.Module, args: tuple, kwargs: dict, target: Any, *,
                               forward_fixed=f0, backward_input_fixed=i0 * scale,
                               backward_weight_fixed=w0 * scale if i + w > 0 else b0,
                               saved_bytes=_affine(col["saved"], sizes, ref)[0],
+                              saved_input_bytes=_affine(col["kept"], sizes, ref)[0],
                               param_bytes=float(per_size[0]["params"][u]),
                               output_bytes=(_affine(col["out"], sizes, ref)[0]
                                             if u < len(units) - 1 else 0.0)))

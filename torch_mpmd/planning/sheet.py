@@ -76,7 +76,9 @@ class Unit:
 
     ``forward``, ``backward_input`` (I) and ``backward_weight`` (W): seconds per
     microbatch (B = I + W). ``saved_bytes``: what its forward keeps for its
-    backward, per microbatch. ``param_bytes``: its parameters.
+    backward, per microbatch, and ``saved_input_bytes`` what of its inputs it
+    keeps (new bytes only where an earlier unit of its stage produces them).
+    ``param_bytes``: its parameters.
     ``output_bytes``: what crosses a cut right after it, per microbatch.
     ``forward_fixed``, ``backward_input_fixed``, ``backward_weight_fixed``:
     the part of each time that does not scale with the microbatch's size
@@ -93,6 +95,7 @@ class Unit:
     forward_fixed: float = 0.0
     backward_input_fixed: float = 0.0
     backward_weight_fixed: float = 0.0
+    saved_input_bytes: float = 0.0
 
     def _checked(self, where: str) -> "Unit":
         if not isinstance(self.name, str) or not self.name:

@@ -137,6 +137,7 @@ class StagePrograms:
     # W's outputs: the parameter each gradient belongs to.
     w_params: list[torch.Tensor] = field(default_factory=list)
     saved_bytes: int = 0          # bytes of `saved` per microbatch (parameters excluded)
+    saved_input_bytes: int = 0    # of the received values `saved` keeps (not in saved_bytes)
     carry_bytes: int = 0          # bytes of the carry I hands W (the same rule)
     # Positions of sizes (ints, a dynamic capture) in `saved` and in the carry:
     # the executor holds tensors only, so the runner boxes them as 0-dim tensors.
@@ -194,6 +195,13 @@ def _views_input(node: torch.fx.Node, inputs: set[str]) -> bool:
             return False
         node = node.args[0]
     return node.name in inputs
+
+
+def _input_of(node: torch.fx.Node) -> str:
+    """The placeholder ``node`` is or views (as :func:`_views_input` walks)."""
+    while node.op != "placeholder":
+        node = node.args[0]
+    return node.name
 
 
 def _nbytes(t: Any) -> int:
@@ -466,13 +474,23 @@ def build_stage_programs(stage: int, module: torch.fx.GraphModule, *, num_user: 
     fw_inputs = {n.name for n in fw.graph.nodes if n.op == "placeholder"}
     saved_bytes = sum(_nbytes(n.meta["val"]) for n in fw_outs[num_fwd:]
                       if not _views_input(n, fw_inputs))
+    # The received values F saves (or a view of): no new bytes for this stage,
+    # but new where a planner joins this stage's program to the one before
+    # it, which then produces them (planning: a unit inside a stage).
+    received_names = {p.name for p in placeholders[:num_primals]
+                      if isinstance(p.meta["desc"], d.PlainAOTInput)
+                      and num_user <= p.meta["desc"].idx < num_user + len(received)}
+    kept = {_input_of(n) for n in fw_outs[num_fwd:] if _views_input(n, received_names)}
+    fw_by_name = {n.name: n for n in fw.graph.nodes if n.op == "placeholder"}
+    saved_input_bytes = sum(_nbytes(fw_by_name[name].meta["val"]) for name in kept
+                            if name in fw_by_name)
 
     programs = StagePrograms(
         stage=stage, forward=fw, backward=bw, state_tensors=state, num_user=num_user,
         num_received=len(received), num_target=len(target_leaves), mutations=mutations,
         output_offset=output_offset, num_outputs=num_outputs, num_saved=len(saved_names),
         tangent_outputs=tangent_outputs, zero_tangents=zero_tangents, param_grads=param_grads, input_grads=input_grads,
-        saved_bytes=saved_bytes,
+        saved_bytes=saved_bytes, saved_input_bytes=saved_input_bytes,
         saved_sizes=[i for i, v in enumerate(saved_vals) if _is_size(v)],
         draws_rng=any(_is_random(n) for n in fw.graph.nodes),
         graphs={"F": fw, "B": bw})
