@@ -5,7 +5,8 @@ computed from FLOPs (scripts/plan_on_paper.py) or, later, measured. Times are
 seconds per microbatch at ``reference_microbatch`` samples and scale linearly
 with the microbatch but for their fixed parts (NOTE [Microbatch scaling] in
 csrc/core/planner.h); bytes
-per microbatch (``saved_bytes``, ``output_bytes``, ``input_bytes``) scale the
+per microbatch (``saved_bytes``, ``saved_input_bytes``, ``output_bytes``,
+``input_bytes``) scale the
 same way, parameter bytes do not.
 
 Contract: ``CostSheet(...)`` and ``CostSheet.from_json`` check every value and
