@@ -554,8 +554,11 @@ def _any_over(group: Any, flag: bool, device: torch.device) -> bool:
 def _measure(model: torch.nn.Module, args: tuple, kwargs: dict, target: Any, *,
              loss_fn: Any, units: list[str], sizes: list[int], compile: Any, repeats: int,
              batch: int, pp_size: int, global_batch: int, link: tuple[float, float],
-             runtime: RuntimeCosts, memory_limit: float, refine_units: bool = False,
+             runtime: RuntimeCosts, memory_limit: float, order: dict[str, int] | None = None,
              dp: tuple[int, float | None, float | None] = (1, None, None)) -> CostSheet:
+    """The sheet of ``units`` measured at ``sizes``; with ``order`` (the call
+    order of the default units' forward; None for units the caller gave),
+    units too coarse to balance are refined (NOTE [Refined units])."""
     from torch_mpmd.microbatch import first_microbatch, split_tree
 
     global measurements
@@ -580,9 +583,8 @@ def _measure(model: torch.nn.Module, args: tuple, kwargs: dict, target: Any, *,
         # are measured again.
         costs = [f + b for f, b in zip(per_size[0]["F"], per_size[0]["B"])]
         which = sorted(set(too_big(costs, pp_size)) | set(coarse(costs, pp_size))) \
-            if refine_units else []
+            if order is not None else []
         if which:
-            order = call_order(model, *first_microbatch(args, kwargs, batch // sizes[0]))
             finer = refine(model, order, units, which)
             if finer != units:
                 units, per_size = finer, measure_units(finer)
@@ -643,6 +645,7 @@ def profile(model: torch.nn.Module, example_args: Any, example_kwargs: Mapping[s
     batch = batch_size_of(example_args, kwargs)
     gb = batch if global_batch is None else global_batch
     sizes = _sizes(microbatch_sizes, batch, pp)
+    order: dict[str, int] | None = None
     if units is not None:
         unit_names = _check_units(model, units)
     else:  # the outer units by call order (NOTE [Outer units]): one forward, no grad
@@ -696,7 +699,7 @@ def profile(model: torch.nn.Module, example_args: Any, example_kwargs: Mapping[s
                                  units=unit_names, sizes=sizes, compile=compile,
                                  repeats=repeats, batch=batch, pp_size=pp, global_batch=gb,
                                  link=link, runtime=runtime, memory_limit=memory_limit,
-                                 refine_units=units is None, dp=dp)
+                                 order=order, dp=dp)
                 sheet = fit_sheet(sheet, runtime, batch)
             except Exception as e:  # noqa: BLE001  (every rank raises it, below)
                 failure, raised = (type(e).__name__, str(e)), e

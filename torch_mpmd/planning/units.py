@@ -16,6 +16,7 @@ registers its input norm after its MLP and calls it first.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from typing import Any
 
@@ -109,7 +110,7 @@ def coarse(costs: Sequence[float], pp_size: int, tolerance: float = 0.05) -> lis
     total = sum(costs)
     if len(costs) < 2 or total <= 0 or pp_size < 2:
         return []  # one rank: nothing to balance
-    ends = [sum(costs[:i + 1]) for i in range(len(costs))]
+    ends = list(itertools.accumulate(costs))
     out: set[int] = set()
     for parts in (pp_size, 2 * pp_size):
         if parts > len(costs):

@@ -182,26 +182,25 @@ class _Traced(torch.nn.Module):
                      for i, o in enumerate(out[:self.num_sent]))
 
 
-def _views_input(node: torch.fx.Node, inputs: set[str]) -> bool:
-    """Whether ``node`` is a placeholder named in ``inputs`` or a view of one
-    (``t``, ``permute``, ``view``, ``expand``: an op whose schema says its
-    result aliases its first argument, without writing it): a value that
+def _viewed_input(node: torch.fx.Node, inputs: set[str]) -> str | None:
+    """The placeholder named in ``inputs`` that ``node`` is or views (``t``,
+    ``permute``, ``view``, ``expand``: an op whose schema says its result
+    aliases its first argument, without writing it), or None: a value that
     owns no memory of its own, which the saved-bytes accounting skips."""
     while node.op != "placeholder":
         schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
         alias = schema.returns[0].alias_info if schema is not None and schema.returns else None
         if alias is None or alias.is_write or not node.args or \
                 not isinstance(node.args[0], torch.fx.Node):
-            return False
+            return None
         node = node.args[0]
-    return node.name in inputs
+    return node.name if node.name in inputs else None
 
 
-def _input_of(node: torch.fx.Node) -> str:
-    """The placeholder ``node`` is or views (as :func:`_views_input` walks)."""
-    while node.op != "placeholder":
-        node = node.args[0]
-    return node.name
+def _views_input(node: torch.fx.Node, inputs: set[str]) -> bool:
+    """Whether ``node`` is a placeholder named in ``inputs`` or a view of one
+    (:func:`_viewed_input`)."""
+    return _viewed_input(node, inputs) is not None
 
 
 def _nbytes(t: Any) -> int:
@@ -480,10 +479,9 @@ def build_stage_programs(stage: int, module: torch.fx.GraphModule, *, num_user: 
     received_names = {p.name for p in placeholders[:num_primals]
                       if isinstance(p.meta["desc"], d.PlainAOTInput)
                       and num_user <= p.meta["desc"].idx < num_user + len(received)}
-    kept = {_input_of(n) for n in fw_outs[num_fwd:] if _views_input(n, received_names)}
+    kept = {_viewed_input(n, received_names) for n in fw_outs[num_fwd:]} - {None}
     fw_by_name = {n.name: n for n in fw.graph.nodes if n.op == "placeholder"}
-    saved_input_bytes = sum(_nbytes(fw_by_name[name].meta["val"]) for name in kept
-                            if name in fw_by_name)
+    saved_input_bytes = sum(_nbytes(fw_by_name[name].meta["val"]) for name in kept)
 
     programs = StagePrograms(
         stage=stage, forward=fw, backward=bw, state_tensors=state, num_user=num_user,
