@@ -21,6 +21,7 @@ from dist_harness import GridRun
 from torch_mpmd.planning import profile as profiling
 
 SCHEDULES = ["1f1b", "zbv"]
+SCHEDULES4 = ["interleaved_1f1b", "zbv"]  # pipeline size 4
 # The compile door with options={"plan": "auto"}: a mean loss with a schedule
 # constraint, and a (sum, count) pair planned freely.
 DOOR = [dict(id="door-mean-1f1b", kind="door", options={"schedule": "1f1b"}),
@@ -32,20 +33,25 @@ CASES = ([dict(id=s, kind="train", schedule=s) for s in SCHEDULES]
 _GRID = GridRun(2, "plan_worker:grid", CASES, task="plans", timeout=300)
 
 
-@pytest.mark.parametrize("schedule", SCHEDULES)
-def test_plan_is_the_same_on_every_rank_and_trains_like_one_process(schedule):
-    r0, r1 = _GRID.results(schedule)
-    assert r0["plan"] == r1["plan"], (r0["plan"], r1["plan"])
+_GRID4 = GridRun(4, "plan_worker:grid", [dict(id=s, kind="train", schedule=s) for s in SCHEDULES4],
+                 task="plans on 4 ranks", timeout=400)
+
+
+def _check_trained_plan(results: list[dict[str, Any]], schedule: str) -> None:
+    """Every rank's plan is the same, runs as planned, trains exactly like one
+    process (its own step and plan="auto"'s), and the profile was measured once."""
+    r0 = results[0]
+    for rank, r in enumerate(results):
+        assert r["plan"] == r0["plan"], (rank, r["plan"], r0["plan"])
+        assert r["config"] == [schedule, r0["plan"]["num_microbatches"],
+                               r0["plan"]["stages_per_rank"], r0["plan"]["split_points"]]
     assert r0["plan"]["schedule"] == schedule and not any(r0["plan"]["recompute"])
-    assert r0["config"] == r1["config"] == [
-        schedule, r0["plan"]["num_microbatches"], r0["plan"]["stages_per_rank"],
-        r0["plan"]["split_points"]]
     # The profile's units: the model's own, and finer ones inside a block
     # where whole blocks do not balance (NOTE [Refined units]); the plan cuts
     # only at units.
     assert {"tok", "ln_f"} | {f"blocks.{i}" for i in range(4)} <= set(r0["units"]), r0["units"]
     assert set(r0["plan"]["split_points"]) <= set(r0["units"]), r0["plan"]["split_points"]
-    for rank, r in enumerate((r0, r1)):
+    for rank, r in enumerate(results):
         for key in ("step", "auto_step"):
             assert r[key]["loss"] <= 1, f"rank {rank} {key}: loss off by {r[key]['loss']}"
             assert r[key]["grads"], f"rank {rank} {key}: holds no parameter"
@@ -55,11 +61,25 @@ def test_plan_is_the_same_on_every_rank_and_trains_like_one_process(schedule):
         assert r["auto_plan_equal"], (rank, r["auto_plan"], r["plan"], r["auto_measured"])
         assert r["auto_program_equal"], f"rank {rank}: plan='auto' runs other actions"
         assert r["auto_split_equal"], f"rank {rank}: plan='auto' split otherwise"
+        assert r["replan"] == r0["replan"]
     # The profile is measured once, on rank 0; the second plan and "auto" load it.
-    assert (r0["measured"], r1["measured"]) == (1, 0)
-    assert (r0["auto_measured"], r1["auto_measured"]) == (0, 0)
-    assert r0["replan"] == r1["replan"]
+    assert [r["measured"] for r in results] == [1] + [0] * (len(results) - 1)
+    assert all(r["auto_measured"] == 0 for r in results)
     assert r0["replan"][1].startswith(("the current plan", "a different plan")), r0["replan"][1]
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_plan_is_the_same_on_every_rank_and_trains_like_one_process(schedule):
+    _check_trained_plan(_GRID.results(schedule), schedule)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES4)
+def test_a_plan_on_four_pipeline_ranks_trains_like_one_process(schedule):
+    # Every stage of every rank is checked against one process, for schedules
+    # of one stage per rank, of loops and of V shapes at p = 4.
+    results = _GRID4.results(schedule)
+    assert len({r["plan"]["stages_per_rank"] for r in results}) == 1
+    _check_trained_plan(results, schedule)
 
 
 def test_constraints_and_limits():
