@@ -6,6 +6,7 @@ process (units, bytes, the cache key)."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import sys
 from pathlib import Path
@@ -375,6 +376,51 @@ def test_recompute_of_stages_cut_inside_a_unit():
     # A plan's nested split point on the static units (a plan read from JSON).
     assert stage_modules(["blocks.0", "blocks.1"], ["blocks.0.mlp"], [False, True]) == \
         ["blocks.0.mlp", "blocks.1"]
+
+
+class _LateNorm(nn.Module):
+    """OPT's order: the final norm registered before the blocks, run after them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.norm = nn.Embedding(16, 8), nn.LayerNorm(8)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(4))
+        self.head = nn.Linear(8, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.emb(x)
+        for block in self.blocks:
+            h = h + block(h)
+        return self.head(self.norm(h))
+
+
+def test_a_plan_read_from_json_recomputes_the_units_of_its_stages_in_call_order():
+    # A plan from JSON carries no profile: its units are found again, the
+    # final norm after the blocks (it runs there), so recomputing the last
+    # stage checkpoints it, and the first stage's recompute does not.
+    from torch_mpmd.planning import Plan
+
+    def loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(out.flatten(0, 1), y.flatten())
+
+    x = torch.randint(0, 16, (2, 4), generator=torch.Generator().manual_seed(0))
+    for flags, want in (((False, True), ["blocks.2", "blocks.3", "norm"]),
+                        ((True, False), ["emb", "blocks.0", "blocks.1"])):
+        plan = Plan(schedule="interleaved_1f1b", num_microbatches=2, stages_per_rank=2,
+                    split_points=("blocks.2",), recompute=flags, predicted_step_s=0.0,
+                    predicted_peak_bytes=(0.0,))
+        torch.manual_seed(0)
+        model = _LateNorm()
+        ref = copy.deepcopy(model)
+        pipe = mpmd.pipeline(model, loss_fn=loss, plan=Plan.from_json(plan.to_json()))
+        assert pipe._recompute_modules((x[:1],), {}) == want
+        got = pipe.step(x, target=x)
+        want_loss = loss(ref(x), x)
+        want_loss.backward()
+        torch.testing.assert_close(got, want_loss.detach())
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            assert p.grad is not None, name
+            torch.testing.assert_close(p.grad, q.grad, msg=name)
 
 
 def test_the_fitted_action_overhead_predicts_the_calibration_run():

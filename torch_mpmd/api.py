@@ -258,7 +258,8 @@ class Pipeline(torch.nn.Module):
         schedule = self.config.schedule
         # Under grad mode whatever the caller's: which values carry gradients
         # across stages is read from the capture (the runner sets the mode).
-        with torch.enable_grad(), checkpointed(self._mpmd_module, self._recompute_modules()):
+        with torch.enable_grad(), checkpointed(self._mpmd_module,
+                                                     self._recompute_modules(args0, kwargs0)):
             split = split_model(self._mpmd_module, *args0,
                                 split_points=self.config.split_points,
                                 num_stages=self.config.num_stages,
@@ -464,17 +465,32 @@ class Pipeline(torch.nn.Module):
         return loss
 
     # ------------------------------------------------------------ plans
-    def _recompute_modules(self) -> list[str]:
+    def _recompute_modules(self, args: tuple, kwargs: dict) -> list[str]:
         """The submodules whose activations are recomputed (graph/recompute.py):
-        ``recompute=`` and the units of the stages the plan recomputes."""
+        ``recompute=`` and the units of the stages the plan recomputes.
+
+        A plan from ``mpmd.plan`` carries its profile's units. One read from
+        JSON does not: its units are found again, with the outer ones in the
+        call order of one no-grad forward on ``args``/``kwargs`` (a microbatch),
+        as the profile found them (NOTE [Outer units] in planning/profile.py:
+        a final norm registered before the blocks runs after them). A model
+        still on the meta device cannot run: registration order then."""
         fqns = list(self.config.recompute or ())
         plan = self.config.plan
         if plan is not None and plan != "auto" and any(plan.recompute):
+            from torch_mpmd.planning.calibrate import model_state_kept
             from torch_mpmd.planning.profile import find_units
+            from torch_mpmd.planning.units import call_order
 
             sheet = getattr(plan, "sheet", None)
-            units = ([u.name for u in sheet.units] if sheet is not None else
-                     find_units(self._mpmd_module))
+            if sheet is not None:
+                units = [u.name for u in sheet.units]
+            else:
+                order = None
+                if not self._mpmd_meta:
+                    with model_state_kept(self._mpmd_module):
+                        order = call_order(self._mpmd_module, tuple(args), dict(kwargs))
+                units = find_units(self._mpmd_module, order)
             modules = [name for name, _ in self._mpmd_module.named_modules()]
             fqns += stage_modules(units, plan.split_points, plan.recompute, modules)
         return fqns
