@@ -82,7 +82,8 @@ def torch_step(args: argparse.Namespace, schedule: str, spr: int, m: int, x: tor
     to ``bounds[s + 1]``, the embedding first and the head last), each stage
     module torch.compile'd with ``compile_stages`` (torchtitan's way)."""
     from torch.distributed.pipelining import (PipelineStage, Schedule1F1B,
-                                              ScheduleInterleaved1F1B)
+                                              ScheduleInterleaved1F1B,
+                                              ScheduleInterleavedZeroBubble)
 
     from bench_vs_torch import Part
 
@@ -95,9 +96,12 @@ def torch_step(args: argparse.Namespace, schedule: str, spr: int, m: int, x: tor
         parts = [torch.compile(part) for part in parts]
     stages = [PipelineStage(part, s, n_stages, torch.device("cpu"))
               for part, s in zip(parts, ids)]
-    sched = (ScheduleInterleaved1F1B(stages, n_microbatches=m, loss_fn=loss_fn)
-             if schedule == "interleaved_1f1b" else
-             Schedule1F1B(stages[0], n_microbatches=m, loss_fn=loss_fn))
+    if schedule == "interleaved_1f1b":
+        sched = ScheduleInterleaved1F1B(stages, n_microbatches=m, loss_fn=loss_fn)
+    elif schedule == "zero_bubble":  # ZB1P: B split into I and W by autograd
+        sched = ScheduleInterleavedZeroBubble(stages, n_microbatches=m, loss_fn=loss_fn)
+    else:
+        sched = Schedule1F1B(stages[0], n_microbatches=m, loss_fn=loss_fn)
     first, last = 0 in ids, n_stages - 1 in ids
 
     def step() -> None:
@@ -138,8 +142,8 @@ def main() -> None:
                     help="Inductor stage programs for mpmd.plan's profile, the plan and the "
                     "default (the grid stays FX)")
     ap.add_argument("--vs-torch", action="store_true",
-                    help="also torch.distributed.pipelining: 1f1b / interleaved_1f1b x m in "
-                    "{4, 8, 16}, even split")
+                    help="also torch.distributed.pipelining: 1f1b / interleaved_1f1b (and, "
+                    "with eager stages, zero_bubble) x m in {4, 8, 16} x even / balanced split")
     ap.add_argument("--torch-compile", action="store_true",
                     help="with --vs-torch: torch.compile each stage module")
     ap.add_argument("--grid", action="store_true",
@@ -197,7 +201,11 @@ def main() -> None:
                         num_microbatches=m, **where)
     steps = {name: functools.partial(pipe.step, x, target=y) for name, pipe in pipes.items()}
     if args.vs_torch:  # torch.distributed.pipelining on the same grid
-        for schedule, spr in (("1f1b", 1), ("interleaved_1f1b", 2)):
+        # (torch 2.13 refuses compiled stages in its zero-bubble schedules: it
+        # cannot split their backward into I and W.)
+        torch_grid = [("1f1b", 1), ("interleaved_1f1b", 2)] + \
+            ([] if args.torch_compile else [("zero_bubble", 1)])
+        for schedule, spr in torch_grid:
             for m in (4, 8, 16):
                 for split in ("even", "balanced"):
                     bounds = torch_bounds(args, plan, dist.get_world_size() * spr, split)
