@@ -312,6 +312,7 @@ class SearchOptions:
     microbatch_counts: list[int]
     top_k: int
     comm_aware_split: bool
+    refine_split: bool
     allow_recompute: bool
     data_parallel: list[str]
     def __init__(self) -> None: ...
@@ -324,6 +325,7 @@ class PlanCandidate:
     stage_starts: list[int]
     recompute: list[bool]
     comm_aware_split: bool
+    refined_split: bool
     data_parallel: str
     step_seconds: float
     peak_bytes: list[float]

@@ -453,6 +453,77 @@ std::string recomputeText(const std::vector<bool>& rec) {
   return fmt::format("recompute on {} of {} stages", on, rec.size());
 }
 
+// NOTE [Split refinement]: the min-max split balances each stage's compute,
+// which is what a schedule needs in its steady state; around the warm-up and
+// cool-down the makespan also depends on which stages are short (in a V
+// schedule, a light first stage lets the second rank start sooner while its
+// rank's last stage takes up the slack). So each finalist of the search
+// (PlanResult::top) is refined by a local search on the simulated makespan:
+// from its split, every move of one stage boundary by one unit, and of two
+// boundaries at once by one unit each (either sign), is simulated; the best
+// move that shortens the step is taken, and so on until none does or
+// kRefineSimulations ran for that finalist. A move keeps every stage
+// non-empty and must fit the memory limit (recompute chosen as in the
+// search). Deterministic: moves are tried in a fixed order and ties keep the
+// earlier.
+constexpr int64_t kRefineSimulations = 1500;
+
+Plan refineSplit(const CostSheet& sheet, const SearchOptions& options, const Plan& plan, int64_t& simulations) {
+  const int p = sheet.pp_size, n = static_cast<int>(sheet.units.size());
+  const Schedule compute = makeSchedule(plan.schedule, ScheduleSpec{p, plan.stages_per_rank, plan.num_microbatches});
+  const DataParallel dp{parseMode(plan.data_parallel), sheet.dp_size};
+  const Built b = lowerFor(compute, dp);
+  const auto& placement = b.lowered.stage_to_rank;
+  const double scale = static_cast<double>(plan.microbatch_samples) / static_cast<double>(sheet.reference_microbatch);
+  const int S = static_cast<int>(plan.stage_starts.size());
+  std::vector<std::vector<int>> moves;  // per move: the change of each boundary 1..S-1
+  for (int a = 1; a < S; ++a) {
+    for (int da : {-1, 1}) {
+      std::vector<int> d(S, 0);
+      d[a] = da;
+      moves.push_back(d);
+      for (int c = a + 1; c < S; ++c) {
+        for (int dc : {-1, 1}) {
+          std::vector<int> e = d;
+          e[c] = dc;
+          moves.push_back(e);
+        }
+      }
+    }
+  }
+  Plan best = plan;
+  int64_t spent = 0;
+  bool moved = true;
+  while (moved && spent < kRefineSimulations) {
+    moved = false;
+    Plan round = best;
+    for (const auto& d : moves) {
+      if (spent >= kRefineSimulations) break;
+      std::vector<int> starts = best.stage_starts;
+      bool valid = true;
+      for (int k = 1; k < S; ++k) starts[k] += d[k];
+      for (int k = 1; k < S && valid; ++k) valid = starts[k] > starts[k - 1];
+      if (!valid || starts[S - 1] >= n) continue;
+      const Staged st = stage(sheet, starts, scale, placement);
+      const Memory mem = chooseRecompute(sheet, st, b, placement, dp, {}, options.allow_recompute);
+      if (!mem.fits || lowerBound(sheet, st, b, placement, mem.recompute, plan.num_microbatches) >= round.step_seconds) {
+        continue;
+      }
+      ++spent;
+      const double step = simulate(b.lowered, costModel(sheet, st, mem.recompute, dp)).makespan;
+      if (step < round.step_seconds * (1.0 - 1e-9)) {
+        round = makePlan(plan.schedule, plan.stages_per_rank, plan.num_microbatches, plan.microbatch_samples, st,
+                         plan.comm_aware_split, mem, step, dp.mode);
+        round.refined_split = true;
+        moved = true;
+      }
+    }
+    best = round;
+  }
+  simulations += spent;
+  return best;
+}
+
 }  // namespace
 
 void checkSheet(const CostSheet& sheet) {
@@ -710,6 +781,10 @@ PlanResult planPipeline(const CostSheet& sheet, const SearchOptions& options) {
         "no plan fits memory_limit={} per rank: the smallest predicted peak is {}, from {}; it needs a limit of at "
         "least that, more pipeline ranks, or less per rank (smaller microbatches, less optimizer state)",
         gib(sheet.memory_limit), gib(smallest_peak), smallest_what));
+  }
+  if (options.refine_split) {  // NOTE [Split refinement]
+    for (auto& plan : top) plan = refineSplit(sheet, options, plan, result.simulations);
+    std::stable_sort(top.begin(), top.end(), better);
   }
   result.best = top.front();
   // Over-limit candidates that would have beaten the winner, fastest first.

@@ -19,6 +19,8 @@
 //     stage times), and a communication-aware variant whose stage weight adds
 //     the round trip of its output over the link (activation forward,
 //     gradient back: 2 * (latency + bytes / bandwidth));
+//     then each finalist's split refined by a local search on the simulated
+//     makespan (NOTE [Split refinement] in planner.cpp);
 //   - recompute per stage, none or full, chosen greedily (NOTE [Recompute
 //     choice]), never 2^S;
 //   - with dp_size > 1, the data-parallel mode: "replicate" or "shard"
@@ -175,6 +177,7 @@ struct SearchOptions {
   std::vector<int> microbatch_counts;     // empty: every divisor of global_batch
   int top_k = 5;                          // >= 1
   bool comm_aware_split = true;           // also try the communication-aware split
+  bool refine_split = true;               // refine the finalists' splits (NOTE [Split refinement])
   bool allow_recompute = true;
   // "replicate" and/or "shard"; empty: both when the sheet's dp_size > 1,
   // else "replicate". With dp_size = 1 "shard" shards nothing: priced as
@@ -190,6 +193,7 @@ struct Plan {
   std::vector<int> stage_starts;          // unit index where each stage starts; [0] == 0
   std::vector<bool> recompute;            // per stage
   bool comm_aware_split = false;          // which split variant
+  bool refined_split = false;             // moved from it by NOTE [Split refinement]
   std::string data_parallel = "replicate";  // NOTE [Data-parallel modes]
   double step_seconds = 0.0;              // predicted (simulated) step
   std::vector<double> peak_bytes;         // predicted, per rank

@@ -56,6 +56,7 @@ void bindSheet(py::module_& m) {
       .def_readwrite("microbatch_counts", &SearchOptions::microbatch_counts)
       .def_readwrite("top_k", &SearchOptions::top_k)
       .def_readwrite("comm_aware_split", &SearchOptions::comm_aware_split)
+      .def_readwrite("refine_split", &SearchOptions::refine_split)
       .def_readwrite("allow_recompute", &SearchOptions::allow_recompute)
       .def_readwrite("data_parallel", &SearchOptions::data_parallel);
 }
@@ -70,6 +71,7 @@ void bindResults(py::module_& m) {
       .def_readwrite("stage_starts", &Plan::stage_starts)
       .def_readwrite("recompute", &Plan::recompute)
       .def_readwrite("comm_aware_split", &Plan::comm_aware_split)
+      .def_readwrite("refined_split", &Plan::refined_split)
       .def_readwrite("data_parallel", &Plan::data_parallel)
       .def_readwrite("step_seconds", &Plan::step_seconds)
       .def_readwrite("peak_bytes", &Plan::peak_bytes)

@@ -58,6 +58,7 @@ class Candidate:
     predicted_peak_bytes: tuple[float, ...]
     comm_aware_split: bool = False
     data_parallel: str = "replicate"
+    refined_split: bool = False     # moved by the search's local refinement
 
 
 @dataclass(frozen=True)
@@ -189,6 +190,7 @@ class Plan:
                     f"{c.data_parallel:>9} {c.predicted_step_s:>10.4g} {ratio:>7.3f}x "
                     f"{_gib(max(c.predicted_peak_bytes)):>11} "
                     f"{sum(c.recompute):>4}/{len(c.recompute):<4}  "
+                    f"{'refined ' if c.refined_split else ''}"
                     f"{'comm-aware ' if c.comm_aware_split else ''}{_short(c.split_points)}")
         faster = [r for r in search.rejected if r.step_s is not None]
         invalid = [r for r in search.rejected if r.step_s is None]
@@ -233,6 +235,7 @@ def _candidate(sheet: CostSheet, c: _C.PlanCandidate) -> Candidate:
         predicted_peak_bytes=tuple(c.peak_bytes),
         comm_aware_split=c.comm_aware_split,
         data_parallel=c.data_parallel,
+        refined_split=c.refined_split,
     )
 
 
@@ -254,6 +257,7 @@ def plan_from_sheet(
     recompute: bool = True,
     top_k: int = 5,
     data_parallel: Union[None, str, Sequence[str]] = None,
+    refine_split: bool = True,
 ) -> Plan:
     """The plan with the least simulated step whose predicted peak fits.
 
@@ -262,7 +266,9 @@ def plan_from_sheet(
     ``data_parallel`` ("replicate", "shard"; default both when the sheet's
     ``dp_size`` > 1) restrict the search to the given values (one or a
     list); ``recompute=False`` never recomputes. ``top_k`` candidates are
-    kept for ``describe()``.
+    kept for ``describe()``. ``refine_split=False`` keeps the min-max splits
+    (NOTE [Split refinement] in csrc/core/planner.cpp: the finalists' splits
+    moved where the simulated step is shorter).
     """
     if not isinstance(sheet, CostSheet):
         raise ValueError(f"sheet must be a CostSheet, got {type(sheet).__name__}")
@@ -275,6 +281,7 @@ def plan_from_sheet(
     options.allow_recompute = bool(recompute)
     options.data_parallel = _as_list("data_parallel", data_parallel, str)
     options.top_k = top_k
+    options.refine_split = bool(refine_split)
     cpp = sheet.to_cpp(memory_limit)
     result = _C.plan_pipeline(cpp, options)
     search = SearchRecord(
