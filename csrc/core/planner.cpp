@@ -460,13 +460,14 @@ std::string recomputeText(const std::vector<bool>& rec) {
 // rank's last stage takes up the slack). So each finalist of the search
 // (PlanResult::top) is refined by a local search on the simulated makespan:
 // from its split, every move of one stage boundary by one unit, and of two
-// boundaries at once by one unit each (either sign), is simulated; the best
-// move that shortens the step is taken, and so on until none does or
-// kRefineSimulations ran for that finalist. A move keeps every stage
+// boundaries at once by one unit each (either sign: a stage's two bounds, or
+// a boundary and its mirror), is simulated; the best move that shortens the
+// step is taken, and so on until none does or kRefineSimulations ran for
+// that finalist. A move keeps every stage
 // non-empty and must fit the memory limit (recompute chosen as in the
 // search). Deterministic: moves are tried in a fixed order and ties keep the
 // earlier.
-constexpr int64_t kRefineSimulations = 1500;
+constexpr int64_t kRefineSimulations = 400;
 
 Plan refineSplit(const CostSheet& sheet, const SearchOptions& options, const Plan& plan, int64_t& simulations) {
   const int p = sheet.pp_size, n = static_cast<int>(sheet.units.size());
@@ -476,18 +477,27 @@ Plan refineSplit(const CostSheet& sheet, const SearchOptions& options, const Pla
   const auto& placement = b.lowered.stage_to_rank;
   const double scale = static_cast<double>(plan.microbatch_samples) / static_cast<double>(sheet.reference_microbatch);
   const int S = static_cast<int>(plan.stage_starts.size());
+  // Moves: one boundary by one unit, then two at once (either sign): the
+  // two bounds of one stage (it shifts, grows or shrinks), and a boundary
+  // with its mirror S - a (in a V placement the stages a - 1 and S - a
+  // share a rank). O(S) moves a round, so that large pipelines stay cheap.
   std::vector<std::vector<int>> moves;  // per move: the change of each boundary 1..S-1
+  auto add = [&](int a, int da, int c, int dc) {
+    std::vector<int> d(S, 0);
+    d[a] = da;
+    if (c > 0) d[c] = dc;
+    moves.push_back(std::move(d));
+  };
   for (int a = 1; a < S; ++a) {
-    for (int da : {-1, 1}) {
-      std::vector<int> d(S, 0);
-      d[a] = da;
-      moves.push_back(d);
-      for (int c = a + 1; c < S; ++c) {
-        for (int dc : {-1, 1}) {
-          std::vector<int> e = d;
-          e[c] = dc;
-          moves.push_back(e);
-        }
+    for (int da : {-1, 1}) add(a, da, 0, 0);
+  }
+  for (int a = 1; a < S; ++a) {
+    std::vector<int> partners{a + 1};
+    if (S - a != a + 1) partners.push_back(S - a);
+    for (int c : partners) {
+      if (c <= a || c >= S) continue;
+      for (int da : {-1, 1}) {
+        for (int dc : {-1, 1}) add(a, da, c, dc);
       }
     }
   }
