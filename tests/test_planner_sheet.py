@@ -23,7 +23,8 @@ def _sheet(blocks: int = 6, pp: int = 2, batch: int = 8, **kw) -> CostSheet:
 
 
 def _costs(sheet: CostSheet, starts: list[int], scale: float) -> tuple[list[dict], list[float]]:
-    """Per-stage costs and link seconds, from the sheet by hand (the planner's model, no recompute)."""
+    """Per-stage costs and link seconds, from the sheet by hand (the planner's model, no
+    recompute; NOTE [The first stage's backward] in csrc/core/planner.cpp)."""
     n = len(sheet.units)
     ends = starts[1:] + [n]
     stage_costs, link = [], []
@@ -32,6 +33,8 @@ def _costs(sheet: CostSheet, starts: list[int], scale: float) -> tuple[list[dict
         f = sum(u.forward for u in us) * scale
         i = sum(u.backward_input for u in us) * scale
         w = sum(u.backward_weight for u in us) * scale
+        if a == 0:  # the model's inputs carry no gradient: the first stage's W does it all
+            i, w = 0.0, i + w
         stage_costs.append({"F": f, "B": i + w, "I": i, "W": w})
         link.append(us[-1].output_bytes * scale / sheet.link_bandwidth if b < n else 0.0)
     return stage_costs, link
@@ -303,3 +306,23 @@ def test_plan_data_parallel_json_round_trip_and_older_json():
     assert again == plan  # the search record takes no part in equality
     with pytest.raises(ValueError, match="data_parallel='zero3' must be one of"):
         Plan.from_dict({**data, "data_parallel": "zero3"})
+
+
+def test_replan_keeps_the_first_stage_units_own_split_of_their_backward():
+    # The first stage's I computes nothing (measured: I ~0, W the whole
+    # backward); its units keep the profile's I/W ratio of the measured
+    # total, so a split that moves them to a later stage still has their I.
+    from torch_mpmd.planning.auto import replan_sheet
+
+    profile = _sheet(blocks=2, pp=2, batch=8)  # embed, blocks.0, blocks.1, head
+    times = {0: {"F": 3.0, "I": 0.01, "W": 5.99}, 1: {"F": 4.0, "I": 3.0, "W": 2.0}}
+    sheet = replan_sheet(times, profile_sheet=profile, split_points=["blocks.1"],
+                         num_stages=2, global_batch=8, num_microbatches=8, pp_size=2)
+    embed, block0, block1, head = sheet.units
+    # Stage 0 (embed, blocks.0; profile I 0.1 + 1.0, W 0.0 + 1.0): 6.0 shared 1.1 : 1.0.
+    assert embed.backward_input + block0.backward_input == pytest.approx(6.0 * 1.1 / 2.1)
+    assert embed.backward_weight + block0.backward_weight == pytest.approx(6.0 * 1.0 / 2.1)
+    assert block0.backward_input == pytest.approx(6.0 * 1.0 / 2.1)
+    # A later stage keeps its measured split, shared in the profile's proportions.
+    assert block1.backward_input + head.backward_input == pytest.approx(3.0)
+    assert block1.backward_weight + head.backward_weight == pytest.approx(2.0)

@@ -113,6 +113,35 @@ TEST(Planner, RefinedSplitsAreNeverSlowerAndPredictWhatTheyClaim) {
   EXPECT_GT(moved, 0);
 }
 
+TEST(Planner, TheFirstStagesBackwardIsAllWeightGradient) {
+  // The first stage's inputs carry no gradient: the runtime's I program for
+  // it computes nothing and its W does the whole backward. How the sheet
+  // splits its units' B into I and W must not change a plan's step.
+  CostSheet sheet = sheetOf(6, 2, 8);
+  for (auto& u : sheet.units) {
+    u.backward_input = 1.5 * u.forward;
+    u.backward_weight = 0.5 * u.forward;
+  }
+  CostSheet moved = sheet;
+  for (int u = 0; u < 5; ++u) {  // stage 0's units (the heavier stage): I into W
+    moved.units[u].backward_weight += moved.units[u].backward_input;
+    moved.units[u].backward_input = 0.0;
+  }
+  for (const char* name : {"zero_bubble", "1f1b", "gpipe"}) {
+    const Plan a = evaluatePlan(sheet, name, 1, 4, {0, 5});
+    const Plan b = evaluatePlan(moved, name, 1, 4, {0, 5});
+    EXPECT_DOUBLE_EQ(a.step_seconds, b.step_seconds) << name;
+  }
+  // Stage 1's split still matters where the schedule splits B.
+  CostSheet later = sheet;
+  for (int u = 5; u < 8; ++u) {
+    later.units[u].backward_weight += later.units[u].backward_input;
+    later.units[u].backward_input = 0.0;
+  }
+  EXPECT_NE(evaluatePlan(sheet, "zero_bubble", 1, 4, {0, 5}).step_seconds,
+            evaluatePlan(later, "zero_bubble", 1, 4, {0, 5}).step_seconds);
+}
+
 TEST(Planner, TheStepOverheadAddsToEveryStepAndKeepsTheWinner) {
   CostSheet sheet = sheetOf(14, 4, 16);
   const PlanResult before = planPipeline(sheet);

@@ -154,7 +154,8 @@ def replan_sheet(times: Mapping[int, Mapping[str, float]], *, profile_sheet: Cos
     With ``profile_sheet`` (whose units the current ``split_points`` name),
     each stage's measured F, I and W are shared among its units in proportion
     to their profiled costs and the profile's bytes are kept; a stage that ran
-    B only has it split into I and W in the profile's ratio. Without one the
+    B only, and the first stage (whose I computes nothing), has its backward
+    split into I and W in the profile's ratio. Without one the
     stages are the units (named by the split points; stage 0 ``"stage 0"``),
     with I and W half of B each where only B ran, and no bytes."""
     missing = [s for s in range(num_stages) if s not in times]
@@ -165,9 +166,13 @@ def replan_sheet(times: Mapping[int, Mapping[str, float]], *, profile_sheet: Cos
     def fiw(stage: int, ratio_i: float) -> tuple[float, float, float]:
         t = times[stage]
         f = t.get("F", 0.0)
-        if "I" in t or "W" in t:
+        if stage > 0 and ("I" in t or "W" in t):
             return f, t.get("I", 0.0), t.get("W", 0.0)
-        b = t.get("B", 0.0)
+        # B alone; or the first stage, whose I computes nothing (the model's
+        # inputs carry no gradient: NOTE [The first stage's backward] in
+        # csrc/core/planner.cpp), so its measured split says nothing of its
+        # units' own, which another split may need.
+        b = t["B"] if "B" in t else t.get("I", 0.0) + t.get("W", 0.0)
         return f, b * ratio_i, b * (1 - ratio_i)
 
     if profile_sheet is None:
