@@ -41,6 +41,10 @@
 // t(b) = fixed + (t - fixed) * b / reference_microbatch. The runtime's own
 // cost per action is action_overhead, which does not scale either.
 //
+// A stage's F, I and W are its units' sums, but for the first stage: the
+// model's inputs carry no gradient, so its I is nothing and its W the whole
+// backward (NOTE [The first stage's backward] in planner.cpp).
+//
 // NOTE [Planner memory model]: the predicted peak of rank r is
 //   static:      sum over its stages of param_bytes * (1 + grad_bytes_per_param_byte
 //                + optimizer_bytes_per_param_byte);
