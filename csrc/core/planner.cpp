@@ -475,10 +475,9 @@ std::string recomputeText(const std::vector<bool>& rec) {
 // boundaries at once by one unit each (either sign: a stage's two bounds, or
 // a boundary and its mirror), is simulated; the best move that shortens the
 // step is taken, and so on until none does or kRefineSimulations ran for
-// that finalist. A move keeps every stage
-// non-empty and must fit the memory limit (recompute chosen as in the
-// search). Deterministic: moves are tried in a fixed order and ties keep the
-// earlier.
+// that finalist. A move keeps every stage non-empty and must fit the memory
+// limit (recompute chosen as in the search). Deterministic: moves are tried
+// in a fixed order and ties keep the earlier.
 constexpr int64_t kRefineSimulations = 400;
 
 Plan refineSplit(const CostSheet& sheet, const SearchOptions& options, const Plan& plan, int64_t& simulations) {
