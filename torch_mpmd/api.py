@@ -247,6 +247,7 @@ class Pipeline(torch.nn.Module):
                 self._mpmd_runtime, self._mpmd_split = found
                 self._adopt_local_tensors(*found)
             return found[0]
+        self._mpmd_cache.check_state_captures(key, unfit)
         previous = self._mpmd_runtime
         if previous is not None and self.rank == 0:
             # Stages and their programs are specialized to the shapes captured

@@ -31,6 +31,7 @@ import torch.fx
 import torch.utils._pytree as pytree
 
 import torch_mpmd.graph.markers  # noqa: F401  (registers the marker op before any capture)
+from torch_mpmd.graph.state_guards import StateGuards, from_dynamo_guards
 
 __all__ = [
     "CaptureError",
@@ -102,6 +103,8 @@ class CapturedGraph:
     # Input name -> earlier input name that was the same tensor at capture (Dynamo
     # reads such inputs once, so they must stay the same tensor).
     input_aliases: dict[str, str] = field(default_factory=dict)
+    # The Python values the graph was traced with (NOTE [State guards]).
+    state: StateGuards | None = None
 
     def rebuild_output(self, graph_outputs: Sequence[Any], inputs: Mapping[str, Any]) -> Any:
         """The model's return value from the graph's flat outputs."""
@@ -251,8 +254,13 @@ def _output_nodes(gm: torch.fx.GraphModule) -> list[Any]:
     return list(values) if isinstance(values, (tuple, list)) else [values]
 
 
-def _record(records: list, gm: torch.fx.GraphModule, example_inputs: list) -> Any:
+def _record(records: list, gm: torch.fx.GraphModule, example_inputs: list,
+            guards: list | None = None) -> Any:
     records.append((gm, list(example_inputs)))
+    if guards is not None:  # NOTE [State guards]: Dynamo's guards, while the context holds them
+        context = torch._guards.TracingContext.try_get()
+        if context is not None:
+            guards.extend(context.guards_context.dynamo_guards)
     # Dynamo drops each placeholder's GraphArg (its source) after compiling:
     # keep the sources, which name what a symbolic size is the size of.
     for n in gm.graph.nodes:
@@ -413,10 +421,16 @@ def capture(module: torch.nn.Module, args: Sequence[Any], kwargs: Mapping[str, A
     inputs = flatten_inputs(signature, args, kwargs)
 
     records: list = []
+    dynamo_guards: list = []
     entry = _fresh_entry(module)
+    state: list[StateGuards] = []
 
     def backend(gm: torch.fx.GraphModule, example_inputs: list) -> Any:
-        return _record(records, gm, example_inputs)
+        replay = _record(records, gm, example_inputs, dynamo_guards)
+        # Read the guarded values now, before the traced code's side effects run.
+        state.append(from_dynamo_guards(dynamo_guards, {"L": {"module": module},
+                                                         "G": entry.__globals__}))
+        return replay
 
     symbolic = _mark_dynamic(inputs, dynamic)
     compiled = torch.compile(entry, backend=backend, fullgraph=True,
@@ -494,6 +508,7 @@ def capture(module: torch.nn.Module, args: Sequence[Any], kwargs: Mapping[str, A
         root=module,
         grad_enabled=torch.is_grad_enabled(),
         input_aliases=input_aliases,
+        state=state[0] if state else None,
     )
     # First FQN per module id (named_modules(remove_duplicate=False) lists aliases later).
     captured.module_ids = {}

@@ -6,7 +6,10 @@ combination has its own capture, kept so that alternating (training and
 validation batches, freezing and unfreezing) does not capture again. With
 symbolic sizes (``dynamic=True``) a key holds one capture per class of sizes
 its guards admit: a call takes the first whose guards hold (:func:`unfit`).
-A capture is the pair ``(RankRuntime, SplitModel)``.
+Every capture also holds the Python values it was traced with (NOTE [State
+guards] in graph/state_guards.py): a call whose values differ takes a capture
+made with its values, or captures again, at most :data:`MAX_STATE_CAPTURES`
+times per key. A capture is the pair ``(RankRuntime, SplitModel)``.
 """
 
 from __future__ import annotations
@@ -20,9 +23,15 @@ import torch.utils._pytree as pytree
 if TYPE_CHECKING:
     from torch_mpmd.runtime.rank import RankRuntime
 
-__all__ = ["CaptureCache", "capture_key", "describe_key", "microbatch_misfit", "unfit"]
+__all__ = ["CaptureCache", "MAX_STATE_CAPTURES", "capture_key", "describe_key",
+           "microbatch_misfit", "unfit"]
 
 Capture = tuple["RankRuntime", Any]  # (the rank's runtime, its SplitModel)
+
+# Captures one key may hold for changed Python state (as Dynamo's recompile
+# limit): a value changed at every call (a counter read by forward) would
+# otherwise capture, and compile, at every step.
+MAX_STATE_CAPTURES = 8
 
 
 class CaptureCache:
@@ -60,12 +69,30 @@ class CaptureCache:
         self.by_key.setdefault(key, []).append(capture)
         self.current, self.key = capture, key
 
+    def check_state_captures(self, key: tuple, why_unfit: str | None) -> None:
+        """Refuse another capture for ``key`` (a ValueError naming the value)
+        when changed Python state made :data:`MAX_STATE_CAPTURES` already."""
+        if why_unfit is None or not why_unfit.startswith(_STATE_CHANGED):
+            return
+        made = len(self.by_key.get(key, ()))
+        if made >= MAX_STATE_CAPTURES:
+            raise ValueError(
+                f"{why_unfit}; the pipeline has captured this model {made} times for these "
+                "inputs and modes and stops here (a value changed at every call, like a "
+                "counter read by forward?): keep such a value in a tensor buffer, or pass it "
+                "as an input of the call")
+
     def why_again(self, key: tuple, why_unfit: str | None) -> str:
         """Why a call of ``key`` captures again, for the log line."""
         if why_unfit:
+            if why_unfit.startswith(_STATE_CHANGED):
+                return why_unfit
             return f"the dynamic capture cannot serve these sizes ({why_unfit})"
         return (f"the inputs, train/eval modes or frozen parameters changed from "
                 f"{describe_key(self.key)} to {describe_key(key)}")
+
+
+_STATE_CHANGED = "the Python state the capture read changed"
 
 
 def capture_key(args0: Sequence[Any], kwargs0: Mapping[str, Any], dynamic: bool,
@@ -95,9 +122,13 @@ def _masked_shape(t: torch.Tensor, dynamic: bool) -> tuple:
 
 
 def unfit(runtime: RankRuntime, split: Any, args0: tuple, kwargs0: dict) -> str | None:
-    """Why ``split`` (a capture with symbolic sizes) cannot run these inputs:
-    a static dim differs, or a guard on the sizes fails; None when it can (and
-    always for a static capture, whose key holds every size)."""
+    """Why ``split`` cannot run these inputs: a Python value the capture read
+    changed (NOTE [State guards]), or, with symbolic sizes, a static dim
+    differs or a guard on the sizes fails; None when it can."""
+    state = split.captured.state
+    changed = state.changed() if state is not None else None
+    if changed is not None:
+        return f"{_STATE_CHANGED}: {changed}"
     if not split.sizes:
         return None
     try:

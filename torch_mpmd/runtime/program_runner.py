@@ -26,9 +26,15 @@ from torch.distributed.tensor import DTensor
 
 from torch_mpmd.programs.stage_programs import (Compiler, ProgramsUnsupported, StagePrograms,
                                  build_stage_programs, flatten_target, loss_tail)
+from torch_mpmd.programs.loss_state import describe_change, loss_state
 from torch_mpmd.runtime.runner import EdgeLayout, StageRunner, _label, _seed_rng, stage_seed
 
-__all__ = ["ProgramRunner"]
+__all__ = ["ProgramRunner", "MAX_LOSS_STATE_BUILDS"]
+
+# Builds one loss_fn may cause by changed Python state (NOTE [Loss state])
+# before its rank runs under autograd instead: a value changed at every step
+# would otherwise rebuild (and recompile) the programs at every step.
+MAX_LOSS_STATE_BUILDS = 8
 
 log = logging.getLogger("torch_mpmd")
 
@@ -127,13 +133,20 @@ class ProgramRunner(StageRunner):
         self._functional = False
         self._targets_flat: list[list[torch.Tensor]] = []
         self._plans: dict[int, _StagePlan] = {}
+        # NOTE [Loss state]: loss functions found to change state when called,
+        # and the states each was built for.
+        self._stateful_losses: dict[int, str] = {}  # id(loss_fn) -> why
+        self._loss_builds: dict[int, list[tuple]] = {}
+        self._built_bases: set[tuple] = set()  # the keys built, less their loss state
 
     # ------------------------------------------------------------ building
     def prepare(self, inputs: Sequence[Mapping[str, Any]], targets: Sequence[Any],
                 loss_fn: Callable | None) -> bool:
         """Build (or reuse) the programs for a training step with these
-        microbatches; True when this call built them (the caller then waits for
-        the other ranks, which may still be compiling)."""
+        microbatches; True when this call built them for a key every rank
+        builds for (the caller then waits for the other ranks, which may still
+        be compiling); False when it reused them, or rebuilt the last stage's
+        for changed loss state (NOTE [Loss state]), which no other rank does."""
         target0 = targets[0] if targets else None
         leaves, spec = pytree.tree_flatten(target0) if target0 is not None else ([], None)
         grad_inputs = sorted(n for n, v in (inputs[0] if inputs else {}).items()
@@ -144,10 +157,15 @@ class ProgramRunner(StageRunner):
             if self._mb_sizes is not None:  # microbatches of their own sizes: each target
                 for k in range(1, len(inputs)):
                     self._check_target(inputs[k], pytree.tree_leaves(targets[k]), k)
+        # NOTE [Loss state]: the last stage's programs trace loss_fn with the
+        # Python values it reads: they are part of the key (on that rank only).
+        last = (self.num_stages - 1) in self.stages
+        stateful = self._stateful_losses.get(id(loss_fn)) if last else None
+        state = loss_state(loss_fn) if last and stateful is None else ("stateful",)
         key = (id(loss_fn), str(spec),
                tuple(((t.dim() if dynamic else tuple(t.shape)), t.dtype)
                      if isinstance(t, torch.Tensor) else repr(t) for t in leaves),
-               tuple(grad_inputs))
+               tuple(grad_inputs), state)
         if key in self._built:
             if self.programs is not self._built[key]:
                 self.programs = self._built[key]
@@ -156,6 +174,11 @@ class ProgramRunner(StageRunner):
         programs: dict[int, StagePrograms] | None = {}
         self.fallback_reason = None  # of this build (an earlier key's may differ)
         try:
+            s = self.num_stages - 1  # (named by the fallback reason)
+            if stateful is not None:
+                raise ProgramsUnsupported(stateful)
+            if last and self._built:
+                self._check_loss_rebuilds(loss_fn, state)
             for s, st in sorted(self.stages.items()):
                 wanted = [n for n in st.signature.user_inputs if n in grad_inputs]
                 if wanted:  # the programs return no input gradients
@@ -170,6 +193,13 @@ class ProgramRunner(StageRunner):
                 finally:
                     if self.sharded is not None:
                         self.sharded.reshard(s)
+                if s == self.num_stages - 1:
+                    after = loss_state(loss_fn)
+                    if after != state:  # tracing it changed what it reads: side effects
+                        self._stateful_loss(loss_fn, (
+                            f"loss_fn changes Python state when called "
+                            f"({describe_change(state, after)}), which a traced program "
+                            "would not repeat: it runs at every microbatch under autograd"))
         except ProgramsUnsupported as e:
             programs = None
             self.fallback_reason = f"stage {s}: {e}"
@@ -178,7 +208,31 @@ class ProgramRunner(StageRunner):
         self._built[key] = programs
         self.programs = programs
         self._plans = {}
-        return True
+        # A build for changed loss state alone is this rank's (the last
+        # stage's): the other ranks build nothing and must not wait for it.
+        fresh = key[:-1] not in self._built_bases
+        self._built_bases.add(key[:-1])
+        return fresh
+
+    def _check_loss_rebuilds(self, loss_fn: Callable | None, state: tuple) -> None:
+        """Count the builds made for changed loss state (NOTE [Loss state]);
+        past :data:`MAX_LOSS_STATE_BUILDS` for one ``loss_fn``, a
+        ProgramsUnsupported: the state changes at every step, and the rank
+        runs under autograd (loss_fn called at every microbatch)."""
+        builds = self._loss_builds.get(id(loss_fn), [])
+        builds.append(state)
+        self._loss_builds[id(loss_fn)] = builds
+        if len(builds) > MAX_LOSS_STATE_BUILDS:
+            self._stateful_loss(loss_fn, (
+                f"the Python state loss_fn reads changed at {len(builds) - 1} builds "
+                f"({describe_change(builds[-2], builds[-1])}): it runs at every microbatch "
+                "under autograd"))
+
+    def _stateful_loss(self, loss_fn: Callable | None, reason: str) -> None:
+        """From now on this rank runs ``loss_fn`` under autograd; raises
+        ProgramsUnsupported(reason)."""
+        self._stateful_losses[id(loss_fn)] = reason
+        raise ProgramsUnsupported(reason)
 
     def _build(self, s: int, st: Any, inputs0: Mapping[str, Any], target_leaves: list,
                target_spec: Any, loss_fn: Callable | None) -> StagePrograms:
