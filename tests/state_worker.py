@@ -238,7 +238,55 @@ def counting_forward(case: dict[str, Any]) -> dict[str, Any]:
     return {"raised": None, "at": 12}
 
 
-HANDLERS = {"forward_state": forward_state, "loss_state": loss_state, "loss_kind": loss_kind,
+class Seq(nn.Module):
+    """Per-position layers: inputs (rows, length, D) of any length."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(D, D) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x
+
+
+def _branching_loss(o: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    loss = F.mse_loss(o, t)
+    return loss * 3 if t.shape[1] > 6 else loss
+
+
+def dynamic_branch(case: dict[str, Any]) -> dict[str, Any]:
+    """dynamic=True, explicit microbatches of lengths on both sides of a
+    branch on the length in loss_fn: refused naming the microbatch and the
+    branch's assumption, before anything runs; then a call on one side of
+    it trains like eager."""
+    torch.manual_seed(0)
+    model = Seq()
+    ref = copy.deepcopy(model)
+    pipe = mpmd.pipeline(model, loss_fn=_branching_loss, schedule="1f1b", num_microbatches=2,
+                         split_points=["layers.2"], timeout=60, dynamic=True)
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(2, 10, D, generator=g), torch.randn(2, 10, D, generator=g)
+
+    def call(lengths: list[int]) -> dict[str, Any]:
+        mbs = [((x[:, :n].contiguous(),), {}) for n in lengths]
+        targets = [y[:, :n].contiguous() for n in lengths]
+        try:
+            loss = pipe.step(microbatches=mbs, targets=targets)
+        except Exception as e:  # noqa: BLE001
+            return {"raised": type(e).__name__, "message": str(e)}
+        want = sum(_branching_loss(ref(a[0]), t) for (a, _), t in zip(mbs, targets)) / len(mbs)
+        want.backward()
+        grads = {n: _diff(p.grad, dict(ref.named_parameters())[n].grad)
+                 for n, p in pipe.named_parameters()}
+        pipe.zero_grad()
+        ref.zero_grad()
+        return {"loss": _diff(loss.reshape(()), want.detach()), "grads": grads}
+    return {"both_sides": call([4, 9]), "one_side": call([4, 5])}
+
+
+HANDLERS = {"dynamic_branch": dynamic_branch, "forward_state": forward_state, "loss_state": loss_state, "loss_kind": loss_kind,
             "loss_raises": loss_raises, "counting_forward": counting_forward}
 
 

@@ -18,6 +18,7 @@ CASES = ([dict(id="forward", kind="forward_state")]
          + [dict(id="kind", kind="loss_kind"), dict(id="raises-flag", kind="loss_raises", how="flag"),
             dict(id="raises-counter", kind="loss_raises", how="counter"),
             dict(id="counting", kind="counting_forward"),
+            dict(id="dynamic-branch", kind="dynamic_branch"),
             # Last: its refusal comes after the step's transfers, which leaves the
             # process groups unusable for the cases after it.
             dict(id="kind-accumulating", kind="loss_kind", zero_grad=False)])
@@ -78,6 +79,20 @@ def test_a_loss_fn_that_raises_at_a_later_step_raises_on_every_rank(how):
             assert len(steps) in (3, 4), (rank, steps)  # (the trace's calls: one step early)
             if r["last_stage"]:  # after the first build: at every microbatch
                 assert r["calls"][1] - r["calls"][0] == 4, r["calls"]
+
+
+def test_a_branch_on_a_size_in_loss_fn_is_refused_for_sizes_on_its_other_side():
+    got = _GRID.results("dynamic-branch")
+    for rank, r in enumerate(got):
+        both = r["both_sides"]
+        assert "raised" in both, (rank, both)   # eager takes the branch per microbatch
+        assert "microbatch 1" in both["message"], (rank, both)
+        assert "x.size(1) <= 6" in both["message"], (rank, both)
+        assert "Nothing ran" in both["message"] or rank == 1, (rank, both)
+        one = r["one_side"]   # the ranks stayed in step: lengths on one side train
+        assert "raised" not in one, (rank, one)
+        assert one["loss"] <= 1 and one["grads"], (rank, one)
+        assert not {n: d for n, d in one["grads"].items() if d > 1}, (rank, one)
 
 
 def test_a_value_forward_changes_at_every_call_is_refused_naming_it():

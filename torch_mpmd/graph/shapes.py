@@ -43,6 +43,14 @@ class SymbolicShapes:
         self.values = dict(values)
         self.shape_env = next((s.node.shape_env for _, s in sizes
                                if isinstance(s, torch.SymInt)), None)
+        # NOTE [Program guards]: guards recorded so far are the capture's,
+        # the same on every rank (each captured the whole model); those added
+        # later come from tracing this rank's stage programs (a branch on a
+        # size in loss_fn, on the last stage's rank only). Which capture a
+        # call takes is decided on the capture's guards alone, so that every
+        # rank decides alike; sizes that break a program guard are refused
+        # (:meth:`program_violation`), not captured again on one rank.
+        self._capture_guards = len(self.shape_env.guards) if self.shape_env is not None else 0
 
     def hint_key(self) -> tuple[int, ...]:
         """The sizes the capture was made with."""
@@ -64,7 +72,8 @@ class SymbolicShapes:
 
     def violation(self, key: Sequence[int]) -> str | None:
         """Why sizes ``key`` cannot run on this capture (a guard it recorded
-        fails), or None."""
+        fails), or None. Guards of the stage programs are not looked at
+        (NOTE [Program guards])."""
         bound = self.bindings(key)
         for name, v in zip(self.names, key):
             if v < 2:  # symbols stand for sizes >= 2 (sizes 0 and 1 are specialized)
@@ -75,13 +84,34 @@ class SymbolicShapes:
                 return f"{name}={v}, where the capture has {name} = {e}"
         if self.shape_env is None:
             return None
-        for guard in self.shape_env.guards:
+        return self._failed_guard(self.shape_env.guards[:self._capture_guards], bound,
+                                  "the capture")
+
+    def program_violation(self, key: Sequence[int]) -> str | None:
+        """Why sizes ``key`` cannot run on this rank's stage programs: a guard
+        that tracing them added fails (NOTE [Program guards]); None when none does."""
+        if self.shape_env is None or len(self.shape_env.guards) <= self._capture_guards:
+            return None
+        return self._failed_guard(self.shape_env.guards[self._capture_guards:],
+                                  self.bindings(key), "this rank's stage programs")
+
+    def _failed_guard(self, guards: Sequence[Any], bound: Mapping[Any, int],
+                      what: str) -> str | None:
+        for guard in guards:
             expr = guard.expr.xreplace(bound)
             if expr.free_symbols:
                 continue  # a guard on a symbol no input binds (not ours to check)
             if not bool(expr):
-                return f"the capture assumed {guard.expr}"
+                return f"{what} assumed {self._named(guard.expr)}"
         return None
+
+    def _named(self, expr: Any) -> str:
+        """A guard with the inputs' sizes by name: ``x.size(1) <= 6``, not ``s50 <= 6``."""
+        import sympy
+
+        names = {e: sympy.Symbol(n) for n, e in zip(self.names, self.exprs)
+                 if getattr(e, "is_Symbol", False)}
+        return str(expr.xreplace(names))
 
     def symbolic_like(self, t: torch.Tensor) -> torch.Tensor:
         """A fake tensor like ``t`` (a loss target) whose dims are the input

@@ -170,6 +170,7 @@ class ProgramRunner(StageRunner):
             if self.programs is not self._built[key]:
                 self.programs = self._built[key]
                 self._plans = {}
+            self._check_program_guards(inputs)
             return False
         programs: dict[int, StagePrograms] | None = {}
         self.fallback_reason = None  # of this build (an earlier key's may differ)
@@ -212,7 +213,26 @@ class ProgramRunner(StageRunner):
         # stage's): the other ranks build nothing and must not wait for it.
         fresh = key[:-1] not in self._built_bases
         self._built_bases.add(key[:-1])
+        self._check_program_guards(inputs)
         return fresh
+
+    def _check_program_guards(self, inputs: Sequence[Mapping[str, Any]]) -> None:
+        """A ValueError naming the first microbatch whose sizes break a guard
+        that tracing this rank's programs added (NOTE [Program guards] in
+        graph/shapes.py), before anything runs: its programs would compute
+        another branch than eager PyTorch."""
+        if self.shapes is None or self.programs is None:
+            return
+        for k, named in enumerate(inputs):
+            why = self.shapes.program_violation(self.shapes.key(named))
+            if why is not None:
+                raise ValueError(
+                    f"microbatch {k} has sizes {dict(zip(self.shapes.names, self.shapes.key(named)))}"
+                    f" that this rank's stage programs (built from the sizes of an earlier "
+                    f"microbatch) cannot run: {why}. A Python branch on a size (an `if` on "
+                    "t.shape[...] in loss_fn or forward) takes another way for these sizes; "
+                    "make it a tensor expression (torch.where), or pad the microbatches to "
+                    "one side of it")
 
     def _check_loss_rebuilds(self, loss_fn: Callable | None, state: tuple) -> None:
         """Count the builds made for changed loss state (NOTE [Loss state]);
