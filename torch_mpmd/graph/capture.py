@@ -508,7 +508,7 @@ def capture(module: torch.nn.Module, args: Sequence[Any], kwargs: Mapping[str, A
         root=module,
         grad_enabled=torch.is_grad_enabled(),
         input_aliases=input_aliases,
-        state=state[0] if state else None,
+        state=state[0].readable() if state else None,
     )
     # First FQN per module id (named_modules(remove_duplicate=False) lists aliases later).
     captured.module_ids = {}

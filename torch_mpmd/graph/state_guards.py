@@ -37,8 +37,10 @@ _IDENTITY_KINDS = frozenset({"ID_MATCH", "BUILTIN_MATCH", "FUNCTION_MATCH", "CLO
 _TYPE_KINDS = frozenset({"TYPE_MATCH"})
 _LENGTH_KINDS = frozenset({"SEQUENCE_LENGTH"})
 # Sources the capture key already holds (the call's inputs) or that never
-# change under a pipeline (torch's own modules, installed by Dynamo as globals).
-_SKIPPED_PREFIXES = ("L['args']", "L['kwargs']", "G['__import_torch", "G['__builtins")
+# change under a pipeline (torch's own modules and builtins, and the helpers
+# Dynamo installs as globals of the traced frame: ``G['___unnamed_scope_...']``).
+_SKIPPED_PREFIXES = ("L['args']", "L['kwargs']", "G['__import_torch", "G['__builtins",
+                     "G['___")
 
 
 def _scope_globals() -> dict[str, Any]:
@@ -95,6 +97,20 @@ class StateGuards:
 
     def __len__(self) -> int:
         return len(self.guards)
+
+    def readable(self) -> "StateGuards":
+        """These guards less those whose source cannot be read now: Dynamo
+        installs some globals for the time of a trace only (a named tuple's
+        ``___unnamed_scope_...``). Call it once the capture call returned."""
+        env = _scope_globals()
+        kept = []
+        for g in self.guards:
+            try:
+                eval(g.name, env, self.scope)
+            except Exception:  # noqa: BLE001
+                continue
+            kept.append(g)
+        return self if len(kept) == len(self.guards) else StateGuards(kept, self.scope)
 
     def changed(self) -> str | None:
         """None when every guarded value is as at capture; else what changed,

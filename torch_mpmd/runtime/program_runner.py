@@ -161,7 +161,7 @@ class ProgramRunner(StageRunner):
         # Python values it reads: they are part of the key (on that rank only).
         last = (self.num_stages - 1) in self.stages
         stateful = self._stateful_losses.get(id(loss_fn)) if last else None
-        state = loss_state(loss_fn) if last and stateful is None else ("stateful",)
+        state = (() if not last else loss_state(loss_fn) if stateful is None else ("stateful",))
         key = (id(loss_fn), str(spec),
                tuple(((t.dim() if dynamic else tuple(t.shape)), t.dtype)
                      if isinstance(t, torch.Tensor) else repr(t) for t in leaves),
