@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch_mpmd import training
 from torch_mpmd.config import (PLAN_FIELDS, PipelineConfig, Resolved, check_stage_count,
                                positive_int, settings_signature)
+from torch_mpmd.graph.hf import training_kwargs
 from torch_mpmd.graph.recompute import checkpointed, stage_modules
 from torch_mpmd.graph.stage import set_path, split_model
 from torch_mpmd.microbatch import (check_target_batch, explicit_microbatches,
@@ -434,6 +435,7 @@ class Pipeline(torch.nn.Module):
                                "called under torch.no_grad() or inference_mode(); use "
                                "eval_step() for the loss without backward, or the pipeline "
                                "call for outputs")
+        kwargs = training_kwargs(self._mpmd_module, kwargs)  # (use_cache=False: graph/hf.py)
         if self.config.plan == "auto":
             self._plan_auto(args, kwargs, target, microbatches)
         rt, inputs, targets = self._call_microbatches(args, kwargs, target, microbatches,
@@ -797,6 +799,7 @@ class Pipeline(torch.nn.Module):
                                  "target as target=")
             if loss:
                 self._check_target(target)
+                kwargs = training_kwargs(self._mpmd_module, kwargs)
             m = self.num_microbatches
             args0, kwargs0 = first_microbatch(args, kwargs, m)
             if target is not None:  # split alike, or it would broadcast silently
@@ -807,6 +810,7 @@ class Pipeline(torch.nn.Module):
         mbs, split_targets = explicit_microbatches(microbatches, targets, args=args,
                                                    kwargs=kwargs, target=target)
         if loss:
+            mbs = [(a, training_kwargs(self._mpmd_module, k)) for a, k in mbs]
             given = {t is not None for t in split_targets}
             if len(given) > 1:
                 raise ValueError("targets= has a target for some microbatches and None for "

@@ -31,6 +31,7 @@ import torch.fx
 import torch.utils._pytree as pytree
 
 import torch_mpmd.graph.markers  # noqa: F401  (registers the marker op before any capture)
+from torch_mpmd.graph.hf import install_output_recorders
 from torch_mpmd.graph.state_guards import StateGuards, from_dynamo_guards
 
 __all__ = [
@@ -419,6 +420,7 @@ def capture(module: torch.nn.Module, args: Sequence[Any], kwargs: Mapping[str, A
         raise TypeError(f"expected a torch.nn.Module, got {type(module).__name__}")
     signature = _forward_signature(module)
     inputs = flatten_inputs(signature, args, kwargs)
+    install_output_recorders(module, kwargs)
 
     records: list = []
     dynamo_guards: list = []

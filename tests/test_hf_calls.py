@@ -1,0 +1,29 @@
+"""Hugging Face MoE models trained with their load-balancing loss
+(``output_router_logits=True``, recorded by transformers' output hooks:
+NOTE [Output recorders] in torch_mpmd/graph/hf.py) and without
+``use_cache=False`` train like eager PyTorch on 2 gloo ranks
+(tests/hf_calls_worker.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from dist_harness import GridRun
+
+CASES = [dict(id=f"{model}-{schedule}", kind="moe_aux_loss", model=model, schedule=schedule)
+         for model in ("Mixtral", "Qwen2Moe") for schedule in ("1f1b",)]
+CASES += [dict(id="Mixtral-zero_bubble", kind="moe_aux_loss", model="Mixtral",
+               schedule="zero_bubble")]
+_GRID = GridRun(2, "hf_calls_worker:grid", CASES, task="hf_calls", timeout=600)
+
+
+@pytest.mark.parametrize("case", [c["id"] for c in CASES])
+def test_an_moe_trained_with_its_router_loss_and_default_cache_matches_eager(case):
+    held = set()
+    for rank, r in enumerate(_GRID.results(case)):
+        assert r["aux"] > 0, r  # the router's loss is part of the loss compared
+        assert r["loss"] <= 1, (rank, r["loss"])
+        bad = {n: d for n, d in r["grads"].items() if d > 1}
+        assert not bad, f"rank {rank}: gradients off (inf: missing): {bad}"
+        held |= set(r["grads"])
+    assert any("experts" in n or "gate" in n for n in held), sorted(held)

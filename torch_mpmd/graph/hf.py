@@ -1,0 +1,63 @@
+"""Hugging Face models as users call them: what the pipeline does for them.
+
+A user trains a Hugging Face causal LM with ``pipe.step(input_ids=ids,
+labels=ids)``, maybe asking for outputs its hooks record
+(``output_router_logits=True`` for an MoE's load-balancing loss). Two things
+eager PyTorch takes in its stride need help under one captured graph:
+:func:`install_output_recorders` (NOTE [Output recorders]) and
+:func:`training_kwargs` (no KV cache in a training call). Nothing here
+imports transformers: a model that is not one of its own is left alone.
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+__all__ = ["install_output_recorders", "training_kwargs"]
+
+
+def install_output_recorders(module: torch.nn.Module, kwargs: Mapping[str, Any]) -> None:
+    """Install, eagerly, the hooks with which a Hugging Face model records
+    outputs (``output_router_logits=True``, ``output_hidden_states=True``)
+    where the call or the model's config asks for one.
+
+    NOTE [Output recorders]: transformers installs them lazily inside the
+    first forward that asks, under a ``threading.Lock``, which Dynamo cannot
+    trace ("Unsupported context manager"); once installed, forward only
+    checks a flag and the hooks trace like any others. Eager PyTorch gets the
+    same hooks on its first such call."""
+    recording = sys.modules.get("transformers.utils.output_capturing")
+    registry = getattr(recording, "_CAN_RECORD_REGISTRY", None)
+    install = getattr(recording, "maybe_install_capturing_hooks", None)
+    if registry is None or install is None:
+        return  # (transformers not imported, or a version without them)
+    for sub in module.modules():
+        flags = registry.get(sub)
+        if not flags or getattr(sub, "_output_capturing_hooks_installed", False):
+            continue
+        config = getattr(sub, "config", None)
+        if any(kwargs.get(f"output_{k}", getattr(config, f"output_{k}", False))
+               for k in flags):
+            install(sub)
+
+
+def training_kwargs(module: torch.nn.Module, kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """``kwargs`` of a training call (``step``, ``eval_step``) with
+    ``use_cache=False`` added where the model's forward takes ``use_cache``,
+    its config turns the cache on and the caller did not pass it: a training
+    call has no use for the KV cache, which is an output no stage split can
+    carry. Forward-only calls are left to the user."""
+    if "use_cache" in kwargs or not getattr(getattr(module, "config", None), "use_cache", False):
+        return dict(kwargs)
+    try:
+        parameters = inspect.signature(module.forward).parameters
+    except (TypeError, ValueError):
+        return dict(kwargs)
+    if "use_cache" not in parameters:
+        return dict(kwargs)
+    return {**kwargs, "use_cache": False}
