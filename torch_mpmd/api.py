@@ -435,7 +435,8 @@ class Pipeline(torch.nn.Module):
                                "called under torch.no_grad() or inference_mode(); use "
                                "eval_step() for the loss without backward, or the pipeline "
                                "call for outputs")
-        kwargs = training_kwargs(self._mpmd_module, kwargs)  # (use_cache=False: graph/hf.py)
+        if microbatches is None:  # (use_cache=False, graph/hf.py: the plan's profile too)
+            kwargs = training_kwargs(self._mpmd_module, kwargs)
         if self.config.plan == "auto":
             self._plan_auto(args, kwargs, target, microbatches)
         rt, inputs, targets = self._call_microbatches(args, kwargs, target, microbatches,
