@@ -132,25 +132,23 @@ class Plan:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "Plan":
-        if not isinstance(data, Mapping):
-            raise ValueError(f"a plan is a JSON object, got {type(data).__name__}")
-        known = {f.name for f in dataclasses.fields(cls)} - {"sheet"}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"unknown key {unknown[0]!r} in the plan; known: {', '.join(sorted(known))}")
-        missing = sorted(known - set(data) - {"search", "data_parallel"})
-        if missing:
-            raise ValueError(f"the plan has no {missing[0]!r}")
-        values = dict(data)
+        """A plan from its JSON object (``to_dict``); every field's type is
+        checked first (ValueError naming the field, the value and what it
+        must be), so that a hand-edited ``"100"`` is no number here."""
+        values = _json_fields(cls, data, "the plan")
         search = values.pop("search", None)
         if search is not None:
-            search = SearchRecord(
-                top=tuple(Candidate(**{**c, "split_points": tuple(c["split_points"]),
-                                       "recompute": tuple(c["recompute"]),
-                                       "predicted_peak_bytes": tuple(c["predicted_peak_bytes"])})
-                          for c in search.get("top", ())),
-                rejected=tuple(Rejected(**r) for r in search.get("rejected", ())),
-                **{k: v for k, v in search.items() if k not in ("top", "rejected")})
+            record = _json_fields(SearchRecord, search, "the plan's search")
+            record["top"] = tuple(
+                Candidate(**{**c, "split_points": tuple(c["split_points"]),
+                             "recompute": tuple(c["recompute"]),
+                             "predicted_peak_bytes": tuple(c["predicted_peak_bytes"])})
+                for c in (_json_fields(Candidate, c, f"the plan's search.top[{i}]")
+                          for i, c in enumerate(record.get("top", ()))))
+            record["rejected"] = tuple(
+                Rejected(**_json_fields(Rejected, r, f"the plan's search.rejected[{i}]"))
+                for i, r in enumerate(record.get("rejected", ())))
+            search = SearchRecord(**record)
         return cls(**values, search=search)
 
     @classmethod
@@ -204,6 +202,72 @@ class Plan:
             for r in invalid:
                 lines.append(f"  {r.schedule} v={r.stages_per_rank}: {r.reason}")
         return "\n".join(lines)
+
+
+# NOTE [Plan JSON types]: what each field of a plan's JSON (and of its search
+# record) must hold. A hand-edited plan is read by Plan.from_dict; without
+# these checks a string "100" where bytes go became 100.0 or failed deep in
+# float() ("could not convert string to float"), "false" for a recompute flag
+# became True, and a bytes string became one entry per character.
+_JSON_KINDS: dict[str, str] = {
+    "schedule": "str", "num_microbatches": "count", "stages_per_rank": "count",
+    "split_points": "str list", "recompute": "bool list", "predicted_step_s": "number",
+    "predicted_peak_bytes": "number list", "data_parallel": "str", "search": "object",
+    "comm_aware_split": "bool", "refined_split": "bool", "reason": "str",
+    "step_s": "number or null", "max_peak_bytes": "number",
+    "top": "object list", "rejected": "object list", "candidates": "int",
+    "simulations": "int", "search_s": "number", "memory_limit": "number",
+}
+_KIND_WORDS = {"str": "a string", "count": "an int >= 1", "int": "an int >= 0",
+               "number": "a number", "bool": "true or false", "object": "a JSON object",
+               "number or null": "a number or null"}
+_LIST_WORDS = {"str list": "a list of strings", "bool list": "a list of true/false flags",
+               "number list": "a list of numbers", "object list": "a list of JSON objects"}
+
+
+def _json_kind_error(kind: str, value: object) -> Optional[str]:
+    """What ``value`` must be, when it is not of ``kind`` (None when it is)."""
+    if kind.endswith(" list"):
+        if not isinstance(value, (list, tuple)):
+            return _LIST_WORDS[kind]
+        return None  # the entries are checked one by one
+    ok = {"str": lambda v: isinstance(v, str),
+          "count": lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1,
+          "int": lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0,
+          "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+          "bool": lambda v: isinstance(v, bool),
+          "object": lambda v: isinstance(v, Mapping),
+          "number or null": lambda v: v is None or (isinstance(v, (int, float))
+                                                    and not isinstance(v, bool))}[kind]
+    return None if ok(value) else _KIND_WORDS[kind]
+
+
+def _json_fields(cls: type, data: object, where: str) -> dict[str, Any]:
+    """``data``, the JSON object of a ``cls`` (Plan, Candidate, Rejected,
+    SearchRecord), checked: a mapping, no unknown key, every field without a
+    default there, each of its kind (NOTE [Plan JSON
+    types]). ValueError naming the field, the value given and what it must be."""
+    if not isinstance(data, Mapping):
+        raise ValueError(f"{where} must be a JSON object, got {type(data).__name__} {data!r}")
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.name != "sheet"}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        raise ValueError(f"unknown key {unknown[0]!r} in {where}; known: {', '.join(sorted(fields))}")
+    missing = sorted(n for n, f in fields.items() if n not in data
+                     and f.default is dataclasses.MISSING
+                     and f.default_factory is dataclasses.MISSING)
+    if missing:
+        raise ValueError(f"{where} has no {missing[0]!r}")
+    for name, value in data.items():
+        kind = _JSON_KINDS[name]
+        items = list(enumerate(value)) if kind.endswith(" list") and \
+            isinstance(value, (list, tuple)) else []
+        for label, v, k in [(name, value, kind),
+                            *((f"{name}[{j}]", v, kind[:-5]) for j, v in items)]:
+            want = _json_kind_error(k, v)
+            if want is not None:
+                raise ValueError(f"{where}: {label}={v!r} ({type(v).__name__}) must be {want}")
+    return dict(data)
 
 
 def _short(names: Sequence[str], keep: int = 6) -> str:
