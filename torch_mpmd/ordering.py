@@ -14,7 +14,9 @@ it, and every rank computes the same order from the same sizes.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import math
+import numbers
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -64,6 +66,25 @@ def microbatch_sizes(microbatches: Sequence[tuple[Sequence[Any], Mapping[str, An
     return sizes
 
 
+def _checked_sizes(sizes: Any) -> list[float]:
+    """``sizes`` as a list of floats: a sequence of finite numbers >= 0
+    (ValueError naming the index, the type and the value otherwise)."""
+    if sizes is None or isinstance(sizes, (str, bytes, Mapping)) or \
+            not isinstance(sizes, Iterable):
+        raise ValueError(f"sizes must be a list of numbers, one per microbatch (its tokens, "
+                         f"say; microbatch_sizes(microbatches) gives them), got "
+                         f"{type(sizes).__name__} {sizes!r}")
+    out = []
+    for i, s in enumerate(sizes):
+        if isinstance(s, bool) or not isinstance(s, numbers.Real) or not math.isfinite(s) \
+                or s < 0:
+            raise ValueError(f"sizes[{i}] is {type(s).__name__} {s!r}; each size is a finite "
+                             "number >= 0 (the microbatch's tokens, say: "
+                             "microbatch_sizes(microbatches) gives them)")
+        out.append(float(s))
+    return out
+
+
 def microbatch_order(sizes: Sequence[float], *, schedule: str | Schedule = "1f1b",
                      pp_size: int = 2, stages_per_rank: int = 1,
                      costs: Mapping[str, float] | None = None,
@@ -74,6 +95,7 @@ def microbatch_order(sizes: Sequence[float], *, schedule: str | Schedule = "1f1b
     ``len(sizes)`` microbatches). ``costs``: a mean microbatch's stage costs
     (``Schedule.simulate``'s keys; default F 1, B 2, I 1, W 1).
     ``max_swaps``: the most neighbour swaps tried after the best start."""
+    sizes = _checked_sizes(sizes)
     m = len(sizes)
     if m == 0:
         raise ValueError("microbatch_order needs at least one microbatch size")
