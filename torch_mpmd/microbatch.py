@@ -19,7 +19,8 @@ import torch
 import torch.utils._pytree as pytree
 
 __all__ = ["Replicate", "split_microbatches", "first_microbatch", "split_tree",
-           "check_target_batch", "explicit_microbatches", "merge_microbatches",
+           "check_target_batch", "explicit_microbatches", "contiguous_inputs",
+           "merge_microbatches",
            "bucket_length", "bucket_microbatches"]
 
 
@@ -50,6 +51,10 @@ def _split(value: Any, m: int, where: str, *, first_only: bool = False) -> list[
     if n == 0:  # would give empty microbatches, and a nan mean loss
         raise ValueError(f"{where} has batch size 0 (dim 0): an empty batch cannot be split "
                          f"into num_microbatches={m}; pass at least {m} samples")
+    if value.numel() == 0:  # a zero-length dim: torch's own error deep in the model, or nan
+        raise ValueError(f"{where} has shape {tuple(value.shape)}: a dim of length 0 gives "
+                         "empty microbatches; every dim of a split input needs length >= 1 "
+                         "(wrap an input that is empty on purpose in torch_mpmd.Replicate)")
     if n % m:
         raise ValueError(f"{where} has batch size {n} (dim 0), which num_microbatches={m} "
                          f"does not divide; use a batch size that is a multiple of {m}")
@@ -86,8 +91,8 @@ def check_target_batch(args: Sequence[Any], kwargs: Mapping[str, Any], target: A
     inputs = [*(s for i, a in enumerate(args) for s in _batch_sizes(a, f"positional argument {i}")),
               *(s for k, v in kwargs.items() for s in _batch_sizes(v, f"keyword argument {k!r}"))]
     sizes = {n for _, n in inputs}
-    if len(sizes) != 1:  # no split input, or inputs of several sizes: nothing to compare with
-        return
+    if len(sizes) != 1 or 0 in sizes:  # no split input, inputs of several sizes, or empty
+        return                             # ones (refused elsewhere): nothing to compare with
     (batch,) = sizes
     for where, n in _batch_sizes(target, "target"):
         if n % batch:
@@ -180,7 +185,10 @@ def explicit_microbatches(microbatches: Any, targets: Any, *, args: Sequence[Any
             raise ValueError(f"microbatches[{i}] is {what}; each microbatch is a pair (tuple "
                              "of positional arguments, dict of keyword arguments), e.g. "
                              "((input_ids,), {}) or ((), {'input_ids': ids})")
-        out.append((tuple(entry[0]), dict(entry[1])))
+        args_i, kwargs_i = tuple(entry[0]), dict(entry[1])
+        _refuse_empty(i, [*((f"positional argument {j}", a) for j, a in enumerate(args_i)),
+                          *((f"keyword argument {k!r}", v) for k, v in kwargs_i.items())])
+        out.append(contiguous_inputs(args_i, kwargs_i))
     if targets is None:
         return out, [None] * len(out)
     if isinstance(targets, torch.Tensor) or not isinstance(targets, Sequence):
@@ -189,7 +197,71 @@ def explicit_microbatches(microbatches: Any, targets: Any, *, args: Sequence[Any
     if len(targets) != len(out):
         raise ValueError(f"targets= has {len(targets)} entries for {len(out)} microbatches; "
                          "give one target per microbatch")
-    return out, list(targets)
+    for i, t in enumerate(targets):
+        _refuse_empty(i, [("target", t)])
+    return out, [_contiguous(t) for t in targets]
+
+
+def _leaves(value: Any, where: str) -> list[tuple[str, Any]]:
+    """(name, leaf) of ``value``'s leaves, Replicate's kept whole, named as
+    ``_batch_sizes`` names them."""
+    if isinstance(value, (Replicate, torch.Tensor)) or value is None:
+        return [(where, value)]
+    leaves = pytree.tree_leaves(value, is_leaf=lambda x: isinstance(x, Replicate))
+    return [(f"{where} (leaf {j})", leaf) for j, leaf in enumerate(leaves)]
+
+
+def _refuse_empty(i: int, named: Sequence[tuple[str, Any]]) -> None:
+    """Microbatch ``i``'s tensors (inputs or target, by name) with no element:
+    zero rows or a zero-length dim would fail deep in the model with torch's
+    own error (or give a nan loss) naming no microbatch. ValueError naming
+    the microbatch, the input and its shape, before any communication."""
+    for name, value in named:
+        for where, leaf in _leaves(value, name):
+            if isinstance(leaf, torch.Tensor) and leaf.dim() and leaf.numel() == 0:
+                what = "zero rows" if leaf.shape[0] == 0 else "a dim of length 0"
+                raise ValueError(f"microbatch {i}: {where} has shape {tuple(leaf.shape)}, "
+                                 f"{what}: every microbatch needs at least one row and every "
+                                 "dim a length >= 1 (leave empty microbatches out of the list)")
+
+
+def _contiguous(value: Any) -> Any:
+    """``value`` with each tensor leaf (Replicate's too) in dense row-major
+    layout: a copy of those that are not, the others as they are.
+
+    NOTE [Contiguous microbatches]: a microbatch made as a slice (``x[:, :n]``
+    of an ``(B, T)`` batch) keeps the batch's strides, ``(T, 1)``. Under
+    ``dynamic=True`` Dynamo then makes its stride ``T`` a symbol of its own,
+    which is no input size, so the capture cannot feed it; and a program
+    traced on one layout may ``view`` an input that another layout cannot.
+    Every microbatch is given in the layout its sizes alone determine."""
+    if isinstance(value, torch.Tensor):
+        return value if value.stride() == _dense_strides(value.shape) else \
+            value.clone(memory_format=torch.contiguous_format)
+    if isinstance(value, Replicate):
+        inner = _contiguous(value.value)
+        return value if inner is value.value else Replicate(inner)
+    leaves, spec = pytree.tree_flatten(value, is_leaf=lambda x: isinstance(x, Replicate))
+    if len(leaves) == 1 and leaves[0] is value:  # not a container: nothing to lay out
+        return value
+    dense = [_contiguous(leaf) for leaf in leaves]
+    if all(d is leaf for d, leaf in zip(dense, leaves)):
+        return value  # the caller's own container, untouched
+    return pytree.tree_unflatten(dense, spec)
+
+
+def _dense_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(strides))
+
+
+def contiguous_inputs(args: Sequence[Any], kwargs: Mapping[str, Any]) -> tuple[tuple, dict]:
+    """``(args, kwargs)`` with every tensor leaf dense and row-major (NOTE
+    [Contiguous microbatches]): a copy only of those that are not."""
+    return tuple(_contiguous(a) for a in args), {k: _contiguous(v) for k, v in kwargs.items()}
 
 
 def bucket_length(length: int, *, multiple: int | None = None,
