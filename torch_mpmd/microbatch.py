@@ -19,9 +19,8 @@ import torch
 import torch.utils._pytree as pytree
 
 __all__ = ["Replicate", "split_microbatches", "first_microbatch", "split_tree",
-           "check_target_batch", "explicit_microbatches", "contiguous_inputs",
-           "merge_microbatches",
-           "bucket_length", "bucket_microbatches"]
+           "check_target_batch", "explicit_microbatches", "contiguous_inputs", "contiguous_tree",
+           "merge_microbatches", "bucket_length", "bucket_microbatches"]
 
 
 class Replicate:
@@ -199,7 +198,7 @@ def explicit_microbatches(microbatches: Any, targets: Any, *, args: Sequence[Any
                          "give one target per microbatch")
     for i, t in enumerate(targets):
         _refuse_empty(i, [("target", t)])
-    return out, [_contiguous(t) for t in targets]
+    return out, [contiguous_tree(t) for t in targets]
 
 
 def _leaves(value: Any, where: str) -> list[tuple[str, Any]]:
@@ -225,7 +224,7 @@ def _refuse_empty(i: int, named: Sequence[tuple[str, Any]]) -> None:
                                  "dim a length >= 1 (leave empty microbatches out of the list)")
 
 
-def _contiguous(value: Any) -> Any:
+def contiguous_tree(value: Any) -> Any:
     """``value`` with each tensor leaf (Replicate's too) in dense row-major
     layout: a copy of those that are not, the others as they are.
 
@@ -239,12 +238,12 @@ def _contiguous(value: Any) -> Any:
         return value if value.stride() == _dense_strides(value.shape) else \
             value.clone(memory_format=torch.contiguous_format)
     if isinstance(value, Replicate):
-        inner = _contiguous(value.value)
+        inner = contiguous_tree(value.value)
         return value if inner is value.value else Replicate(inner)
     leaves, spec = pytree.tree_flatten(value, is_leaf=lambda x: isinstance(x, Replicate))
     if len(leaves) == 1 and leaves[0] is value:  # not a container: nothing to lay out
         return value
-    dense = [_contiguous(leaf) for leaf in leaves]
+    dense = [contiguous_tree(leaf) for leaf in leaves]
     if all(d is leaf for d, leaf in zip(dense, leaves)):
         return value  # the caller's own container, untouched
     return pytree.tree_unflatten(dense, spec)
@@ -261,7 +260,8 @@ def _dense_strides(shape: Sequence[int]) -> tuple[int, ...]:
 def contiguous_inputs(args: Sequence[Any], kwargs: Mapping[str, Any]) -> tuple[tuple, dict]:
     """``(args, kwargs)`` with every tensor leaf dense and row-major (NOTE
     [Contiguous microbatches]): a copy only of those that are not."""
-    return tuple(_contiguous(a) for a in args), {k: _contiguous(v) for k, v in kwargs.items()}
+    return (tuple(contiguous_tree(a) for a in args),
+            {k: contiguous_tree(v) for k, v in kwargs.items()})
 
 
 def bucket_length(length: int, *, multiple: int | None = None,
