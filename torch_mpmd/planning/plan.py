@@ -260,6 +260,8 @@ def _json_fields(cls: type, data: object, where: str) -> dict[str, Any]:
         raise ValueError(f"{where} has no {missing[0]!r}")
     for name, value in data.items():
         kind = _JSON_KINDS[name]
+        if cls is Rejected and kind == "count":
+            kind = "int"  # 0: rejected for every count (a schedule refused before any m)
         items = list(enumerate(value)) if kind.endswith(" list") and \
             isinstance(value, (list, tuple)) else []
         for label, v, k in [(name, value, kind),
