@@ -30,9 +30,9 @@ from torch_mpmd.config import (PLAN_FIELDS, PipelineConfig, Resolved, check_stag
 from torch_mpmd.graph.hf import training_kwargs
 from torch_mpmd.graph.recompute import checkpointed, stage_modules
 from torch_mpmd.graph.stage import set_path, split_model
-from torch_mpmd.microbatch import (check_target_batch, explicit_microbatches,
-                                   first_microbatch, merge_microbatches,
-                                   split_tree)
+from torch_mpmd.microbatch import (check_target_batch, contiguous_inputs, contiguous_tree,
+                                   explicit_microbatches, first_microbatch,
+                                   merge_microbatches, split_tree)
 from torch_mpmd.parallel import meta_init
 from torch_mpmd.parallel.lockstep import PipelineError, pipeline_call
 from torch_mpmd.parallel.sharding import ParamShards
@@ -801,6 +801,10 @@ class Pipeline(torch.nn.Module):
             if loss:
                 self._check_target(target)
                 kwargs = training_kwargs(self._mpmd_module, kwargs)
+            # A sliced batch (x[:, :n]) laid out dense, as its microbatches'
+            # capture and programs expect (NOTE [Contiguous microbatches]).
+            args, kwargs = contiguous_inputs(args, kwargs)
+            target = contiguous_tree(target)
             m = self.num_microbatches
             args0, kwargs0 = first_microbatch(args, kwargs, m)
             if target is not None:  # split alike, or it would broadcast silently
