@@ -56,6 +56,8 @@ from __future__ import annotations
 import datetime
 import functools
 import hashlib
+import json
+import os
 import time
 import weakref
 from collections.abc import Callable, Iterable, Sequence
@@ -67,7 +69,8 @@ import torch.distributed as dist
 
 __all__ = ["PipelineError", "Ledger", "ledger_for", "pipeline_call", "describe_failure",
            "peer_gone", "record_dead", "first_death", "announce_exit",
-           "all_gather", "all_reduce", "broadcast", "wait", "abandon", "KINDS"]
+           "all_gather", "all_reduce", "broadcast", "wait", "abandon", "KINDS",
+           "Collectives", "progress", "store_gone"]
 
 
 class PipelineError(RuntimeError):
@@ -126,10 +129,12 @@ _WAIT_GRACE_S = 1.0
 
 
 def wait(work: Any, what: str, timeout_s: float, *, rank: int,
-         on_failure: Callable[[str], None] | None = None) -> None:
+         on_failure: Callable[[str], None] | None = None,
+         explain: Callable[[], str | None] | None = None) -> None:
     """Wait for ``work`` at most ``timeout_s`` (+ a grace second); a failure or
     timeout calls ``on_failure(reason)`` (which marks the groups unusable) and
-    raises PipelineError naming ``what``."""
+    raises PipelineError naming ``what``, and what ``explain()`` then says
+    (e.g. which rank died first)."""
     cause: Exception | None = None
     try:
         ok = work.wait(timeout=_timedelta(timeout_s + _WAIT_GRACE_S))
@@ -141,8 +146,10 @@ def wait(work: Any, what: str, timeout_s: float, *, rank: int,
         return
     if on_failure is not None:
         on_failure(f"{what} {reason}")
+    told = explain() if explain is not None else None
     raise PipelineError(f"rank {rank}: {what} {reason} (a peer that stalled or died, or "
-                        f"that is in another call){_UNUSABLE}", rank=rank) from cause
+                        f"that is in another call){'; ' + told if told else ''}{_UNUSABLE}",
+                        rank=rank) from cause
 
 
 _UNUSABLE = ("; the pipeline's process groups cannot be used after this: restart the job "
@@ -231,13 +238,216 @@ def first_death(ranks: Iterable[int]) -> str | None:
             if store.check([key]):
                 when, by = store.get(key).decode().split()
                 found.append((float(when), r, int(by)))
-    except Exception:  # noqa: BLE001  (best effort)
-        return None
+    except Exception as e:  # noqa: BLE001  (the store is gone: so is its host, if a rank)
+        return store_gone(e)
     if not found:
         return None
     when, dead, by = min(found)
     stamp = time.strftime("%H:%M:%S", time.localtime(when)) + f".{int(when % 1 * 1000):03d}"
     return f"rank {dead} died first: rank {by} found its connection closed at {stamp}"
+
+
+# ---------------------------------------------------------------- who is missing
+
+def _store_host_rank() -> int | None:
+    """The global rank whose process hosts the job's store: 0 for the TCPStore
+    that init_process_group makes (env:// and tcp://), None when a torchrun
+    agent hosts it (TORCHELASTIC_USE_AGENT_STORE) or it is no TCPStore."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        return None
+    store = _store()
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    return 0 if isinstance(store, dist.TCPStore) else None
+
+
+def store_gone(error: BaseException) -> str:
+    """What an unreachable store says about the job: NOTE [Who died first]."""
+    host = _store_host_rank()
+    if host is None:
+        return f"the job's store cannot be reached ({_first_line(str(error), 200)})"
+    return (f"rank {host} is gone: the job's store, which lives in rank {host}'s process, "
+            f"cannot be reached ({_first_line(str(error), 200)}; rank {host} died, or exited "
+            "after a failure of its own: a store outside the ranks, as torchrun's agent keeps "
+            "it, also records which rank died first)")
+
+
+# NOTE [Named waits]: collectives outside a pipeline call (planning: the
+# profile's broadcasts, the ping-pong, the calibration's barriers; materializing
+# a meta model) wait for every rank of a group, and a rank that stalls or died
+# before arriving is not named by the collective's own error. Each rank
+# therefore records in the job's store, per group and purpose, how many of
+# these collectives it arrived at and what it did last, and counts arrivals;
+# a rank at a collective polls the count (one store read a poll) and enters
+# the collective once every rank arrived, so the collective itself is quick
+# and bounded by the timeout. A long local phase (rank 0 measuring while the
+# others wait for its sheet) calls :func:`progress`, which counts as activity:
+# a rank waits out ``timeout`` with no arrival and no progress anywhere, then
+# raises PipelineError naming the ranks that did not arrive, with their last
+# record (or that they exited, or that the store's host is gone).
+_AT_KEY = "torch_mpmd/at/"
+_ACTIVE: list["Collectives"] = []
+
+
+def progress(what: str) -> None:
+    """This rank is busy with ``what`` (a long local phase between named
+    waits): the ranks waiting for it wait on (NOTE [Named waits])."""
+    for c in _ACTIVE:
+        c.note(what)
+
+
+class Collectives:
+    """Bounded collectives over one process group outside a pipeline call,
+    each entered once every rank arrived and named when one does not (NOTE
+    [Named waits]). ``purpose`` names them in messages ("profiling");
+    every rank of ``group`` makes the same calls in the same order."""
+
+    _made: dict[str, int] = {}
+
+    def __init__(self, group: Any, timeout_s: float, purpose: str) -> None:
+        self.group, self.timeout_s, self.purpose = group, float(timeout_s), purpose
+        self.ranks = tuple(dist.get_process_group_ranks(group))
+        self.me = dist.get_rank()
+        name = f"{purpose}/{group.group_name}"
+        gen = Collectives._made[name] = Collectives._made.get(name, 0) + 1
+        self.tag = f"{_AT_KEY}{name}/{gen}"
+        self.seq = 0                    # collectives arrived at
+        self.notes = 0
+        self.device = (torch.device("cuda", torch.cuda.current_device())
+                       if dist.get_backend(group) == "nccl" else torch.device("cpu"))
+
+    def __enter__(self) -> "Collectives":
+        _ACTIVE.append(self)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        _ACTIVE.remove(self)
+
+    def _record(self, what: str) -> None:
+        store = _store()
+        if store is not None:
+            try:
+                store.set(f"{self.tag}/rank{self.me}", f"{self.seq} {time.time():.3f} {what}")
+                store.add(f"{self.tag}/activity", 1)
+            except Exception:  # noqa: BLE001  (best effort: the collective still bounds)
+                pass
+
+    def note(self, what: str) -> None:
+        """:func:`progress` of this rank, at most one store write a second."""
+        now = time.monotonic()
+        if now - getattr(self, "_noted", 0.0) >= 1.0:
+            self._noted = now
+            self._record(f"busy: {what}")
+
+    def _fail(self, what: str, reason: str, cause: BaseException | None = None) -> None:
+        abandon([self.group])
+        named, peer = self.missing()
+        raise PipelineError(
+            f"rank {self.me}: {self.purpose}: {what} {reason}{'; ' + named if named else ''}"
+            f"{_UNUSABLE}", rank=self.me, peer=peer) from cause
+
+    def missing(self) -> tuple[str, int]:
+        """The ranks that have not arrived at this rank's collective, with
+        their last record, and the first of them (-1: none known)."""
+        store = _store()
+        if store is None:
+            return "", -1
+        out, first = [], -1
+        try:
+            for r in self.ranks:
+                if r == self.me:
+                    continue
+                if store.check([f"{_LEFT_KEY}{r}"]):
+                    out.append(f"rank {r} exited (its process ended)")
+                elif not store.check([f"{self.tag}/rank{r}"]):
+                    out.append(f"rank {r} never arrived at any of {self.purpose}'s collectives")
+                else:
+                    seq, when, last = store.get(f"{self.tag}/rank{r}").decode().split(" ", 2)
+                    if int(seq) >= self.seq:  # it arrived here (or beyond)
+                        continue
+                    ago = time.time() - float(when)
+                    out.append(f"rank {r} has not arrived (its last record, {ago:.1f} s ago: "
+                               f"{last})")
+                first = r if first == -1 else first
+        except Exception as e:  # noqa: BLE001  (the store's host is gone)
+            return store_gone(e), _store_host_rank() if _store_host_rank() is not None else -1
+        return "; ".join(out), first
+
+    def arrive(self, what: str) -> None:
+        """Record this rank at its next collective (``what``) and wait until
+        every rank of the group arrived: no arrival and no progress anywhere
+        for ``timeout_s`` is a PipelineError naming the missing ranks."""
+        self.seq += 1
+        self._record(what)
+        store = _store()
+        if store is None or len(self.ranks) < 2:
+            return
+        try:
+            count = store.add(f"{self.tag}/arrived/{self.seq}", 1)
+            activity = store.add(f"{self.tag}/activity", 0)
+            last = time.monotonic()
+            while count < len(self.ranks):
+                time.sleep(_POLL_S)
+                count = store.add(f"{self.tag}/arrived/{self.seq}", 0)
+                now_activity = store.add(f"{self.tag}/activity", 0)
+                if now_activity != activity:
+                    activity, last = now_activity, time.monotonic()
+                elif time.monotonic() - last > self.timeout_s:
+                    self._fail(f"waiting for the other ranks at {what}",
+                               f"timed out: no rank arrived or made progress for "
+                               f"{self.timeout_s:g} s")
+                elif store.add(_LEFT_COUNT, 0) > 0 and self.missing()[0].find("exited") >= 0:
+                    self._fail(f"waiting for the other ranks at {what}", "failed")
+        except PipelineError:
+            raise
+        except Exception as e:  # noqa: BLE001  (the store's host is gone)
+            self._fail(f"waiting for the other ranks at {what}", "failed", e)
+
+    def wait(self, work: Any, what: str) -> None:
+        """Wait for a collective of the group within the timeout; a failure
+        names the missing ranks (NOTE [Named waits])."""
+        try:
+            ok = work.wait(timeout=_timedelta(self.timeout_s + _WAIT_GRACE_S))
+        except Exception as e:  # noqa: BLE001  (c10d raises RuntimeError subclasses)
+            self._fail(what, f"failed within the {self.timeout_s:g} s timeout: "
+                       f"{_first_line(str(e), 300)}", e)
+        else:
+            if ok is False:
+                self._fail(what, f"timed out after {self.timeout_s:g} s")
+
+    # -------------------------------------------------------- the collectives
+    def all_reduce(self, tensor: torch.Tensor, what: str, op: Any = dist.ReduceOp.SUM,
+                   *, arrive: bool = True) -> torch.Tensor:
+        if arrive:
+            self.arrive(what)
+        self.wait(all_reduce(tensor, self.group, self.timeout_s, op), what)
+        return tensor
+
+    def barrier(self, what: str) -> None:
+        self.all_reduce(torch.zeros(1, device=self.device), what)
+
+    def broadcast_json(self, value: Any, what: str) -> Any:
+        """``value`` of the group's first rank, as JSON (no pickle), on every rank."""
+        self.arrive(what)
+        if dist.get_world_size(self.group) < 2:
+            return value
+        first = self.me == self.ranks[0]
+        data = json.dumps(value).encode() if first else b""
+        size = torch.tensor([len(data)], dtype=torch.int64, device=self.device)
+        self.wait(broadcast(size, 0, self.group, self.timeout_s), f"{what} (its size)")
+        buf = torch.zeros(int(size.item()), dtype=torch.uint8)
+        if first:
+            buf[:] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        buf = buf.to(self.device)
+        self.wait(broadcast(buf, 0, self.group, self.timeout_s), what)
+        return json.loads(bytes(buf.cpu().tolist()).decode()) if not first else value
+
+    def send(self, tensor: torch.Tensor, peer: int, what: str) -> None:
+        """To global rank ``peer`` (arrive first, once per exchange of messages)."""
+        self.wait(dist.isend(tensor, peer, group=self.group), what)
+
+    def recv(self, tensor: torch.Tensor, peer: int, what: str) -> None:
+        self.wait(dist.irecv(tensor, peer, group=self.group), what)
 
 
 # ---------------------------------------------------------------- records
@@ -369,7 +579,8 @@ class Ledger:
                               dtype=torch.int64)
         rows = torch.zeros(len(self.ranks), len(FIELDS), dtype=torch.int64)
         wait(all_gather(list(rows.unbind(0)), record, group, timeout_s), what, timeout_s,
-             rank=self.me, on_failure=self.break_)
+             rank=self.me, on_failure=self.break_,
+             explain=lambda: first_death(r for r in self.ranks if r != self.me))
         self.seq += 1
         table = rows.tolist()
         outcome = Outcome(table)
@@ -421,19 +632,26 @@ class Ledger:
 
     # -------------------------------------------------------- a call's exchanges
     def begin(self, kind: str, *, timeout_s: float, step: int, digest: int,
-              microbatches: tuple[int, int] = (0, 0),
-              pipelines: Sequence[Sequence[int]] = ()) -> None:
+              microbatches: tuple[int, int, int] = (0, 0, 0),
+              pipelines: Sequence[Sequence[int]] = (),
+              values: tuple[Sequence[str], Sequence[int]] = ((), ())) -> None:
         """The begin exchange of a call that runs the executor: raises
         PipelineError when a rank failed before it or the ranks disagree.
-        ``microbatches``: (count, digest of their sizes) of this rank's call,
-        which must be the same on every rank of each of ``pipelines`` (global
-        ranks; data-parallel replicas may be given different microbatches)."""
+        ``microbatches``: (count, digest of their sizes and value labels,
+        digest of their contents) of this rank's call, which must be the same
+        on every rank of each of ``pipelines`` (global ranks; data-parallel
+        replicas may be given different microbatches). ``values``: each
+        microbatch value's label and digest (NOTE [Microbatch contents] in
+        runtime/rank.py), exchanged only when the contents differ, to name
+        the first value that does."""
         self.check_usable(kind)
         outcome = self.exchange(kind, timeout_s=timeout_s, step=step, digest=digest,
-                                payload=(*microbatches, 0))
+                                payload=microbatches)
         self.phase = _RUNNING
         self.raise_for(outcome, kind, ended=False)
         differ = self._microbatch_disagreement(outcome.rows, pipelines)
+        if differ is None and self._contents_differ(outcome.rows, pipelines):
+            differ = self._first_different_value(outcome.rows, pipelines, values, timeout_s)
         if differ is not None:  # found before any transfer: every rank raises, still in step
             err = PipelineError(f"{self.name(self.me)}: {kind} not run: {differ}; the ranks "
                                 "are still in step and the pipeline can be called again.",
@@ -441,11 +659,15 @@ class Ledger:
             err._mpmd_settled = True
             raise err
 
+    def _pipeline_rows(self, table: list[list[int]], pipelines: Sequence[Sequence[int]]
+                       ) -> list[dict[int, list[int]]]:
+        return [{r: table[self.ranks.index(r)] for r in ranks if r in self.ranks}
+                for ranks in pipelines]
+
     def _microbatch_disagreement(self, table: list[list[int]],
                                  pipelines: Sequence[Sequence[int]]) -> str | None:
         p0 = _F["p0"]
-        for ranks in pipelines:
-            rows = {r: table[self.ranks.index(r)] for r in ranks if r in self.ranks}
+        for rows in self._pipeline_rows(table, pipelines):
             if len({(row[p0], row[p0 + 1]) for row in rows.values()}) > 1:
                 listing = ", ".join(f"{self.name(r)}: {row[p0]} microbatch(es), sizes "
                                     f"{row[p0 + 1] & (2**64 - 1):016x}"
@@ -454,6 +676,55 @@ class Ledger:
                         "rank of a pipeline must be given the same microbatch list, or the "
                         f"same batch: {listing})")
         return None
+
+    def _contents_differ(self, table: list[list[int]],
+                         pipelines: Sequence[Sequence[int]]) -> bool:
+        p2 = _F["p2"]
+        return any(len({row[p2] for row in rows.values()}) > 1
+                   for rows in self._pipeline_rows(table, pipelines))
+
+    def _first_different_value(self, table: list[list[int]], pipelines: Sequence[Sequence[int]],
+                               values: tuple[Sequence[str], Sequence[int]],
+                               timeout_s: float) -> str:
+        """Every rank saw some pipeline's contents differ (the same table):
+        all exchange their values' digests (their count first, then the
+        digests padded to the largest) and name the first value that differs
+        (count, sizes and labels agree within the pipeline, so positions
+        match)."""
+        labels, digests = values
+        group = self._exchanges_group(timeout_s)
+        n = len(self.ranks)
+        counts = torch.zeros(n, 1, dtype=torch.int64)
+        wait(all_gather(list(counts.unbind(0)), torch.tensor([len(digests)]), group, timeout_s),
+             "the exchange of microbatch digest counts (all_gather)", timeout_s, rank=self.me,
+             on_failure=self.break_)
+        width = max(1, int(counts.max()))
+        mine = torch.zeros(width, dtype=torch.int64)
+        mine[:len(digests)] = torch.tensor(list(digests), dtype=torch.int64)
+        everyone = torch.zeros(n, width, dtype=torch.int64)
+        wait(all_gather(list(everyone.unbind(0)), mine, group, timeout_s),
+             "the exchange of microbatch digests (all_gather)", timeout_s, rank=self.me,
+             on_failure=self.break_)
+        p2 = _F["p2"]
+        for rows in self._pipeline_rows(table, pipelines):
+            if len({row[p2] for row in rows.values()}) < 2:
+                continue
+            ranks = list(rows)
+            columns = everyone[[self.ranks.index(r) for r in ranks]]
+            differs = (columns != columns[:1]).any(0).nonzero().flatten().tolist()
+            # The labels are this rank's; a rank of another pipeline reports
+            # the position (its own labels may differ from that pipeline's).
+            mine_here = self.me in ranks
+            k = differs[0] if differs else 0
+            what = (labels[k] if mine_here and k < len(labels) else f"value #{k}")
+            return (f"the ranks of one pipeline were given different microbatch contents: "
+                    f"{what} differs between {', '.join(self.name(r) for r in ranks)} "
+                    f"(digests {', '.join(f'{int(c[k]) & (2**64 - 1):016x}' for c in columns)}"
+                    f"; {len(differs)} of {int(counts[self.ranks.index(ranks[0])])} values "
+                    "differ). Every rank of a pipeline must be given the same batch, or the "
+                    "same microbatch list, contents included: a step would run one rank's "
+                    "inputs with another's targets")
+        return "the ranks of one pipeline were given different microbatch contents"
 
     def end(self, kind: str, *, timeout_s: float, step: int, digest: int,
             failure: str | None = None, payload: Sequence[int] = (0, 0, 0)) -> Outcome:

@@ -162,19 +162,28 @@ def synchronize(tied_groups: Iterable[tuple[Any, list[torch.Tensor]]], dp_group:
     peer's: a random init (``reset_parameters()``) draws on each rank.
     ``tp_group``: the pipeline mesh's "tp" group (default: the groups of the
     DTensors' meshes found among ``local``).
-    With the ``runtime`` (a RankRuntime) each broadcast is bounded by its
-    timeout and waited for by ``runtime.wait`` (NOTE [Bounded collectives] in
-    lockstep.py); without, they block for the process group's timeout."""
+    Every broadcast is bounded by the ``runtime``'s timeout (a RankRuntime;
+    without one, lockstep's default of 60 s) and waited for by its ``wait``
+    (NOTE [Bounded collectives] in lockstep.py); before a group's first
+    broadcast every rank of it arrives, so that one that stalled or died
+    materializing is named (NOTE [Named waits])."""
     from torch_mpmd.parallel import lockstep
 
     local = list(local)
+    timeout_s = runtime.timeout_s if runtime is not None else 60.0
+    arrived: set[str] = set()
 
     def broadcast(t: torch.Tensor, pg: Any, what: str) -> None:
+        text = f"the broadcast of the materialized {what} from their first rank"
+        if pg.group_name not in arrived:
+            arrived.add(pg.group_name)
+            lockstep.Collectives(pg, timeout_s, "materializing the meta model").arrive(text)
+        work = lockstep.broadcast(t, 0, pg, timeout_s)
         if runtime is None:
-            dist.broadcast(t, src=dist.get_global_rank(pg, 0), group=pg)
+            lockstep.wait(work, text, timeout_s, rank=dist.get_rank(),
+                          on_failure=lambda _: lockstep.abandon([pg]))
         else:
-            runtime.wait(lockstep.broadcast(t, 0, pg, runtime.timeout_s),
-                         f"the broadcast of the materialized {what} from their first rank")
+            runtime.wait(work, text)
 
     with torch.no_grad():
         for pg, params in tied_groups:

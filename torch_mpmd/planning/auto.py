@@ -58,12 +58,14 @@ def _dp_group(group: Any) -> Any:
     return group.get_group("dp")
 
 
-def _broadcast(value: Any, group: Any) -> Any:
+def _broadcast(value: Any, group: Any, timeout_s: float, what: str) -> Any:
+    """``value`` (JSON) of ``group``'s first rank, bounded and named (NOTE
+    [Named waits] in lockstep.py)."""
     if group is None or dist.get_world_size(group) < 2:
         return value
-    box = [value]
-    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
-    return box[0]
+    from torch_mpmd.parallel import lockstep
+
+    return lockstep.Collectives(group, timeout_s, "planning").broadcast_json(value, what)
 
 
 def plan(model: Any, example_args: Any, example_kwargs: Mapping[str, Any] | None = None, *,
@@ -73,7 +75,8 @@ def plan(model: Any, example_args: Any, example_kwargs: Mapping[str, Any] | None
          stages_per_rank: int | Sequence[int] | None = None, compile: Any = False,
          batch_size: int | None = None, units: Sequence[str] | None = None,
          microbatch_sizes: int | Sequence[int] | None = None, cache_dir: Any = None,
-         top_k: int = 5, data_parallel: str | Sequence[str] | None = None) -> Plan:
+         top_k: int = 5, data_parallel: str | Sequence[str] | None = None,
+         timeout: Any = None) -> Plan:
     """The plan with the least predicted step for ``model`` on this pipeline group.
 
     ``example_args``/``example_kwargs``/``target``: one training step's batch
@@ -87,8 +90,15 @@ def plan(model: Any, example_args: Any, example_kwargs: Mapping[str, Any] | None
     ``microbatch_sizes``, ``compile`` and ``cache_dir``: :func:`profile`'s.
     Collective: every rank calls it with the same arguments and gets an equal
     plan. The plan carries its sheet (``plan.sheet``, in memory, not in its
-    JSON) for ``Pipeline.replan``.
+    JSON) for ``Pipeline.replan``. ``timeout`` (seconds or timedelta; default
+    the pipeline's default, 60 s): every wait for the other ranks, with no
+    rank making progress; a rank that stalls or died raises PipelineError
+    naming it (``pipeline(plan="auto")`` passes its own ``timeout``).
     """
+    from torch_mpmd.config import as_timeout
+    from torch_mpmd.planning.profile import DEFAULT_TIMEOUT_S
+
+    timeout_s = as_timeout(DEFAULT_TIMEOUT_S if timeout is None else timeout).total_seconds()
     grp = _pp_group(group)
     dp_group = _dp_group(group)
     rank = dist.get_rank(grp) if grp is not None else 0
@@ -102,14 +112,15 @@ def plan(model: Any, example_args: Any, example_kwargs: Mapping[str, Any] | None
             sizes = batch // num_microbatches  # the one microbatch the plan can have
     sheet = profile(model, example_args, example_kwargs, loss_fn=loss_fn, target=target,
                     units=units, microbatch_sizes=sizes, compile=compile, cache_dir=cache_dir,
-                    group=grp, global_batch=batch_size, dp_group=dp_group)
+                    group=grp, global_batch=batch_size, dp_group=dp_group, timeout=timeout_s)
     replicated = (dist.is_available() and dist.is_initialized()
                   and dist.get_world_size() > (dist.get_world_size(grp) if grp is not None else 1))
     if replicated:
         # Data/tensor-parallel replicas each profiled (their dp groups timed
         # together); all plan from global rank 0's sheet, so that they find
         # the same plan, or fail alike.
-        sheet = CostSheet.from_json(_broadcast(sheet.to_json(), dist.group.WORLD))
+        sheet = CostSheet.from_json(_broadcast(sheet.to_json(), dist.group.WORLD, timeout_s,
+                                               "the broadcast of global rank 0's sheet"))
     result: tuple[str | None, tuple[str, str] | None] = (None, None)
     raised: BaseException | None = None
     if rank == 0:
@@ -121,9 +132,10 @@ def plan(model: Any, example_args: Any, example_kwargs: Mapping[str, Any] | None
             result = (best.to_json(), None)
         except Exception as e:  # noqa: BLE001  (every rank raises it)
             raised, result = e, (None, (type(e).__name__, str(e)))
-    text, failure = _broadcast(result, grp)
+    text, failure = _broadcast(result, grp, timeout_s, "the broadcast of rank 0's plan")
     if failure is None and replicated:  # (equal already: one sheet, a deterministic search)
-        text = _broadcast(text, dist.group.WORLD)
+        text = _broadcast(text, dist.group.WORLD, timeout_s,
+                          "the broadcast of global rank 0's plan")
     if raised is not None:
         raise raised
     if failure is not None:

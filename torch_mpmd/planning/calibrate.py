@@ -130,17 +130,17 @@ def _message_bytes(pipe: Any) -> float:
     return statistics.fmean(cuts)
 
 
-def _timed_steps(pipe: Any, group: Any, args: tuple, kwargs: dict, target: Any, steps: int
+def _timed_steps(pipe: Any, waits: Any, args: tuple, kwargs: dict, target: Any, steps: int
                  ) -> tuple[list[float], list[Any]]:
     """Two warm-up steps (capture, build, first transfers), then ``steps``
-    timed barrier to barrier on ``group``: their walls and every rank's
-    timelines."""
+    timed barrier to barrier (``waits``: lockstep.Collectives over the
+    pipeline group): their walls and every rank's timelines."""
     walls, rows = [], []
     for step in range(2 + steps):
-        dist.barrier(group=group)
+        waits.barrier(f"the barrier before calibration step {step}")
         start = time.perf_counter()
         pipe.step(*args, **kwargs, target=target)
-        dist.barrier(group=group)
+        waits.barrier(f"the barrier after calibration step {step}")
         wall = time.perf_counter() - start
         if step >= 2:
             walls.append(wall)
@@ -151,13 +151,20 @@ def _timed_steps(pipe: Any, group: Any, args: tuple, kwargs: dict, target: Any, 
 def measure_runtime(model: torch.nn.Module, args: tuple, kwargs: dict, target: Any, *,
                     loss_fn: Any, group: Any, units: Sequence[str], num_microbatches: int,
                     link: tuple[float, float], steps: int = 10,
-                    compile: Any = False) -> RuntimeCosts:
+                    compile: Any = False, waits: Any = None) -> RuntimeCosts:
     """The runtime's costs running ``model`` on ``group`` (a pipeline group of
     at least two ranks; collective over it): see the module docstring.
     ``units``: the profile's (the split cuts at every ``len(units) / p``-th);
     ``link``: the ping-pong's (latency s, bandwidth B/s); ``compile``: the
-    stage programs' compiler, as ``pipeline(compile=)`` takes it. The model's
-    gradients, buffers and the RNG state are left as they were."""
+    stage programs' compiler, as ``pipeline(compile=)`` takes it; ``waits``:
+    the lockstep.Collectives over ``group`` that bound every wait (default:
+    made here, with the pipeline's default timeout), whose timeout the
+    calibration pipeline takes. The model's gradients, buffers and the RNG
+    state are left as they were."""
+    from torch_mpmd.parallel import lockstep
+
+    if waits is None:
+        waits = lockstep.Collectives(group, 60.0, "calibration")
     import torch_mpmd  # (its public pipeline(): api imports planning, not the reverse)
     from torch_mpmd.runtime import trace
 
@@ -166,8 +173,9 @@ def measure_runtime(model: torch.nn.Module, args: tuple, kwargs: dict, target: A
     with model_state_kept(model):  # the calibration leaves no trace in the model
         pipe = torch_mpmd.pipeline(model, loss_fn=loss_fn, schedule="1f1b",
                                    num_microbatches=num_microbatches, group=group,
-                                   split_points=split, compile=compile)
-        walls, rows = _timed_steps(pipe, group, args, kwargs, target, steps)
+                                   split_points=split, compile=compile,
+                                   timeout=waits.timeout_s)
+        walls, rows = _timed_steps(pipe, waits, args, kwargs, target, steps)
         message = _message_bytes(pipe)
     latency, bandwidth = link
     arrivals = [t for r in rows for t in trace.transfer_latencies(r)]
@@ -183,9 +191,9 @@ def measure_runtime(model: torch.nn.Module, args: tuple, kwargs: dict, target: A
             sum(end - start for row in r for action, start, end in row if action.is_compute)
             for r in rows))
     # One answer for every rank (each timed its own walls): rank 0's.
-    box = [costs]
-    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
-    return box[0]
+    sent = waits.broadcast_json(dataclasses.asdict(costs), "the broadcast of rank 0's "
+                                "calibration")
+    return RuntimeCosts(**{**sent, "split_points": tuple(sent["split_points"])})
 
 
 def _bisect(f: Any, target: float, lo: float, hi: float) -> float:

@@ -86,7 +86,9 @@ measures all of them), so the all-reduce timings pair up.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import datetime
 import hashlib
 import inspect
 import json
@@ -101,6 +103,7 @@ import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 
+from torch_mpmd.parallel import lockstep
 from torch_mpmd.planning.calibrate import (RuntimeCosts, fit_sheet, measure_runtime,
                                            model_state_kept)
 from torch_mpmd.planning.sheet import CostSheet, Unit
@@ -112,6 +115,9 @@ __all__ = ["profile", "find_units", "profile_key", "measurements",
 DEFAULT_ACTION_OVERHEAD_S = 110e-6
 DEFAULT_LINK_LATENCY_S = 150e-6
 DEFAULT_LINK_BANDWIDTH = 1e9
+# How long a rank waits at a profile's collective with no rank making
+# progress (profile(timeout=)); the pipeline's own default timeout.
+DEFAULT_TIMEOUT_S = 60.0
 _PING_BYTES = 4
 _PONG_BYTES = 4 << 20
 
@@ -394,6 +400,7 @@ def _measure_at(model: torch.nn.Module, args: tuple, kwargs: dict, target: Any, 
     times: dict[str, list[list[float]]] = {k: [[] for _ in range(n)] for k in "FBIW"}
     saved = kept = [0] * n
     for rep in range(repeats + 1):  # the first is a warm-up
+        lockstep.progress(f"timing {n} units, run {rep} of {repeats}")
         runner.begin_step(inputs, targets, loss_fn, 0, rep, training=True)
         try:
             for split in (False, True):
@@ -477,13 +484,17 @@ def _affine(values: Sequence[float], sizes: Sequence[int], at: int) -> tuple[flo
     return total, min(fixed, total)
 
 
-def _ping_pong(group: Any, device: torch.device) -> tuple[float, float]:
+def _ping_pong(group: Any, device: torch.device, waits: lockstep.Collectives
+               ) -> tuple[float, float]:
     """(latency s, bandwidth B/s) between pipeline ranks 0 and 1 of ``group``
-    (collective over those two; other ranks return zeros)."""
+    (collective over the group: the others arrive and return zeros). Every
+    message is bounded by ``waits`` (NOTE [Named waits] in lockstep.py)."""
+    waits.arrive("the ping-pong between pipeline ranks 0 and 1")
     rank = dist.get_rank(group)
     if rank > 1:
         return 0.0, 0.0
     peer = dist.get_global_rank(group, 1 - rank)
+    what = f"the ping-pong with rank {peer}"
     if dist.get_backend(group) == "nccl" and device.type != "cuda":
         device = torch.device("cuda", torch.cuda.current_device())
 
@@ -494,11 +505,11 @@ def _ping_pong(group: Any, device: torch.device) -> tuple[float, float]:
             _sync(device)
             start = time.perf_counter()
             if rank == 0:
-                dist.send(buf, peer, group=group)
-                dist.recv(buf, peer, group=group)
+                waits.send(buf, peer, what)
+                waits.recv(buf, peer, what)
             else:
-                dist.recv(buf, peer, group=group)
-                dist.send(buf, peer, group=group)
+                waits.recv(buf, peer, what)
+                waits.send(buf, peer, what)
             _sync(device)
             if i:
                 times.append(time.perf_counter() - start)
@@ -518,12 +529,14 @@ def _comm_device(group: Any, device: torch.device) -> torch.device:
     return device
 
 
-def _all_reduce_rates(group: Any, device: torch.device) -> tuple[float, float]:
+def _all_reduce_rates(group: Any, device: torch.device, waits: lockstep.Collectives
+                      ) -> tuple[float, float]:
     """(latency s per ring step, bandwidth B/s per link) of ``group``'s
     all-reduce: the ring model 2 (d - 1) latency + 2 (d - 1) / d * bytes /
     bandwidth through the median times of a 4-byte and a 4 MiB all-reduce
-    (collective over ``group``)."""
+    (collective over ``group``; bounded by ``waits``, which is over it)."""
     d = dist.get_world_size(group)
+    waits.arrive("the timing of the data-parallel all-reduce")
     device = _comm_device(group, device)
 
     def median_time(nbytes: int, count: int) -> float:
@@ -532,7 +545,7 @@ def _all_reduce_rates(group: Any, device: torch.device) -> tuple[float, float]:
         for i in range(count + 1):  # the first is a warm-up
             _sync(device)
             start = time.perf_counter()
-            dist.all_reduce(buf, group=group)
+            waits.all_reduce(buf, "an all-reduce of the timing", arrive=False)
             _sync(device)
             if i:
                 times.append(time.perf_counter() - start)
@@ -544,11 +557,11 @@ def _all_reduce_rates(group: Any, device: torch.device) -> tuple[float, float]:
     return small / steps, steps / d * _PONG_BYTES / max(large - small, 1e-9)
 
 
-def _any_over(group: Any, flag: bool, device: torch.device) -> bool:
-    """Whether ``flag`` holds on any rank of ``group`` (collective)."""
-    t = torch.tensor([int(flag)], dtype=torch.int32, device=_comm_device(group, device))
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return bool(t.item())
+def _any_over(waits: lockstep.Collectives, flag: bool, device: torch.device, what: str
+              ) -> bool:
+    """Whether ``flag`` holds on any rank of ``waits``' group (collective)."""
+    t = torch.tensor([int(flag)], dtype=torch.int32, device=_comm_device(waits.group, device))
+    return bool(waits.all_reduce(t, what, op=dist.ReduceOp.MAX).item())
 
 
 def _measure(model: torch.nn.Module, args: tuple, kwargs: dict, target: Any, *,
@@ -566,6 +579,7 @@ def _measure(model: torch.nn.Module, args: tuple, kwargs: dict, target: Any, *,
     def measure_units(names: list[str]) -> list[dict[str, Any]]:
         per_size = []
         for size in sizes:
+            lockstep.progress(f"measuring {len(names)} units at microbatch size {size}")
             m = batch // size
             a0, k0 = first_microbatch(args, kwargs, m)
             t0 = split_tree(target, m, "target", first_only=True)[0] if target is not None \
@@ -620,7 +634,8 @@ def profile(model: torch.nn.Module, example_args: Any, example_kwargs: Mapping[s
             units: Sequence[str] | None = None, microbatch_sizes: int | Sequence[int] | None = None,
             compile: Any = False, cache_dir: Any = None, group: Any = None,
             pp_size: int | None = None, global_batch: int | None = None, repeats: int = 5,
-            memory_limit: float = 0.0, dp_group: Any = None) -> CostSheet:
+            memory_limit: float = 0.0, dp_group: Any = None,
+            timeout: float | datetime.timedelta = DEFAULT_TIMEOUT_S) -> CostSheet:
     """The measured cost sheet of ``model`` on one step's batch (see the module docstring).
 
     ``example_args``/``example_kwargs``/``target``: a training step's batch
@@ -631,7 +646,44 @@ def profile(model: torch.nn.Module, example_args: Any, example_kwargs: Mapping[s
     size and all-reduce rates go on the sheet (collective over it too).
     ``pp_size`` (default: the group's size) and ``global_batch`` (default: the
     batch's size) go on the sheet; ``repeats``: timed runs per cost (medians).
+    ``timeout`` (seconds or timedelta): how long a rank waits for the others
+    at a collective, with no rank making progress (rank 0's measuring is
+    progress); a rank that stalls or died raises PipelineError naming it
+    (NOTE [Named waits] in lockstep.py).
     """
+    from torch_mpmd.config import as_timeout
+
+    from torch_mpmd.config import pp_group
+
+    timeout_s = as_timeout(timeout).total_seconds()
+    with contextlib.ExitStack() as stack:
+        waits = _waits(stack, pp_group(group), timeout_s, "profiling")
+        dp_waits = (_waits(stack, dp_group, timeout_s, "profiling (data-parallel group)")
+                    if dp_group is not None and dist.get_world_size(dp_group) > 1 else None)
+        return _profile(model, example_args, example_kwargs, loss_fn=loss_fn, target=target,
+                        units=units, microbatch_sizes=microbatch_sizes, compile=compile,
+                        cache_dir=cache_dir, group=group, pp_size=pp_size,
+                        global_batch=global_batch, repeats=repeats, memory_limit=memory_limit,
+                        dp_group=dp_group, waits=waits, dp_waits=dp_waits,
+                        timeout_s=timeout_s)
+
+
+def _waits(stack: contextlib.ExitStack, group: Any, timeout_s: float, purpose: str
+           ) -> lockstep.Collectives | None:
+    """Bounded, named collectives over ``group`` (None for one process),
+    active while ``stack`` is."""
+    if group is None or dist.get_world_size(group) < 2:
+        return None
+    return stack.enter_context(lockstep.Collectives(group, timeout_s, purpose))
+
+
+def _profile(model: torch.nn.Module, example_args: Any, example_kwargs: Any, *,
+             loss_fn: Any, target: Any, units: Any, microbatch_sizes: Any, compile: Any,
+             cache_dir: Any, group: Any, pp_size: int | None, global_batch: int | None,
+             repeats: int, memory_limit: float, dp_group: Any,
+             waits: lockstep.Collectives | None, dp_waits: lockstep.Collectives | None,
+             timeout_s: float) -> CostSheet:
+    """profile(), its waits made."""
     from torch_mpmd.config import pp_group
 
     if not isinstance(example_args, tuple):
@@ -673,26 +725,25 @@ def profile(model: torch.nn.Module, example_args: Any, example_kwargs: Mapping[s
             except (ValueError, KeyError, OSError, TypeError):
                 text = None  # a damaged entry is measured again
     # Rank 0 tells the others whether it measures (then ranks 0 and 1 ping-pong).
-    if grp is not None and world > 1:
-        flag = [text is None]
-        dist.broadcast_object_list(flag, src=dist.get_global_rank(grp, 0), group=grp)
-        measure = bool(flag[0])
+    if waits is not None:
+        measure = bool(waits.broadcast_json(text is None, "the broadcast of whether rank 0 "
+                                            "measures (no cached profile)"))
     else:
         measure = text is None
-    if dp_size > 1:  # the replicas' dp groups time their all-reduces together
-        measure = _any_over(dp_group, measure, device)
+    if dp_waits is not None:  # the replicas' dp groups time their all-reduces together
+        measure = _any_over(dp_waits, measure, device, "whether any replica measures")
     if measure:
         link = ((DEFAULT_LINK_LATENCY_S, DEFAULT_LINK_BANDWIDTH) if grp is None or world < 2
-                else _ping_pong(grp, device))
+                else _ping_pong(grp, device, waits))
         dp: tuple[int, float | None, float | None] = (1, None, None)
-        if dp_size > 1:
-            dp = (dp_size, *_all_reduce_rates(dp_group, device))
+        if dp_waits is not None:
+            dp = (dp_size, *_all_reduce_rates(dp_group, device, dp_waits))
         runtime = RuntimeCosts(DEFAULT_ACTION_OVERHEAD_S, 0.0, link[0])
         if grp is not None and world > 1 and len(unit_names) >= world:
             runtime = measure_runtime(model, example_args, kwargs, target, loss_fn=loss_fn,
                                       group=grp, units=unit_names,
                                       num_microbatches=batch // sizes[0], link=link,
-                                      compile=compile)
+                                      compile=compile, waits=waits)
         if rank == 0:
             try:
                 sheet = _measure(model, example_args, kwargs, target, loss_fn=loss_fn,
@@ -713,10 +764,9 @@ def profile(model: torch.nn.Module, example_args: Any, example_kwargs: Mapping[s
                     tmp.replace(path)
                 except OSError:
                     pass  # a read-only cache: the profile is still returned
-    if grp is not None and world > 1:
-        box: list[Any] = [(text, failure)]
-        dist.broadcast_object_list(box, src=dist.get_global_rank(grp, 0), group=grp)
-        text, failure = box[0]
+    if waits is not None:
+        text, failure = waits.broadcast_json([text, failure], "the broadcast of rank 0's "
+                                             "profile (or its failure)")
     if raised is not None:
         raise raised
     if failure is not None:

@@ -157,12 +157,98 @@ def _plan_digest(plan: Any, *, dynamic: bool) -> int:
     return _int64(int.from_bytes(digest[:8], "little"))
 
 
-def _microbatch_digest(count: int, sizes: Sequence[tuple[int, ...]]) -> int:
-    """A digest of a call's microbatch count and sizes (nonzero), which the
-    ranks of one pipeline compare in the call's begin exchange: ranks given
-    different microbatches stop there, before any transfer."""
-    h = hashlib.sha256(repr((count, [tuple(k) for k in sizes])).encode()).digest()
+def _microbatch_digest(count: int, sizes: Sequence[tuple[int, ...]],
+                       labels: Sequence[str] = ()) -> int:
+    """A digest of a call's microbatch count, sizes and value labels
+    (microbatch_contents; nonzero), which the ranks of one pipeline compare in
+    the call's begin exchange: ranks given different microbatches stop there,
+    before any transfer."""
+    h = hashlib.sha256(repr((count, [tuple(k) for k in sizes], list(labels))).encode()).digest()
     return _int64(int.from_bytes(h[:8], "little")) or 1
+
+
+# NOTE [Microbatch contents]: the ranks of one pipeline must be given the same
+# microbatches, contents included (rank 0 reads the inputs, the last rank the
+# targets: different batches would train on rank 0's inputs with the last
+# rank's targets, silently). Each call's begin exchange therefore carries a
+# digest of every input and target value of every microbatch, exact (every
+# byte counts; a strided sample could miss a difference): a CPU tensor's
+# bytes go through BLAKE2b (read in place, no copy); a tensor on another
+# device is reduced there (_device_digest) and two int64 come to the host.
+# Non-tensor values count by their repr where it is a value's (numbers,
+# strings, None, containers of them), else by their type name (an object's
+# default repr holds its address, which differs by process). Measured in
+# BENCHMARKS.md ("The microbatch digest").
+_PLAIN = (int, float, complex, str, bytes, bool, type(None))
+
+
+def _device_digest(flat: torch.Tensor) -> bytes:
+    """An exact digest of a 1-D uint8 tensor's bytes, computed on its device:
+    the bytes as 32-bit words (sign-extended to int64, so no bit of a word
+    reaches a product's top bit alone) times two position-derived odd
+    pseudo-random int64 sequences, each summed with int64 wraparound. A
+    change of any word changes each sum unless the changes cancel in both
+    (one word: never, an odd multiplier is invertible mod 2**64). Two
+    scalars come back to the host."""
+    n = flat.numel()
+    if n % 4:
+        words = flat.to(torch.int64)
+    else:
+        words = flat.view(torch.int32).to(torch.int64)
+    i = torch.arange(words.numel(), dtype=torch.int64, device=flat.device)
+    sums = []
+    for mult, add in ((-7046029254386353131, 1442695040888963407),     # (splitmix-style
+                      (-4658895280553007687, -7723592293110705685)):  #  constants)
+        r = i * mult + add
+        r = r ^ ((r >> 31) & 0x1FFFFFFFF)  # logical shift: the top bits mix down
+        sums.append(((r | 1) * words).sum())
+    return struct.pack("<2q", *torch.stack(sums).tolist())
+
+
+def value_digest(value: Any, hasher: Any) -> None:
+    """Feed ``value`` (a tensor, a plain value, or a list/tuple/dict tree of
+    them) into ``hasher`` (NOTE [Microbatch contents])."""
+    if isinstance(value, torch.Tensor):
+        t = value.to_local() if hasattr(value, "to_local") else value  # a DTensor's shard
+        hasher.update(repr((str(t.dtype), tuple(t.shape))).encode())
+        flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
+        if flat.device.type == "cpu":
+            hasher.update(memoryview(flat.numpy()))
+        elif flat.device.type != "meta":
+            hasher.update(_device_digest(flat))
+    elif isinstance(value, (list, tuple)):
+        hasher.update(f"{type(value).__name__}[{len(value)}]".encode())
+        for v in value:
+            value_digest(v, hasher)
+    elif isinstance(value, dict):
+        hasher.update(f"dict[{len(value)}]".encode())
+        for k, v in value.items():
+            hasher.update(repr(k).encode() if isinstance(k, _PLAIN) else b"?")
+            value_digest(v, hasher)
+    elif isinstance(value, _PLAIN):
+        hasher.update(repr(value).encode())
+    else:
+        hasher.update(type(value).__qualname__.encode())
+
+
+def microbatch_contents(inputs: Sequence[Mapping[str, Any]], targets: Sequence[Any]
+                        ) -> tuple[int, list[str], list[int]]:
+    """(digest of everything, each value's label, each value's digest) for a
+    call's microbatches: per microbatch its named inputs, then its target
+    (NOTE [Microbatch contents]). The labels name the value in an error."""
+    labels, digests = [], []
+    whole = hashlib.blake2b(digest_size=8)
+    for mb, named in enumerate(inputs):
+        target = targets[mb] if mb < len(targets) else None
+        for label, value in [*((f"input {name!r}", v) for name, v in named.items()),
+                             ("target", target)]:
+            h = hashlib.blake2b(digest_size=8)
+            value_digest(value, h)
+            d = h.digest()
+            whole.update(d)
+            labels.append(f"microbatch {mb}, {label}")
+            digests.append(_int64(int.from_bytes(d, "little")))
+    return _int64(int.from_bytes(whole.digest(), "little")) or 1, labels, digests
 
 
 def _int64(x: int) -> int:
@@ -301,7 +387,11 @@ class RankRuntime:
         self._shape_key = model.shapes.hint_key() if model.shapes is not None else None
         self._by_sizes: dict[tuple[int, ...], tuple[dict[int, torch.Tensor], dict]] = {}
         self._mixed = False  # the transport holds per-microbatch specs
-        self._call_microbatches = (0, 0)  # (count, sizes digest): use_microbatches
+        # (count, sizes digest, contents digest) and every value's (label,
+        # digest) of the call's microbatches: use_microbatches, use_contents.
+        self._call_microbatches = (0, 0, 0)
+        self._call_keys: list[tuple[int, ...]] = []
+        self._call_values: tuple[list[str], list[int]] = ([], [])
         self._fitted: Any = None  # the microbatches use_microbatches fitted last
         self._schedule_source = schedule
         self._shard = shards is not None
@@ -593,7 +683,7 @@ class RankRuntime:
         self.use_microbatch_count(len(inputs))
         shapes = self.model.shapes
         keys = [shapes.key(named) for named in inputs] if shapes is not None else []
-        self._call_microbatches = (len(inputs), _microbatch_digest(len(inputs), keys))
+        self._call_keys = keys
         if shapes is None:
             return
         key = keys[0]
@@ -611,6 +701,16 @@ class RankRuntime:
                 {(p, c, grad, mb): specs for mb, k in own.items()
                  for (p, c, grad), specs in self._concrete(k)[1].items()})
             self._mixed = bool(own)
+
+    def use_contents(self, inputs: Sequence[Mapping[str, Any]], targets: Sequence[Any]) -> None:
+        """What the call's begin exchange compares of its microbatches (after
+        use_microbatches): their count, sizes and value labels, and a digest
+        of every input's and target's contents (NOTE [Microbatch contents])."""
+        contents, labels, digests = microbatch_contents(inputs, targets)
+        self._call_microbatches = (len(inputs),
+                                   _microbatch_digest(len(inputs), self._call_keys, labels),
+                                   contents)
+        self._call_values = (labels, digests)
 
     def _concrete(self, key: tuple[int, ...]) -> tuple[dict[int, torch.Tensor], dict]:
         """For sizes ``key``: node id -> meta tensor of each transferred value,
@@ -728,7 +828,8 @@ class RankRuntime:
         try:
             if ledger is not None:
                 ledger.begin(kind, timeout_s=self.timeout_s, step=step, digest=self.digest,
-                             microbatches=self._call_microbatches, pipelines=self.replicas)
+                             microbatches=self._call_microbatches, pipelines=self.replicas,
+                             values=self._call_values)
             if isinstance(self.dp, ShardedStages) and kind != "step":
                 # Forward-only programs carry no UNSHARD: gather every local
                 # stage now, in stage order, so that a rank whose compute fails
@@ -853,7 +954,7 @@ class RankRuntime:
                  [self._global(r) for r in range(self.pp_size)])
         died = lockstep.first_death(r for r in ranks if r != me)
         if died is None or (peer is not None and peer >= 0 and
-                            died.startswith(f"rank {self._global(peer)} died")):
+                            died.startswith(f"rank {self._global(peer)} ")):
             return None
         return died
 

@@ -174,6 +174,7 @@ def run_step(rt: "RankRuntime", part: Part, history: CallHistory, device: torch.
     rng = None
     if part.begins:
         rt.use_microbatches(inputs)
+        rt.use_contents(inputs, targets)  # compared in the begin exchange (rt.run)
         rng = RngState(device)
         rt.runner.begin_step(inputs, targets, loss_fn, rt.seed, history.step,
                              training=part.training, outputs_as_roots=part.outputs_as_roots,

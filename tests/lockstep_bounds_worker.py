@@ -1,0 +1,93 @@
+"""Workers of tests/test_lockstep_bounds.py (run by dist_harness): ranks of one
+pipeline given microbatches of the same shapes but different contents
+(NOTE [Microbatch contents] in runtime/rank.py), and ranks that stall or die
+in mpmd.plan's profiling (NOTE [Named waits] in parallel/lockstep.py)."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import pipeline_worker as W
+import torch_mpmd as mpmd
+from dist_harness import partial_result, run_grid
+
+
+def _outcome(fn: Callable[[], Any]) -> dict[str, Any]:
+    """What ``fn()`` did: its float value, or the exception's type and message."""
+    try:
+        return {"ok": True, "value": float(fn())}
+    except Exception as e:  # noqa: BLE001  (reported to the test)
+        return {"ok": False, "type": type(e).__name__, "message": str(e)[:3000]}
+
+
+def contents(case: dict[str, Any]) -> dict[str, Any]:
+    """2 pipeline ranks (1f1b, m=4, batch 8): rank 1 is given a batch whose
+    target differs in microbatch 2's rows only, then a microbatch list whose
+    microbatch 1 input differs in one element, then a non-tensor keyword
+    value that differs; then every rank the same batch. Each call's outcome,
+    and the eager loss of the batch."""
+    rank = dist.get_rank()
+    x, y = W.make_batch("skip")
+    model = W.build_model("skip")
+    with torch.no_grad():
+        reference = float(F.mse_loss(W.build_model("skip")(x), y))
+    pipe = mpmd.pipeline(model, loss_fn=F.mse_loss, schedule="1f1b", num_microbatches=4,
+                         split_points=W.SKIP_SPLITS[2], timeout=60)
+    out: dict[str, Any] = {"reference": reference}
+    y_other = y.clone()
+    if rank == 1:
+        y_other[4:6] += 0.5  # microbatch 2 of 4 (2 rows each)
+    out["batch_target"] = _outcome(lambda: pipe.step(x, target=y_other))
+    mbs = [((x[2 * k:2 * k + 2].clone(),), {}) for k in range(4)]
+    targets = [y[2 * k:2 * k + 2] for k in range(4)]
+    if rank == 1:
+        mbs[1][0][0][0, 0] += 1e-3  # one element of microbatch 1's input
+    pipe.zero_grad()
+    out["list_input"] = _outcome(lambda: pipe.step(microbatches=mbs, targets=targets))
+    pipe.zero_grad()
+    out["same"] = _outcome(lambda: pipe.step(x, target=y))
+    return out
+
+
+def grid(cases: list[dict[str, Any]]) -> dict[str, Any]:
+    return run_grid(cases, {"contents": contents}, key="bounds")
+
+
+def fault_in_profiling(mode: str, timeout: float) -> dict[str, Any]:
+    """mpmd.plan on 2 ranks with ``timeout``: ``mode`` "rank1_dies": rank 1
+    exits (os._exit) before profiling's first collective; "rank0_stalls":
+    rank 0 stalls while it measures the units (rank 1 waits for its sheet).
+    The survivor records what plan raised (a partial result) and lets it
+    escape, so its process exits."""
+    from torch_mpmd.planning import profile as profiling
+
+    rank = dist.get_rank()
+    if mode == "rank1_dies" and rank == 1:
+        def dying_call_order(*args: Any, **kwargs: Any) -> Any:
+            os._exit(3)
+
+        profiling.call_order = dying_call_order
+    if mode == "rank0_stalls" and rank == 0:
+        def stalled_measure(*args: Any, **kwargs: Any) -> Any:
+            partial_result({"rank": rank, "stalled_at": time.time()})
+            time.sleep(300)
+
+        profiling._measure = stalled_measure
+    x, y = W.make_batch("skip")
+    start = time.monotonic()
+    try:
+        mpmd.plan(W.build_model("skip"), (x,), loss_fn=F.mse_loss, target=y,
+                  schedules=["1f1b"], cache_dir=tempfile.mkdtemp(), timeout=timeout)
+    except Exception as e:
+        partial_result({"rank": rank, "raised_after": time.monotonic() - start,
+                        "type": type(e).__name__, "message": str(e)[:3000],
+                        "peer": getattr(e, "peer", None)})
+        raise
+    return {"rank": rank, "error": f"plan returned although {mode}"}

@@ -1,0 +1,144 @@
+"""The lockstep's bounds (issue 34): ranks of one pipeline given different
+microbatch contents raise naming the value (NOTE [Microbatch contents] in
+runtime/rank.py); a rank that stalls or dies in mpmd.plan's profiling is
+named within the timeout (NOTE [Named waits] in parallel/lockstep.py); with 4
+ranks and rank 0 (the store's host) killed mid-step, every survivor names
+rank 0."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+
+import pytest
+import torch
+
+from dist_harness import GridRun, run_ranks
+from torch_mpmd.runtime.rank import _device_digest, microbatch_contents
+
+_GRID = GridRun(2, "lockstep_bounds_worker:grid", [dict(id="contents", kind="contents")],
+                task="bounds", timeout=300)
+
+
+# ------------------------------------------------------------------ contents compared
+
+def test_ranks_given_different_batch_contents_raise_naming_the_microbatch_and_target():
+    for rank, r in enumerate(_GRID.results("contents")):
+        got = r["batch_target"]
+        assert not got["ok"] and got["type"] == "PipelineError", (rank, got)
+        assert re.search(rf"^rank {rank}: step not run: the ranks of one pipeline were given "
+                         r"different microbatch contents: microbatch 2, target differs "
+                         r"between rank 0, rank 1", got["message"]), got["message"]
+        assert "still in step" in got["message"], got["message"]
+
+
+def test_ranks_given_lists_differing_in_one_element_raise_naming_the_input():
+    for rank, r in enumerate(_GRID.results("contents")):
+        got = r["list_input"]
+        assert not got["ok"] and got["type"] == "PipelineError", (rank, got)
+        assert re.search(r"microbatch 1, input '[^']+' differs between rank 0, rank 1 .*"
+                         r"1 of \d+ values differ", got["message"]), got["message"]
+
+
+def test_after_contents_differed_the_same_batch_trains_like_eager():
+    for r in _GRID.results("contents"):
+        assert r["same"]["ok"], r["same"]
+        assert r["same"]["value"] == pytest.approx(r["reference"], rel=1e-5)
+
+
+def _digest(t):
+    return microbatch_contents([{"x": t}], [None])[0]
+
+
+@pytest.mark.parametrize("change", ["one-bit", "sign-flips", "swap", "shift-rows"])
+def test_the_content_digest_sees_every_change(change):
+    g = torch.Generator().manual_seed(0)
+    t = torch.randn(16, 64, generator=g)
+    u = t.clone()
+    if change == "one-bit":
+        u.view(torch.int32)[3, 5] ^= 1
+    elif change == "sign-flips":  # two sign bits: cancel in a plain sum of words
+        u[0, 0], u[0, 1] = -u[0, 0], -u[0, 1]
+    elif change == "swap":
+        u[2, 3], u[9, 40] = t[9, 40], t[2, 3]
+    else:
+        u = torch.roll(t, 1, 0)
+    assert _digest(t) != _digest(u)
+    assert _digest(t) == _digest(t.clone())
+    # The on-device reduction (for tensors not on the CPU), run here on the CPU.
+    flat = lambda v: v.contiguous().reshape(-1).view(torch.uint8)  # noqa: E731
+    assert _device_digest(flat(t)) != _device_digest(flat(u))
+    assert _device_digest(flat(t)) == _device_digest(flat(t.clone()))
+
+
+def test_the_content_digest_counts_non_tensor_values_and_reads_bytes_exactly():
+    t = torch.arange(6)
+    base = microbatch_contents([{"x": t, "k": 3}], [{"y": t}])
+    assert base[1] == ["microbatch 0, input 'x'", "microbatch 0, input 'k'",
+                       "microbatch 0, target"]
+    assert microbatch_contents([{"x": t, "k": 4}], [{"y": t}])[2][1] != base[2][1]
+    assert microbatch_contents([{"x": t, "k": 3}], [{"y": t + 1}])[2][2] != base[2][2]
+    assert microbatch_contents([{"x": t.float(), "k": 3}], [{"y": t}])[2][0] != base[2][0]
+    # A CPU tensor's digest is BLAKE2b over its bytes (after dtype and shape).
+    h = hashlib.blake2b(digest_size=8)
+    h.update(repr(("torch.int64", (6,))).encode())
+    h.update(t.numpy().tobytes())
+    assert int.from_bytes(h.digest(), "little") & (2**63 - 1) == base[2][0] & (2**63 - 1)
+
+
+# ------------------------------------------------------------------ bounded planning
+
+PLAN_TIMEOUT = 5.0
+
+
+def _profile_fault(mode):
+    return run_ranks(2, "lockstep_bounds_worker:fault_in_profiling", mode, PLAN_TIMEOUT,
+                     timeout=150, pg_timeout=120, failure_grace=None, check=False)
+
+
+def test_a_rank_dying_before_profiling_is_named_within_the_timeout():
+    # Before: rank 0 waited in broadcast_object_list for the process group's
+    # timeout (here 120 s), then raised gloo's own error.
+    run = _profile_fault("rank1_dies")
+    assert run.returncodes[1] == 3, run.describe([1])
+    got = run.results[0]
+    assert got is not None and "raised_after" in got, run.describe([0])
+    assert got["type"] == "PipelineError", got
+    assert re.search(r"^rank 0: profiling: waiting for the other ranks at .*timed out.*"
+                     r"rank 1 never arrived", got["message"]), got["message"]
+    assert got["peer"] == 1, got
+    assert got["raised_after"] < PLAN_TIMEOUT + 30, got  # not the group's 120 s
+
+
+def test_rank_zero_stalling_while_it_measures_is_named_by_the_rank_waiting_for_its_sheet():
+    run = _profile_fault("rank0_stalls")
+    assert run.results[0] is not None and "stalled_at" in run.results[0], run.describe([0])
+    got = run.results[1]
+    assert got is not None and "raised_after" in got, run.describe([1])
+    assert got["type"] == "PipelineError", got
+    assert re.search(r"^rank 1: profiling: waiting for the other ranks at the broadcast of "
+                     r"rank 0's profile .*rank 0 has not arrived \(its last record, [\d.]+ s "
+                     r"ago: busy: ", got["message"]), got["message"]
+    assert got["peer"] == 0, got
+
+
+# ------------------------------------------------------------------ who died
+
+def test_with_four_ranks_and_rank_zero_killed_mid_step_every_survivor_names_rank_zero():
+    # Rank 0 hosts the job's store (no agent store): its death takes the
+    # records of who died with it; the survivors infer it from the store
+    # being gone. Rank 1 sees rank 0's connection close; ranks 2 and 3 only
+    # see their neighbour stop.
+    run = run_ranks(4, "fault_worker:die_mid_pipeline", 0, 5.0, timeout=120, pg_timeout=60,
+                    failure_grace=None, check=False)
+    assert not run.timed_out, run.describe()
+    assert run.returncodes[0] == 3, run.describe([0])
+    for rank in (1, 2, 3):
+        res = run.results[rank]
+        assert res is not None and "message" in res, run.describe([rank])
+        named = res["peer"] == 0 or re.search(r"rank 0 is gone: the job's store, which lives "
+                                              r"in rank 0's process, cannot be reached",
+                                              res["message"])
+        assert named, f"rank {rank} does not name rank 0:\n{res['message']}"
+    for rank in (2, 3):
+        assert "rank 0 is gone" in run.results[rank]["message"], run.results[rank]["message"]
