@@ -91,3 +91,31 @@ def fault_in_profiling(mode: str, timeout: float) -> dict[str, Any]:
                         "peer": getattr(e, "peer", None)})
         raise
     return {"rank": rank, "error": f"plan returned although {mode}"}
+
+
+def die_mid_chain(timeout: float) -> dict[str, Any]:
+    """4 pipeline ranks over a chain of layers (1f1b, a stage each: every rank
+    talks to its neighbours only): rank 0 exits (os._exit, code 3) in its
+    stage's first forward. Every other rank records what its step raised (a
+    partial result), then lets it escape so its process exits."""
+    from torch_mpmd.runtime.program_runner import ProgramRunner
+
+    rank = dist.get_rank()
+    if rank == 0:
+        def dying_forward(self: Any, stage: int, mb: int, inputs: Any) -> Any:
+            os._exit(3)
+
+        ProgramRunner.forward = dying_forward
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(8)])
+    x, y = torch.randn(8, 8), torch.randn(8, 8)
+    pipe = mpmd.pipeline(model, loss_fn=F.mse_loss, schedule="1f1b", num_microbatches=4,
+                         split_points=["2", "4", "6"], timeout=timeout)
+    start = time.monotonic()
+    try:
+        pipe.step(x, target=y)
+    except mpmd.PipelineError as e:
+        partial_result({"rank": rank, "raised_after": time.monotonic() - start,
+                        "message": str(e)[:4000], "peer": e.peer})
+        raise
+    return {"rank": rank, "error": "the step returned although rank 0 died"}
