@@ -66,8 +66,12 @@ optimizer over all ranks, with the same shapes; every file it reads must be
 there; every item it reads must match the CRC32 recorded at save, else the
 error names the key and the file; ``.metadata`` must match its sha256 (checked
 before it is read) and every ``extra`` / ``extra_per_rank`` entry its own, else
-the error names the file and the entry. A failed load leaves the module's
-parameters and buffers as they were. The optimizer's param-group options (lr,
+the error names the file and the entry. A load is all or nothing: one that
+fails anywhere (also inside DCP's read, or in a Stateful's load_state_dict)
+leaves the module, the optimizer, the step counter and the Stateful objects
+exactly as they were (load's _Undo). Neither save nor load ever calls the
+optimizer's step() (_no_optimizer_step). Every wait for the other ranks is
+bounded by ``timeout=`` (NOTE [Checkpoint waits] in checkpoint_sync.py). The optimizer's param-group options (lr,
 initial_lr, ...) are stored per parameter and not compared: those both have
 load. The CRC32 covers each item's bytes as written (read back after the save), and
 load reads the bytes of the items it needs once more to verify them before DCP
@@ -81,6 +85,8 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import copy
+import datetime
 import hashlib
 import io
 import json
@@ -94,7 +100,7 @@ import shutil
 import warnings
 import zipfile
 import zlib
-from collections import OrderedDict
+from collections import OrderedDict, defaultdict
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -110,9 +116,13 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, Metadata,
                                                    MetadataIndex, StorageMeta,
                                                    TensorStorageMetadata)
+from torch.distributed.checkpoint import state_dict as dcp_state_dict
 from torch.distributed.checkpoint.state_dict import (StateDictOptions,
                                                      get_optimizer_state_dict,
                                                      set_optimizer_state_dict)
+
+from torch_mpmd.checkpoint_sync import CheckpointError, DCPFailed, Sync, timeout_seconds
+from torch_mpmd.parallel import lockstep
 
 __all__ = ["save", "load", "latest", "RNGState", "CheckpointError"]
 
@@ -126,11 +136,6 @@ _EXTRA_PER_RANK = "extra_per_rank"           # extra_per_rank.<rank>.<name>.<i>
 _SHOWN = 3                                   # keys named per kind in an error's first line
 _DETAIL_LINES = 10                           # problems listed in a load error
 _CHUNK = 1 << 24                             # bytes read at a time for a CRC
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be saved or loaded; the first line says why
-    (the keys, the file, the rank); every rank raises it."""
 
 
 class RNGState:
@@ -160,18 +165,9 @@ def _rank() -> int:
     return dist.get_rank() if _distributed() else 0
 
 
-def _exchange(value: Any) -> list[Any]:
-    """Every rank's ``value``, in rank order (collective when distributed)."""
-    if not _distributed():
-        return [value]
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, value)
-    return out
-
-
 def _raise_agreed(problems: list[str | None], what: str) -> None:
     """Raise on every rank when any rank reported a problem (``problems`` as
-    gathered by ``_exchange``): the first line is the first failing rank's."""
+    gathered by ``Sync.gather``): the first line is the first failing rank's."""
     failed = [(r, p) for r, p in enumerate(problems) if p]
     if not failed:
         return
@@ -232,11 +228,28 @@ def _drop_other_ranks_parameters(module: torch.nn.Module, optimizer: Any) -> Non
 _OPTIM = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
+@contextlib.contextmanager
+def _no_optimizer_step() -> Iterator[None]:
+    """DCP's get/set_optimizer_state_dict first "initialize" an optimizer that
+    has no state yet by calling its step() with zero gradients: an AdamW so
+    treated has step=1 and moments, and later training differs from a run
+    that never saved. A checkpoint must never change the optimizer: this turns
+    that step off for the calls inside (the state stays empty: saved as none;
+    load makes the state the checkpoint holds, see _optimizer_templates)."""
+    real = dcp_state_dict._init_optim_state
+    dcp_state_dict._init_optim_state = lambda optim: None
+    try:
+        yield
+    finally:
+        dcp_state_dict._init_optim_state = real
+
+
 def _state(module: torch.nn.Module, optimizer: Any) -> dict[str, Any]:
     _drop_other_ranks_parameters(module, optimizer)
     state: dict[str, Any] = {"model": module.state_dict()}
     if optimizer is not None:
-        state["optim"] = get_optimizer_state_dict(module, optimizer, options=_OPTIM)
+        with _no_optimizer_step():
+            state["optim"] = get_optimizer_state_dict(module, optimizer, options=_OPTIM)
     state["pipeline"] = {"step": torch.tensor(getattr(module, "step_count", 0))}
     return state
 
@@ -255,6 +268,7 @@ def _crc_ranges(path: str, ranges: list[tuple[int, int]]) -> list[int | None]:
             f.seek(offset)
             crc, left = 0, length
             while left:
+                lockstep.progress("checksumming the checkpoint's data")   # NOTE [Named waits]
                 block = f.read(min(left, _CHUNK))
                 if not block:
                     break
@@ -323,12 +337,15 @@ def _encode(value: Any, where: str, prefix: str, tensors: dict[str, torch.Tensor
                     f"an object with state_dict()/load_state_dict())")
 
 
-def _walk_tensors(value: Any, where: str, found: dict[str, torch.Tensor]) -> None:
+def _walk_tensors(value: Any, where: str, found: dict[str, torch.Tensor], depth: int = 0) -> None:
     """Empty tensors for the tensor references in an encoded value (DCP loads
-    into them); raises ValueError on a malformed reference."""
+    into them); raises ValueError on a malformed reference or a value nested
+    deeper than a checkpoint's plain values may be."""
+    if depth > _MAX_PLAIN_DEPTH:
+        raise ValueError(f"{where} is nested more than {_MAX_PLAIN_DEPTH} levels deep: refused")
     if isinstance(value, list):
         for i, v in enumerate(value):
-            _walk_tensors(v, f"{where}[{i}]", found)
+            _walk_tensors(v, f"{where}[{i}]" if depth < 8 else where, found, depth + 1)
     elif isinstance(value, dict):
         if "__tensor__" in value:
             dtype = getattr(torch, str(value.get("dtype")), None)
@@ -340,7 +357,7 @@ def _walk_tensors(value: Any, where: str, found: dict[str, torch.Tensor]) -> Non
             found[value["__tensor__"]] = torch.empty(shape, dtype=dtype)
         else:
             for k, v in value.items():
-                _walk_tensors(v, f"{where}[{k!r}]", found)
+                _walk_tensors(v, f"{where}[{k!r}]" if depth < 8 else where, found, depth + 1)
 
 
 def _decode(value: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
@@ -472,34 +489,89 @@ def _unpickle(data: bytes, names: Mapping[tuple[str, str], Any], where: str) -> 
 
 
 _SCALARS = (type(None), bool, int, float, complex, str, bytes)
+_CONTAINERS = (tuple, list, set, frozenset, dict, OrderedDict)
+# Plain values in a checkpoint are param-group options and what a module's
+# state holds besides tensors: a few levels and values. A pickle's shared
+# references make a 1 KB file a list nested 40 levels whose expansion has
+# 2^40 values; deepcopy, == and repr of it (optimizer.load_state_dict compares
+# and copies options) would never end: refused past these.
+_MAX_PLAIN_DEPTH = 100
+_MAX_PLAIN_VALUES = 1_000_000
 
 
-def _is_plain(value: Any) -> bool:
-    """Whether ``value`` is a plain value (exact types, not subclasses)."""
-    kind = type(value)
-    if kind in _SCALARS:
-        return True
-    if kind in (tuple, list, set, frozenset):
-        return all(_is_plain(v) for v in value)
-    if kind in (dict, OrderedDict):
-        return all(_is_plain(k) and _is_plain(v) for k, v in value.items())
-    return False
+def _children(value: Any) -> Iterator[Any]:
+    if type(value) in (dict, OrderedDict):
+        for k, v in value.items():
+            yield k
+            yield v
+    else:
+        yield from value
+
+
+def _plain_problem(value: Any) -> str | None:
+    """None when ``value`` is a plain value (exact types, not subclasses),
+    else what is wrong: a type that is not plain, nesting deeper than
+    _MAX_PLAIN_DEPTH, more than _MAX_PLAIN_VALUES values once shared
+    references are expanded, a container holding itself. Linear in the
+    number of distinct containers and their entries (each shared one walked
+    once, its expanded size and depth computed once: a memo by id), without
+    recursion."""
+    done: dict[int, tuple[int, int] | None] = {}   # id -> (values, depth); None: being walked
+    stack: list[tuple[Any, bool]] = [(value, False)]
+    while stack:
+        obj, walked = stack.pop()
+        kind = type(obj)
+        if kind in _SCALARS:
+            continue
+        if kind not in _CONTAINERS:
+            return f"a {kind.__module__}.{kind.__qualname__}"
+        if walked:
+            size, depth = 1, 1
+            for c in _children(obj):
+                cs, cd = (1, 0) if type(c) in _SCALARS else done[id(c)]  # type: ignore[misc]
+                size, depth = size + cs, max(depth, cd + 1)
+            if depth > _MAX_PLAIN_DEPTH:
+                return f"a value nested more than {_MAX_PLAIN_DEPTH} levels deep"
+            if size > _MAX_PLAIN_VALUES:
+                return (f"a value of more than {_MAX_PLAIN_VALUES:,} entries once its shared "
+                        f"references are expanded")
+            done[id(obj)] = (size, depth)
+            continue
+        if id(obj) in done:
+            if done[id(obj)] is None:   # an ancestor: only a walk down from it gets here
+                return f"a {kind.__name__} that contains itself"
+            continue
+        done[id(obj)] = None
+        stack.append((obj, True))
+        stack.extend((c, False) for c in _children(obj))
+    return None
 
 
 def _not_plain(state: Mapping[str, Any], prefix: str = "") -> list[str]:
     """The values of a state dict that DCP would pickle (neither tensors nor
-    mappings or lists it walks into) and that are not plain: "key (type)"."""
+    mappings or lists it walks into) and that are not plain: "key (what)"."""
     out: list[str] = []
-    for key, value in state.items():
-        at = f"{prefix}{key}"
+    # Depth first in the state's order, with a stack of iterators, not
+    # recursion: a deep state is an error naming its key, not a RecursionError.
+    stack: list[tuple[str, Iterator[tuple[Any, Any]]]] = [(prefix, iter(state.items()))]
+    while stack:
+        at_prefix, entries = stack[-1]
+        entry = next(entries, None)
+        if entry is None:
+            stack.pop()
+            continue
+        key, value = entry
+        at = f"{at_prefix}{key}"
         if isinstance(value, torch.Tensor):
             continue
         if isinstance(value, Mapping):
-            out += _not_plain(value, f"{at}.")
+            stack.append((f"{at}.", iter(value.items())))
         elif isinstance(value, list):
-            out += _not_plain({str(i): v for i, v in enumerate(value)}, f"{at}.")
-        elif not _is_plain(value):
-            out.append(f"{at} ({type(value).__module__}.{type(value).__qualname__})")
+            stack.append((f"{at}.", iter(enumerate(value))))
+        else:
+            problem = _plain_problem(value)
+            if problem is not None:
+                out.append(f"{at} ({problem})")
     return out
 
 
@@ -517,8 +589,9 @@ def _read_plain_item(blob: bytes, where: str) -> Any:
     except (zipfile.BadZipFile, ValueError, OSError) as e:
         raise ValueError(f"{where} is not a value saved by torch.save: {e}") from None
     value = _unpickle(data, _PLAIN_NAMES, where)
-    if not _is_plain(value):
-        raise ValueError(f"{where} holds a {type(value).__name__}, not a plain value")
+    problem = _plain_problem(value)
+    if problem is not None:
+        raise ValueError(f"{where} holds {problem}, not a plain value: refused")
     return value
 
 
@@ -718,7 +791,8 @@ def _refuse_not_plain(state: Mapping[str, Any]) -> None:
 def save(module: torch.nn.Module, optimizer: Any, path: str | os.PathLike, *,
          extra: Mapping[str, Any] | None = None,
          extra_per_rank: Mapping[str, Any] | None = None,
-         keep_last: int | None = None) -> str:
+         keep_last: int | None = None,
+         timeout: float | datetime.timedelta | None = None) -> str:
     """Save ``module`` (a Pipeline, or any module), ``optimizer`` (or None) and
     the user's state under ``path``; returns the new checkpoint's directory.
 
@@ -729,12 +803,23 @@ def save(module: torch.nn.Module, optimizer: Any, path: str | os.PathLike, *,
     the current one; the directories of earlier saves that died part-way go
     in any case. Raises CheckpointError (on every rank) for a value that
     cannot be saved (in ``extra``, or a non-tensor value of the module's or
-    optimizer's state that is not plain); a rank that dies part-way leaves
-    ``latest`` as it was, and the others raise CheckpointError.
+    optimizer's state that is not plain); a rank that dies or stalls part-way
+    leaves ``latest`` as it was, and the others raise CheckpointError naming
+    it. ``timeout`` (seconds or timedelta; default: the Pipeline's
+    ``timeout``) bounds every wait for the other ranks (NOTE [Checkpoint
+    waits] in checkpoint_sync.py). Never changes the optimizer (an optimizer
+    that has not stepped yet is saved without state).
     """
     if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
         raise ValueError(f"keep_last={keep_last!r} must be a positive int or None")
     root = os.fspath(path)
+    with Sync(timeout_seconds(module, timeout), f"saving a checkpoint under {root!r}") as sync:
+        return _save(sync, module, optimizer, root, extra, extra_per_rank, keep_last)
+
+
+def _save(sync: Sync, module: torch.nn.Module, optimizer: Any, root: str,
+          extra: Mapping[str, Any] | None, extra_per_rank: Mapping[str, Any] | None,
+          keep_last: int | None) -> str:
     rank = _rank()
     step = int(getattr(module, "step_count", 0))
     world = dist.get_world_size() if _distributed() else 1
@@ -762,7 +847,7 @@ def save(module: torch.nn.Module, optimizer: Any, path: str | os.PathLike, *,
         problem = str(e)
     except Exception as e:  # reported, not raised: the other ranks must hear of it
         problem = f"{type(e).__name__}: {e}"
-    agreed = _exchange((problem, name))
+    agreed = sync.gather([problem, name], "the check of every rank's state")
     _raise_agreed([p for p, _ in agreed], f"saving a checkpoint under {root!r}")
     target = os.path.join(root, agreed[0][1])
 
@@ -770,22 +855,24 @@ def save(module: torch.nn.Module, optimizer: Any, path: str | os.PathLike, *,
     planner = _RecordingSavePlanner()
     try:
         with _quiet():
-            metadata = dcp.save(state, checkpoint_id=target, planner=planner,
-                                no_dist=not _distributed())
+            metadata = sync.run_dcp(
+                lambda group: dcp.save(state, checkpoint_id=target, planner=planner,
+                                       process_group=group, no_dist=group is None),
+                "DCP's save")
     except CheckpointException as e:
         raise _dcp_error("saving", target, e) from e
-    except RuntimeError as e:   # a collective of DCP's failed: a rank left the save
-        head = str(e).partition("\n")[0]
-        raise CheckpointError(f"saving {target} failed on rank {rank}: {type(e).__name__}: "
-                              f"{head} (a rank died during the save? {_LATEST!r} still names "
-                              f"the previous checkpoint; the next save removes {target})") from e
+    except DCPFailed as e:   # a collective of DCP's failed: a rank left the save
+        cause = e.__cause__
+        head = str(cause).strip().partition("\n")[0]
+        raise CheckpointError(f"saving {target} failed on rank {rank}: {type(cause).__name__}: "
+                              f"{head}; {e.args[0]} ({_LATEST!r} still names the previous "
+                              f"checkpoint; the next save removes {target})") from cause
     manifest["items"] = _checksums(target, metadata, planner.items)
     if rank == 0:   # DCP's coordinator wrote .metadata before dcp.save returned
         manifest["sha256"][".metadata"] = _sha256_file(os.path.join(target, ".metadata"))
     _write_json(os.path.join(target, f"rank_{rank}.json"), manifest)
     _fsync_dir(target)
-    if _distributed():
-        dist.barrier()
+    sync.barrier("every rank's manifest written")
     if rank == 0:
         tmp = os.path.join(root, f".{_LATEST}.tmp")
         with open(tmp, "w", encoding="utf-8") as f:
@@ -796,8 +883,7 @@ def save(module: torch.nn.Module, optimizer: Any, path: str | os.PathLike, *,
         _fsync_dir(root)
         if keep_last is not None:
             _prune(root, os.path.basename(target), keep_last)
-    if _distributed():
-        dist.barrier()
+    sync.barrier(f"{_LATEST!r} updated")
     return target
 
 
@@ -886,8 +972,9 @@ def _read_manifests(target: str) -> dict[int, dict[str, Any]]:
         except FileNotFoundError:
             raise _NoManifest(f"{file} is missing (a checksum manifest; every completed "
                               f"save writes one per rank)") from None
-        except (OSError, ValueError) as e:
-            raise ValueError(f"{file} is not a readable manifest: {e}") from None
+        except (OSError, ValueError, RecursionError) as e:
+            raise ValueError(f"{file} is not a readable manifest: {type(e).__name__}: "
+                             f"{e}") from None
         if isinstance(m, dict) and m.get("format") == _FORMAT and m.get("version") != _VERSION:
             raise ValueError(f"{file} is a manifest of version {m.get('version')!r}; this "
                              f"torch_mpmd reads version {_VERSION} (version 1 recorded no "
@@ -903,7 +990,11 @@ def _read_manifests(target: str) -> dict[int, dict[str, Any]]:
                            for kind in ("extra", "extra_per_rank"))
                 or not _well_formed_digests(m, rank)):
             raise ValueError(f"{file} is not a manifest of rank {rank} ({_FORMAT})")
-        _check_digests(file, m)
+        try:
+            _check_digests(file, m)
+        except RecursionError:
+            raise ValueError(f"{file}: an extra entry is nested too deep to check: "
+                             f"refused") from None
         if world is None:
             world = m["world_size"]
         manifests[rank] = m
@@ -1008,10 +1099,82 @@ def _raise_key_issues(reports: list[dict[str, Any]], metadata: Metadata | None,
         raise CheckpointError(f"{what}: " + "; ".join(issues) + hint)
 
 
+class _Undo:
+    """What a load changes, kept to put back when the load fails, so that a
+    failed load leaves everything exactly as it was: the optimizer's state
+    and param groups (the objects: load gives the optimizer new ones and
+    never writes into these), the step counter, the module's parameters,
+    buffers and extra state (:meth:`keep_module`: a copy on the host, taken
+    just before DCP reads into them: memory for one more copy of this rank's
+    module state while load runs, never on the device) and each Stateful's
+    ``state_dict()`` (:meth:`keep_stateful`: a deep copy, before the first
+    is restored)."""
+
+    def __init__(self, module: torch.nn.Module, optimizer: Any) -> None:
+        self.module, self.optimizer = module, optimizer
+        self.step_count = getattr(module, "step_count", None)
+        self.model: dict[str, Any] | None = None
+        self.stateful: list[tuple[Any, Any]] = []
+        if optimizer is not None:
+            self.optim_state = optimizer.state
+            self.groups = optimizer.param_groups
+            self.group_items = [dict(g) for g in self.groups]
+
+    def keep_module(self) -> None:
+        self.model = {k: v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor)
+                      else copy.deepcopy(v) for k, v in self.module.state_dict().items()}
+
+    def keep_stateful(self, objs: list[Any]) -> None:
+        self.stateful = [(obj, copy.deepcopy(obj.state_dict())) for obj in objs]
+
+    def restore(self) -> None:
+        if self.optimizer is not None:
+            self.optimizer.state = self.optim_state
+            self.optimizer.param_groups = self.groups
+            for group, items in zip(self.groups, self.group_items):
+                group.clear()
+                group.update(items)
+        if self.model is not None:
+            self.module.load_state_dict(self.model)
+        if self.step_count is not None:
+            self.module.step_count = self.step_count
+        for obj, saved in self.stateful:
+            obj.load_state_dict(saved)
+
+
+def _optimizer_templates(module: torch.nn.Module, optimizer: Any, metadata: Metadata) -> None:
+    """Give ``optimizer`` a new state that holds, for each of its parameters
+    whose state the checkpoint holds, empty tensors of the saved shapes and
+    dtypes (None for a non-tensor entry) under the saved names, for DCP to
+    read into; the others get no state, as ``optimizer.load_state_dict`` of
+    the saved state leaves them. (DCP would instead make state by calling
+    the optimizer's step(): _no_optimizer_step.) The state replaced is the
+    _Undo's, untouched."""
+    held = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    params = {next(iter(dcp_state_dict._get_fqns(module, name))): p
+              for name, p in module.named_parameters() if id(p) in held}
+    state: defaultdict[Any, dict[str, Any]] = defaultdict(dict)
+    for key, md in metadata.state_dict_metadata.items():
+        if not key.startswith("optim.state."):
+            continue
+        path = key[len("optim.state."):].split(".")   # fqn, then the entry's (nested) name
+        for cut in range(len(path) - 1, 0, -1):
+            p = params.get(".".join(path[:cut]))
+            if p is not None:
+                entry = state[p]
+                for part in path[cut:-1]:
+                    entry = entry.setdefault(part, {})
+                entry[path[-1]] = (torch.empty(tuple(md.size), dtype=md.properties.dtype)
+                                   if isinstance(md, TensorStorageMetadata) else None)
+                break
+    optimizer.state = state
+
+
 def load(module: torch.nn.Module, optimizer: Any, path: str | os.PathLike, *,
          extra: Mapping[str, Any] | None = None,
          extra_per_rank: Mapping[str, Any] | None = None,
-         strict: bool = True) -> dict[str, Any]:
+         strict: bool = True,
+         timeout: float | datetime.timedelta | None = None) -> dict[str, Any]:
     """Load the latest checkpoint under ``path`` into ``module`` (a Pipeline of
     any size, or the unsplit module), ``optimizer`` (or None) and the Stateful
     objects of ``extra`` / ``extra_per_rank`` (restored in place through
@@ -1021,21 +1184,47 @@ def load(module: torch.nn.Module, optimizer: Any, path: str | os.PathLike, *,
     at save, "extra": {name: value} for every plain (non-Stateful) value of
     the saved ``extra``, "extra_per_rank": the same for this rank's}``.
 
+    All or nothing: a load that fails, at any point (a check below, an item
+    DCP refuses, a peer that dies, a Stateful's ``load_state_dict`` that
+    raises), leaves the module's parameters, buffers and extra state, the
+    optimizer's state and param groups, the step counter and every Stateful
+    exactly as they were. The optimizer's state becomes the checkpoint's (a
+    parameter it holds no state for has none, as an optimizer before its
+    first step), made without calling the optimizer's step().
+
     Raises CheckpointError on every rank, before anything is loaded, when a
     file is missing, an item's bytes do not match the CRC32 recorded at save
     (naming the key and the file), ``.metadata`` or an extra entry does not
     match its sha256, ``.metadata`` or a non-tensor item refers to anything a
-    checkpoint never holds (refused unread: loading runs no code), or with
+    checkpoint never holds (refused unread: loading runs no code) or is not
+    a plain value (nested too deep or too large once expanded), or with
     ``strict`` (the default) when the checkpoint's model/optimizer keys or
     shapes differ from the module's and optimizer's over all ranks.
     ``strict=False`` loads the keys both have (checksums are still verified
     where recorded; a checkpoint without manifests, e.g. one saved by DCP
     alone, loads unverified, but its pickles are still read as above).
+    ``timeout`` (seconds or timedelta; default: the Pipeline's ``timeout``)
+    bounds every wait for the other ranks: a rank that stalls or dies makes
+    the others raise CheckpointError naming it (NOTE [Checkpoint waits] in
+    checkpoint_sync.py).
     """
     target = latest(path)
+    what = f"loading checkpoint {target}"
+    with Sync(timeout_seconds(module, timeout), what) as sync:
+        undo = _Undo(module, optimizer)
+        try:
+            return _load(sync, undo, module, optimizer, target, extra, extra_per_rank, strict)
+        except BaseException:
+            undo.restore()
+            raise
+
+
+def _load(sync: Sync, undo: _Undo, module: torch.nn.Module, optimizer: Any, target: str,
+          extra: Mapping[str, Any] | None, extra_per_rank: Mapping[str, Any] | None,
+          strict: bool) -> dict[str, Any]:
     rank = _rank()
     what = f"loading checkpoint {target}"
-    state = _state(module, optimizer)
+    state: dict[str, Any] = {}
     # What this rank tells the others before anything is read: a problem (a
     # missing manifest, file or key, a bad checksum), its keys (for the keys
     # no rank wants), and its missing and shape-mismatched keys.
@@ -1044,6 +1233,7 @@ def load(module: torch.nn.Module, optimizer: Any, path: str | os.PathLike, *,
     extra_tensors: dict[str, torch.Tensor] = {}
     restore: list[tuple[Any, Any]] = []   # (Stateful, its encoded state_dict)
     plain: dict[str, dict[str, Any]] = {"extra": {}, "extra_per_rank": {}}
+    has_optim = False
     try:
         manifests: dict[int, dict[str, Any]] | None = None
         try:
@@ -1052,6 +1242,19 @@ def load(module: torch.nn.Module, optimizer: Any, path: str | os.PathLike, *,
             if strict or extra or extra_per_rank:
                 raise
         metadata = _read_metadata(target, manifests)
+        has_optim = optimizer is not None and any(
+            k.startswith("optim.") for k in metadata.state_dict_metadata)
+        if optimizer is not None and strict and not has_optim:
+            raise ValueError("the checkpoint holds no optimizer state (saved with "
+                             "optimizer=None): pass optimizer=None to load the rest, or "
+                             "strict=False to keep the optimizer as it is")
+        _drop_other_ranks_parameters(module, optimizer)
+        if has_optim:
+            _optimizer_templates(module, optimizer, metadata)
+        state = _state(module, optimizer if has_optim else None)
+        manifest_of = {"extra": os.path.join(os.path.basename(target), "rank_0.json"),
+                       "extra_per_rank": os.path.join(os.path.basename(target),
+                                                      f"rank_{rank}.json")}
         for kind, asked, saved in (
                 ("extra", extra, (manifests or {}).get(0, {}).get("extra", {})),
                 ("extra_per_rank", extra_per_rank,
@@ -1066,11 +1269,13 @@ def load(module: torch.nn.Module, optimizer: Any, path: str | os.PathLike, *,
                     whose = "" if kind == "extra" else f" of rank {rank}"
                     raise KeyError(f"{kind}[{name!r}]: the checkpoint holds no state{whose} "
                                    f"under that name (it holds {held})")
-                _walk_tensors(saved[name]["state_dict"], f"{kind}[{name!r}]", extra_tensors)
+                _walk_tensors(saved[name]["state_dict"], f"{kind}[{name!r}] of {manifest_of[kind]}",
+                              extra_tensors)
                 restore.append((obj, saved[name]["state_dict"]))
             for name, entry in saved.items():
                 if "value" in entry:
-                    _walk_tensors(entry["value"], f"{kind}[{name!r}]", extra_tensors)
+                    _walk_tensors(entry["value"], f"{kind}[{name!r}] of {manifest_of[kind]}",
+                                  extra_tensors)
                     plain[kind][name] = entry["value"]
         state.update(extra_tensors)
         planner = DefaultLoadPlanner()
@@ -1098,26 +1303,35 @@ def load(module: torch.nn.Module, optimizer: Any, path: str | os.PathLike, *,
         report["problem"] = e.args[0] if isinstance(e, KeyError) else str(e)
     except Exception as e:  # reported, not raised: the other ranks must hear of it
         report["problem"] = f"{type(e).__name__}: {e}"
-    reports = _exchange(report)
+    reports = sync.gather(report, "the checks of every rank's part of the checkpoint")
     _raise_key_issues(reports, metadata, strict, what)
     _raise_agreed([r["problem"] for r in reports], what)
     assert metadata is not None
+    undo.keep_module()
     try:
         with _quiet():
             # Partial: the checks above decided which differences are errors.
-            dcp.load(state, checkpoint_id=target,
-                     storage_reader=_VerifiedReader(target, metadata),
-                     planner=_PlainLoadPlanner(allow_partial_load=True),
-                     no_dist=not _distributed())
+            sync.run_dcp(lambda group: dcp.load(
+                state, checkpoint_id=target, storage_reader=_VerifiedReader(target, metadata),
+                planner=_PlainLoadPlanner(allow_partial_load=True), process_group=group,
+                no_dist=group is None), "DCP's load")
     except CheckpointException as e:
         raise _dcp_error("loading", target, e) from e
-    module.load_state_dict(state["model"])
-    if optimizer is not None:
-        set_optimizer_state_dict(module, optimizer, state["optim"], options=_OPTIM)
-    if hasattr(module, "step_count"):
-        module.step_count = int(state["pipeline"]["step"])
+    except DCPFailed as e:
+        cause = e.__cause__
+        head = str(cause).strip().partition("\n")[0]
+        raise CheckpointError(f"loading {target} failed on rank {rank}: "
+                              f"{type(cause).__name__}: {head}; {e.args[0]} (the module, "
+                              f"optimizer and extra state are as they were)") from cause
+    if has_optim:
+        with _no_optimizer_step():
+            set_optimizer_state_dict(module, optimizer, state["optim"], options=_OPTIM)
+    undo.keep_stateful([obj for obj, _ in restore])
     for obj, encoded in restore:
         obj.load_state_dict(_decode(encoded, extra_tensors))
+    module.load_state_dict(state["model"])
+    if hasattr(module, "step_count"):
+        module.step_count = int(state["pipeline"]["step"])
     return {"directory": target, "step": int(state["pipeline"]["step"]),
             "extra": {n: _decode(v, extra_tensors) for n, v in plain["extra"].items()},
             "extra_per_rank": {n: _decode(v, extra_tensors)
