@@ -497,6 +497,7 @@ _CONTAINERS = (tuple, list, set, frozenset, dict, OrderedDict)
 # and copies options) would never end: refused past these.
 _MAX_PLAIN_DEPTH = 100
 _MAX_PLAIN_VALUES = 1_000_000
+_SHOWN_DEPTH = 8
 
 
 def _children(value: Any) -> Iterator[Any]:
@@ -553,6 +554,8 @@ def _not_plain(state: Mapping[str, Any], prefix: str = "") -> list[str]:
     out: list[str] = []
     # Depth first in the state's order, with a stack of iterators, not
     # recursion: a deep state is an error naming its key, not a RecursionError.
+    # Keys past _SHOWN_DEPTH levels are not spelled out (a deep value's name
+    # would be thousands of ".0").
     stack: list[tuple[str, Iterator[tuple[Any, Any]]]] = [(prefix, iter(state.items()))]
     while stack:
         at_prefix, entries = stack[-1]
@@ -561,10 +564,12 @@ def _not_plain(state: Mapping[str, Any], prefix: str = "") -> list[str]:
             stack.pop()
             continue
         key, value = entry
-        at = f"{at_prefix}{key}"
+        at = f"{at_prefix}{key}" if len(stack) <= _SHOWN_DEPTH else at_prefix.rstrip(".")
         if isinstance(value, torch.Tensor):
             continue
-        if isinstance(value, Mapping):
+        if isinstance(value, (Mapping, list)) and len(stack) > _MAX_PLAIN_DEPTH:
+            out.append(f"{at}... (a value nested more than {_MAX_PLAIN_DEPTH} levels deep)")
+        elif isinstance(value, Mapping):
             stack.append((f"{at}.", iter(value.items())))
         elif isinstance(value, list):
             stack.append((f"{at}.", iter(enumerate(value))))
