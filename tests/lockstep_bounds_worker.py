@@ -119,3 +119,32 @@ def die_mid_chain(timeout: float) -> dict[str, Any]:
                         "message": str(e)[:4000], "peer": e.peer})
         raise
     return {"rank": rank, "error": "the step returned although rank 0 died"}
+
+
+def stall_in_meta_init(timeout: float) -> dict[str, Any]:
+    """A tied GPT built on the meta device, 2 pipeline ranks: rank 1's init_fn
+    stalls, so rank 0 waits at the broadcast of the tied parameters; it
+    records what its first step raised (a partial result) and lets it escape."""
+    import models
+
+    rank = dist.get_rank()
+
+    def init_fn(module: torch.nn.Module) -> None:
+        if rank == 1:
+            time.sleep(300)
+
+    with torch.device("meta"):
+        model = models.CharGPT(vocab=32, d=16, n_layer=4, n_head=2, block_size=8)
+    pipe = mpmd.pipeline(model, loss_fn=lambda o, t: F.cross_entropy(o.flatten(0, 1),
+                                                                     t.flatten()),
+                         num_microbatches=2, split_points=["blocks.2"], init_fn=init_fn,
+                         timeout=timeout)
+    ids = torch.randint(0, 32, (8, 8))
+    start = time.monotonic()
+    try:
+        pipe.step(ids, target=ids)
+    except mpmd.PipelineError as e:
+        partial_result({"rank": rank, "raised_after": time.monotonic() - start,
+                        "message": str(e)[:3000], "peer": e.peer})
+        raise
+    return {"rank": rank, "error": "the step returned although rank 1 stalled"}

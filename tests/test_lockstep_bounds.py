@@ -1,7 +1,8 @@
 """The lockstep's bounds (issue 34): ranks of one pipeline given different
 microbatch contents raise naming the value (NOTE [Microbatch contents] in
 runtime/rank.py); a rank that stalls or dies in mpmd.plan's profiling is
-named within the timeout (NOTE [Named waits] in parallel/lockstep.py); with 4
+named within the timeout, and so is one that stalls materializing a meta
+model (NOTE [Named waits] in parallel/lockstep.py); with 4
 ranks and rank 0 (the store's host) killed mid-step, every survivor names
 rank 0."""
 
@@ -121,6 +122,18 @@ def test_rank_zero_stalling_while_it_measures_is_named_by_the_rank_waiting_for_i
                      r"ago: ", got["message"]), got["message"]
     assert got["raised_after"] < PLAN_TIMEOUT + 60, got  # not the group's 120 s
     assert got["peer"] == 0, got
+
+
+def test_a_rank_stalling_in_meta_init_is_named_by_the_rank_waiting_for_the_tied_weights():
+    # Before: the broadcast's own timeout, naming no rank.
+    run = run_ranks(2, "lockstep_bounds_worker:stall_in_meta_init", PLAN_TIMEOUT, timeout=150,
+                    pg_timeout=120, failure_grace=20, check=False)
+    got = run.results[0]
+    assert got is not None and "raised_after" in got, run.describe([0])
+    assert re.search(r"^rank 0: materializing the meta model: waiting for the other ranks at "
+                     r"the broadcast of the materialized tied parameters .*timed out.*rank 1 "
+                     r"never arrived", got["message"]), got["message"]
+    assert got["peer"] == 1, got
 
 
 # ------------------------------------------------------------------ who died
