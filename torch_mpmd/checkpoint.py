@@ -1139,12 +1139,17 @@ class _Undo:
             for group, items in zip(self.groups, self.group_items):
                 group.clear()
                 group.update(items)
-        if self.model is not None:
-            self.module.load_state_dict(self.model)
         if self.step_count is not None:
             self.module.step_count = self.step_count
-        for obj, saved in self.stateful:
-            obj.load_state_dict(saved)
+        # The module's and each Stateful's own load_state_dict put them back:
+        # one that raises now does not keep the others from theirs.
+        undo = [(self.module, self.model)] if self.model is not None else []
+        for obj, saved in undo + self.stateful:
+            try:
+                obj.load_state_dict(saved)
+            except Exception as e:  # noqa: BLE001  (the load's own error is the one raised)
+                warnings.warn(f"checkpoint.load failed, and putting back the state of a "
+                              f"{type(obj).__name__} failed too: {type(e).__name__}: {e}")
 
 
 def _optimizer_templates(module: torch.nn.Module, optimizer: Any, metadata: Metadata) -> None:
