@@ -92,15 +92,16 @@ def test_the_content_digest_counts_non_tensor_values_and_reads_bytes_exactly():
 PLAN_TIMEOUT = 5.0
 
 
-def _profile_fault(mode):
+def _profile_fault(mode, grace):
+    """``grace``: seconds the other rank gets once one exited non-zero."""
     return run_ranks(2, "lockstep_bounds_worker:fault_in_profiling", mode, PLAN_TIMEOUT,
-                     timeout=150, pg_timeout=120, failure_grace=40, check=False)
+                     timeout=150, pg_timeout=120, failure_grace=grace, check=False)
 
 
 def test_a_rank_dying_before_profiling_is_named_within_the_timeout():
     # Before: rank 0 waited in broadcast_object_list for the process group's
     # timeout (here 120 s), then raised gloo's own error.
-    run = _profile_fault("rank1_dies")
+    run = _profile_fault("rank1_dies", grace=60)
     assert run.returncodes[1] == 3, run.describe([1])
     got = run.results[0]
     assert got is not None and "raised_after" in got, run.describe([0])
@@ -112,7 +113,7 @@ def test_a_rank_dying_before_profiling_is_named_within_the_timeout():
 
 
 def test_rank_zero_stalling_while_it_measures_is_named_by_the_rank_waiting_for_its_sheet():
-    run = _profile_fault("rank0_stalls")
+    run = _profile_fault("rank0_stalls", grace=3)
     assert run.results[0] is not None and "stalled_at" in run.results[0], run.describe([0])
     got = run.results[1]
     assert got is not None and "raised_after" in got, run.describe([1])
@@ -127,7 +128,7 @@ def test_rank_zero_stalling_while_it_measures_is_named_by_the_rank_waiting_for_i
 def test_a_rank_stalling_in_meta_init_is_named_by_the_rank_waiting_for_the_tied_weights():
     # Before: the broadcast's own timeout, naming no rank.
     run = run_ranks(2, "lockstep_bounds_worker:stall_in_meta_init", PLAN_TIMEOUT, timeout=150,
-                    pg_timeout=120, failure_grace=20, check=False)
+                    pg_timeout=120, failure_grace=3, check=False)
     got = run.results[0]
     assert got is not None and "raised_after" in got, run.describe([0])
     assert re.search(r"^rank 0: materializing the meta model: waiting for the other ranks at "
