@@ -2,9 +2,11 @@
 
 A 2-stage MLP on 2 ranks, AdamW, a StepLR scheduler, and data that depends on a
 position (a list of batches) and on each rank's own RNG (noise drawn every
-step: rank 0's goes into the input, rank 1's into the target), so a resumed
-run matches an uninterrupted one only if the step, scheduler, data position
-and every rank's RNG come back.
+step into the input and the target; the ranks are seeded alike, as every rank
+of a pipeline is given the same batch), so a resumed run matches an
+uninterrupted one only if the step, scheduler, data position and every rank's
+RNG come back (a rank whose RNG did not would be given another batch than its
+peer: a PipelineError).
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ def _train(pipe: Any, opt: Any, sched: Any, data: dict[str, int], n: int) -> dic
     batches = _batches()
     for _ in range(n):
         x, y = batches[data["pos"]]
-        x = x + 0.1 * torch.randn(x.shape)       # this rank's RNG
+        x = x + 0.1 * torch.randn(x.shape)       # this rank's RNG (seeded alike)
         y = y + 0.1 * torch.randn(y.shape)
         out["losses"].append(float(pipe.step(x, target=y)))
         opt.step()
@@ -78,7 +80,7 @@ def _save(pipe: Any, opt: Any, sched: Any, data: dict[str, int], directory: str)
 def train(directory: str) -> dict[str, Any]:
     """The first run: SAVE_AT steps, save, then the rest (the reference)."""
     pipe, opt, sched = _setup(0)
-    torch.manual_seed(100 + dist.get_rank())
+    torch.manual_seed(100)  # alike on every rank: the same batch
     data = {"epoch": 0, "pos": 0}
     _train(pipe, opt, sched, data, SAVE_AT)
     saved_in = _save(pipe, opt, sched, data, directory)
@@ -92,7 +94,7 @@ def second_run_dies_saving(directory: str) -> dict[str, Any]:
     """Another run (other weights) reaches the same step and saves it; rank 1
     dies part-way through writing its data."""
     pipe, opt, sched = _setup(1)
-    torch.manual_seed(200 + dist.get_rank())
+    torch.manual_seed(200)
     data = {"epoch": 0, "pos": 0}
     _train(pipe, opt, sched, data, SAVE_AT)
     if dist.get_rank() == 1:
