@@ -30,9 +30,9 @@ def _outcome(fn: Callable[[], Any]) -> dict[str, Any]:
 def contents(case: dict[str, Any]) -> dict[str, Any]:
     """2 pipeline ranks (1f1b, m=4, batch 8): rank 1 is given a batch whose
     target differs in microbatch 2's rows only, then a microbatch list whose
-    microbatch 1 input differs in one element, then a non-tensor keyword
-    value that differs; then every rank the same batch. Each call's outcome,
-    and the eager loss of the batch."""
+    microbatch 1 input differs in one element; then every rank the same batch. Each call's outcome,
+    the eager loss of the batch and the largest difference of a local
+    gradient from eager's after the last call."""
     rank = dist.get_rank()
     x, y = W.make_batch("skip")
     model = W.build_model("skip")
@@ -53,6 +53,12 @@ def contents(case: dict[str, Any]) -> dict[str, Any]:
     out["list_input"] = _outcome(lambda: pipe.step(microbatches=mbs, targets=targets))
     pipe.zero_grad()
     out["same"] = _outcome(lambda: pipe.step(x, target=y))
+    ref = W.build_model("skip")
+    F.mse_loss(ref(x), y).backward()
+    want = dict(ref.named_parameters())
+    # Every local parameter's gradient against eager (a missing one counts).
+    out["grad_diff"] = max(float((p.grad - want[n].grad).abs().max()) if p.grad is not None
+                           else float("inf") for n, p in pipe.named_parameters())
     return out
 
 
