@@ -210,10 +210,50 @@ def _store() -> Any:
         return None
 
 
+class StoreSilent(TimeoutError):
+    """The job's store did not answer within the bound (its host is stalled)."""
+
+
+_STORE_THREAD: list[Any] = []  # one worker thread for store calls (made on first use)
+_STORE_LIMIT_S = 5.0           # a diagnostic read's bound
+
+
+class _Bounded:
+    """The job's store, each call bounded by ``limit_s``: a store whose host
+    process is stopped (SIGSTOP) never answers, and the store's own timeout
+    does not bound a read from it; the call then raises StoreSilent (its
+    thread stays blocked: the process is about to fail anyway)."""
+
+    def __init__(self, store: Any, limit_s: float) -> None:
+        self._store, self._limit = store, limit_s
+
+    def __getattr__(self, name: str) -> Callable[..., Any]:
+        from concurrent.futures import ThreadPoolExecutor, TimeoutError as Late
+
+        method = getattr(self._store, name)
+
+        def call(*args: Any) -> Any:
+            if not _STORE_THREAD:
+                _STORE_THREAD.append(ThreadPoolExecutor(1, thread_name_prefix="mpmd-store"))
+            future = _STORE_THREAD[0].submit(method, *args)
+            try:
+                return future.result(timeout=self._limit)
+            except Late:
+                _STORE_THREAD.clear()  # the next call gets a thread of its own
+                raise StoreSilent(f"the job's store did not answer within {self._limit:g} s")
+
+        return call
+
+
+def _bounded_store(limit_s: float = _STORE_LIMIT_S) -> Any:
+    store = _store()
+    return None if store is None else _Bounded(store, limit_s)
+
+
 def record_dead(peer: int, found_by: int) -> None:
     """Record global rank ``peer`` as dead, found by global rank ``found_by``
     (NOTE [Who died first]); the first record of a peer stays."""
-    store = _store()
+    store = _bounded_store()
     if store is None:
         return
     try:
@@ -228,7 +268,7 @@ def first_death(ranks: Iterable[int]) -> str | None:
     """The earliest recorded death among global ``ranks``, as a sentence
     ("rank 1 died first: rank 2 found its connection closed at 12:00:01.250"),
     or None when none is recorded."""
-    store = _store()
+    store = _bounded_store()
     if store is None:
         return None
     found: list[tuple[float, int, int]] = []
@@ -264,6 +304,9 @@ def _store_host_rank() -> int | None:
 def store_gone(error: BaseException) -> str:
     """What an unreachable store says about the job: NOTE [Who died first]."""
     host = _store_host_rank()
+    if isinstance(error, StoreSilent):
+        return (f"{error}" + (f" (it lives in rank {host}'s process: rank {host} may be "
+                              "stalled)" if host is not None else ""))
     if host is None:
         return f"the job's store cannot be reached ({_first_line(str(error), 200)})"
     return (f"rank {host} is gone: the job's store, which lives in rank {host}'s process, "
@@ -324,7 +367,7 @@ class Collectives:
         _ACTIVE.remove(self)
 
     def _record(self, what: str) -> None:
-        store = _store()
+        store = _bounded_store(self.timeout_s)
         if store is not None:
             try:
                 store.set(f"{self.tag}/rank{self.me}", f"{self.seq} {time.time():.3f} {what}")
@@ -349,7 +392,7 @@ class Collectives:
     def missing(self) -> tuple[str, int]:
         """The ranks that have not arrived at this rank's collective, with
         their last record, and the first of them (-1: none known)."""
-        store = _store()
+        store = _bounded_store()
         if store is None:
             return "", -1
         out, first = [], -1
@@ -369,8 +412,9 @@ class Collectives:
                     out.append(f"rank {r} has not arrived (its last record, {ago:.1f} s ago: "
                                f"{last})")
                 first = r if first == -1 else first
-        except Exception as e:  # noqa: BLE001  (the store's host is gone)
-            return store_gone(e), _store_host_rank() if _store_host_rank() is not None else -1
+        except Exception as e:  # noqa: BLE001  (the store's host is gone or stalled)
+            host = _store_host_rank()
+            return store_gone(e), host if host is not None else -1
         return "; ".join(out), first
 
     def arrive(self, what: str) -> None:
@@ -379,7 +423,7 @@ class Collectives:
         for ``timeout_s`` is a PipelineError naming the missing ranks."""
         self.seq += 1
         self._record(what)
-        store = _store()
+        store = _bounded_store(self.timeout_s)
         if store is None or len(self.ranks) < 2:
             return
         try:
@@ -876,8 +920,9 @@ def announce_exit() -> None:
 def _await_arrivals(ranks: tuple[int, ...], timeout_s: float) -> None:
     # Two store round trips a poll whatever the number of ranks: a counter of
     # arrivals, and the job's count of departures (which ranks left is read
-    # only once that count says some did).
-    store = _store()
+    # only once that count says some did). Each store call is bounded: a
+    # stopped store host would never answer.
+    store = _bounded_store(timeout_s)
     if store is None or len(ranks) < 2:
         return
     gen = _ARRIVALS[ranks] = _ARRIVALS.get(ranks, 0) + 1
