@@ -189,8 +189,13 @@ def abandon(groups: Iterable[Any]) -> None:
 # turn) and would blame it. A rank that finds a peer's connection closed
 # records that peer in the job's store (the rendezvous store every rank
 # shares) with the time; a rank whose wait fails reads the records of the
-# pipeline's ranks and names the earliest. Best effort: a store that is gone
-# (it lived in the dead rank's process) records and tells nothing.
+# pipeline's ranks and names the earliest. A store that cannot be reached
+# tells something too: init_process_group's TCPStore lives in rank 0's
+# process (unless torchrun's agent keeps it), so rank 0's process is gone,
+# and the message names rank 0 (store_gone), though it cannot say whether
+# rank 0 died first or exited after another rank's death; one that does not
+# answer (its host stopped) names rank 0 as possibly stalled. Store calls
+# here are bounded (_Bounded): a stopped host never answers.
 _DEAD_KEY = "torch_mpmd/dead/"
 _PEER_GONE = ("closed by peer", "reset by peer", "broken pipe", "connection refused",
               "connection closed")
