@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from dist_harness import GridRun, run_ranks
+from torch_mpmd.runtime import rank as rank_module
 from torch_mpmd.runtime.rank import _device_digest, microbatch_contents
 
 _GRID = GridRun(2, "lockstep_bounds_worker:grid", [dict(id="contents", kind="contents")],
@@ -80,9 +81,24 @@ def test_the_content_digest_counts_non_tensor_values_and_reads_bytes_exactly():
     assert microbatch_contents([{"x": t.float(), "k": 3}], [{"y": t}])[2][0] != base[2][0]
     # A CPU tensor's digest is BLAKE2b over its bytes (after dtype and shape).
     h = hashlib.blake2b(digest_size=8)
-    h.update(repr(("torch.int64", (6,))).encode())
+    h.update(repr(("torch.int64", (6,), "torch.strided")).encode())
     h.update(t.numpy().tobytes())
     assert int.from_bytes(h.digest(), "little") & (2**63 - 1) == base[2][0] & (2**63 - 1)
+
+
+def test_the_on_device_path_reads_every_tensor_back_once_and_sees_a_change(monkeypatch):
+    # Tensors off the CPU are reduced on their device; run that path on the
+    # CPU (no tensor read in place) and compare with itself and a change.
+    monkeypatch.setattr(rank_module, "_READ_IN_PLACE", ())
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(4, 8, generator=g), torch.randint(0, 9, (4, 3), generator=g)
+    mbs, targets = [{"x": x[:2]}, {"x": x[2:]}], [y[:2], y[2:]]
+    base = microbatch_contents(mbs, targets)
+    assert base == microbatch_contents([{"x": x[:2].clone()}, {"x": x[2:].clone()}], targets)
+    y2 = y.clone()
+    y2[3, 1] += 1
+    other = microbatch_contents(mbs, [y2[:2], y2[2:]])
+    assert [a == b for a, b in zip(base[2], other[2])] == [True, True, True, False]
 
 
 # ------------------------------------------------------------------ bounded planning

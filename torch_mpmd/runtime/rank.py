@@ -180,18 +180,18 @@ def _microbatch_digest(count: int, sizes: Sequence[tuple[int, ...]],
 # default repr holds its address, which differs by process). Measured in
 # BENCHMARKS.md ("The microbatch digest").
 _PLAIN = (int, float, complex, str, bytes, bool, type(None))
+_READ_IN_PLACE = ("cpu",)  # device types whose tensors' bytes BLAKE2b reads itself
 
 
-def _device_digest(flat: torch.Tensor) -> bytes:
+def _device_sums(flat: torch.Tensor) -> torch.Tensor:
     """An exact digest of a 1-D uint8 tensor's bytes, computed on its device:
     the bytes as 32-bit words (sign-extended to int64, so no bit of a word
     reaches a product's top bit alone) times two position-derived odd
     pseudo-random int64 sequences, each summed with int64 wraparound. A
     change of any word changes each sum unless the changes cancel in both
-    (one word: never, an odd multiplier is invertible mod 2**64). Two
-    scalars come back to the host."""
-    n = flat.numel()
-    if n % 4:
+    (one word: never, an odd multiplier is invertible mod 2**64). Returns
+    the two sums (int64, on the device)."""
+    if flat.numel() % 4:
         words = flat.to(torch.int64)
     else:
         words = flat.view(torch.int32).to(torch.int64)
@@ -202,33 +202,40 @@ def _device_digest(flat: torch.Tensor) -> bytes:
         r = i * mult + add
         r = r ^ ((r >> 31) & 0x1FFFFFFFF)  # logical shift: the top bits mix down
         sums.append(((r | 1) * words).sum())
-    return struct.pack("<2q", *torch.stack(sums).tolist())
+    return torch.stack(sums)
 
 
-def value_digest(value: Any, hasher: Any) -> None:
-    """Feed ``value`` (a tensor, a plain value, or a list/tuple/dict tree of
-    them) into ``hasher`` (NOTE [Microbatch contents])."""
+def _device_digest(flat: torch.Tensor) -> bytes:
+    """:func:`_device_sums` as bytes (one transfer to the host)."""
+    return struct.pack("<2q", *_device_sums(flat).tolist())
+
+
+def _value_parts(value: Any, parts: list[Any]) -> None:
+    """What the digest of ``value`` (a tensor, a plain value, or a list,
+    tuple or dict tree of them) reads, in order, into ``parts``: bytes, and
+    for a tensor off the CPU its two device sums, read back later, all of a
+    call's at once (NOTE [Microbatch contents])."""
     if isinstance(value, torch.Tensor):
         t = value.to_local() if hasattr(value, "to_local") else value  # a DTensor's shard
-        hasher.update(repr((str(t.dtype), tuple(t.shape))).encode())
+        parts.append(repr((str(t.dtype), tuple(t.shape), str(t.layout))).encode())
+        if t.layout != torch.strided or t.device.type == "meta":
+            return  # (no bytes to read: sparse layouts, meta tensors count by their shape)
         flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
-        if flat.device.type == "cpu":
-            hasher.update(memoryview(flat.numpy()))
-        elif flat.device.type != "meta":
-            hasher.update(_device_digest(flat))
+        parts.append(memoryview(flat.numpy()) if flat.device.type in _READ_IN_PLACE
+                     else _device_sums(flat))
     elif isinstance(value, (list, tuple)):
-        hasher.update(f"{type(value).__name__}[{len(value)}]".encode())
+        parts.append(f"{type(value).__name__}[{len(value)}]".encode())
         for v in value:
-            value_digest(v, hasher)
+            _value_parts(v, parts)
     elif isinstance(value, dict):
-        hasher.update(f"dict[{len(value)}]".encode())
+        parts.append(f"dict[{len(value)}]".encode())
         for k, v in value.items():
-            hasher.update(repr(k).encode() if isinstance(k, _PLAIN) else b"?")
-            value_digest(v, hasher)
+            parts.append(repr(k).encode() if isinstance(k, _PLAIN) else b"?")
+            _value_parts(v, parts)
     elif isinstance(value, _PLAIN):
-        hasher.update(repr(value).encode())
+        parts.append(repr(value).encode())
     else:
-        hasher.update(type(value).__qualname__.encode())
+        parts.append(type(value).__qualname__.encode())
 
 
 def microbatch_contents(inputs: Sequence[Mapping[str, Any]], targets: Sequence[Any]
@@ -236,18 +243,32 @@ def microbatch_contents(inputs: Sequence[Mapping[str, Any]], targets: Sequence[A
     """(digest of everything, each value's label, each value's digest) for a
     call's microbatches: per microbatch its named inputs, then its target
     (NOTE [Microbatch contents]). The labels name the value in an error."""
-    labels, digests = [], []
-    whole = hashlib.blake2b(digest_size=8)
+    labels, values = [], []
     for mb, named in enumerate(inputs):
         target = targets[mb] if mb < len(targets) else None
         for label, value in [*((f"input {name!r}", v) for name, v in named.items()),
                              ("target", target)]:
-            h = hashlib.blake2b(digest_size=8)
-            value_digest(value, h)
-            d = h.digest()
-            whole.update(d)
+            parts: list[Any] = []
+            _value_parts(value, parts)
             labels.append(f"microbatch {mb}, {label}")
-            digests.append(_int64(int.from_bytes(d, "little")))
+            values.append(parts)
+    # The device sums: one transfer per device for the whole call.
+    on_device: dict[torch.device, list[torch.Tensor]] = {}
+    for parts in values:
+        for p in parts:
+            if isinstance(p, torch.Tensor):
+                on_device.setdefault(p.device, []).append(p)
+    host = {id(t): struct.pack("<2q", *pair)
+            for ts in on_device.values() for t, pair in zip(ts, torch.stack(ts).tolist())}
+    digests = []
+    whole = hashlib.blake2b(digest_size=8)
+    for parts in values:
+        h = hashlib.blake2b(digest_size=8)
+        for p in parts:
+            h.update(host[id(p)] if isinstance(p, torch.Tensor) else p)
+        d = h.digest()
+        whole.update(d)
+        digests.append(_int64(int.from_bytes(d, "little")))
     return _int64(int.from_bytes(whole.digest(), "little")) or 1, labels, digests
 
 
