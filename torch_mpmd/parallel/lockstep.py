@@ -58,6 +58,7 @@ import functools
 import hashlib
 import json
 import os
+import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable, Sequence
@@ -219,33 +220,40 @@ class StoreSilent(TimeoutError):
     """The job's store did not answer within the bound (its host is stalled)."""
 
 
-_STORE_THREAD: list[Any] = []  # one worker thread for store calls (made on first use)
 _STORE_LIMIT_S = 5.0           # a diagnostic read's bound
 
 
 class _Bounded:
     """The job's store, each call bounded by ``limit_s``: a store whose host
     process is stopped (SIGSTOP) never answers, and the store's own timeout
-    does not bound a read from it; the call then raises StoreSilent (its
-    thread stays blocked: the process is about to fail anyway)."""
+    does not bound a read from it; the call then raises StoreSilent. It runs
+    on a daemon thread of its own, which stays blocked (a pool's thread
+    would be joined at exit, which then would wait for the store too)."""
 
     def __init__(self, store: Any, limit_s: float) -> None:
         self._store, self._limit = store, limit_s
 
     def __getattr__(self, name: str) -> Callable[..., Any]:
-        from concurrent.futures import ThreadPoolExecutor, TimeoutError as Late
-
         method = getattr(self._store, name)
 
         def call(*args: Any) -> Any:
-            if not _STORE_THREAD:
-                _STORE_THREAD.append(ThreadPoolExecutor(1, thread_name_prefix="mpmd-store"))
-            future = _STORE_THREAD[0].submit(method, *args)
-            try:
-                return future.result(timeout=self._limit)
-            except Late:
-                _STORE_THREAD.clear()  # the next call gets a thread of its own
+            box: list[Any] = []
+
+            def run() -> None:
+                try:
+                    box.append((True, method(*args)))
+                except BaseException as e:  # noqa: BLE001  (raised in the caller)
+                    box.append((False, e))
+
+            thread = threading.Thread(target=run, name="mpmd-store", daemon=True)
+            thread.start()
+            thread.join(self._limit)
+            if not box:
                 raise StoreSilent(f"the job's store did not answer within {self._limit:g} s")
+            ok, value = box[0]
+            if not ok:
+                raise value
+            return value
 
         return call
 
