@@ -34,7 +34,7 @@ from torch_mpmd.microbatch import (check_target_batch, contiguous_inputs, contig
                                    explicit_microbatches, first_microbatch,
                                    merge_microbatches, split_tree)
 from torch_mpmd.parallel import meta_init
-from torch_mpmd.parallel.lockstep import PipelineError, pipeline_call
+from torch_mpmd.parallel.lockstep import Collectives, PipelineError, pipeline_call
 from torch_mpmd.parallel.sharding import ParamShards
 from torch_mpmd.programs.loss import callable_name, needs_target
 from torch_mpmd.programs.stage_programs import resolve_compiler
@@ -521,7 +521,11 @@ class Pipeline(torch.nn.Module):
                            compile=self.config.compile,
                            # Fixed when the pipeline was built (its parameters are
                            # shards, or not, since): NOTE [Plans in the config].
-                           data_parallel=self.config.data_parallel)
+                           data_parallel=self.config.data_parallel,
+                           # Every wait of the profile and search (NOTE [Named
+                           # waits] in lockstep.py): the capture's bound.
+                           timeout=(self.startup_timeout if self.startup_timeout is not None
+                                    else self.timeout))
         config = PipelineConfig.from_settings(self.config, plan=chosen)
         config._check_schedule_at(self.pp_size)
         self.config = config
@@ -546,9 +550,7 @@ class Pipeline(torch.nn.Module):
         rt = self._runtime()
         times = dict(self.stage_times(last_n))
         if rt.pp_size > 1:
-            gathered: list[Any] = [None] * rt.pp_size
-            dist.all_gather_object(gathered, times, group=self._mpmd_group)
-            times = {s: t for part in gathered for s, t in part.items()}
+            times = self._gathered_stage_times(times)
         config, plan = self.config, self.config.plan
         schedule = config.schedule if isinstance(config.schedule, str) else config.schedule.name
         n = self.num_stages
@@ -573,6 +575,23 @@ class Pipeline(torch.nn.Module):
         return replan_sentence(sheet, schedule=schedule, num_microbatches=self.num_microbatches,
                                stages_per_rank=n // rt.pp_size, split_points=split,
                                memory_limit=limit, data_parallel=config.data_parallel)
+
+    def _gathered_stage_times(self, times: dict[int, dict[str, float]]
+                              ) -> dict[int, dict[str, float]]:
+        """Every stage's times, from the rank that holds it: one bounded
+        all_reduce over the pipeline group (NOTE [Named waits] in lockstep.py;
+        a dead or stalled peer is a PipelineError naming it within timeout=)."""
+        kinds = "FBIW"
+        table = torch.zeros(2, self.num_stages, len(kinds), dtype=torch.float64)
+        for s, row in times.items():
+            for k, seconds in row.items():
+                table[0, s, kinds.index(k)] = seconds
+                table[1, s, kinds.index(k)] = 1.0  # (a time of 0 is a time)
+        timeout_s = self.timeout.total_seconds()
+        with Collectives(self._mpmd_group, timeout_s, "replan") as waits:
+            table = waits.all_reduce(table.to(waits.device), "the stage times").cpu()
+        return {s: {k: float(table[0, s, i]) for i, k in enumerate(kinds) if table[1, s, i]}
+                for s in range(self.num_stages)}
 
     # ------------------------------------------------------------ what a step did
     @property

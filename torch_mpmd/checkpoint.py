@@ -1152,6 +1152,18 @@ class _Undo:
                               f"{type(obj).__name__} failed too: {type(e).__name__}: {e}")
 
 
+def _state_template(param: torch.Tensor, md: TensorStorageMetadata) -> torch.Tensor:
+    """An empty tensor for one saved optimizer entry of ``param``: laid out
+    as the parameter where it has the parameter's (global) shape, so a
+    moment of a DTensor parameter (tensor parallel, sharded data parallel) is
+    a DTensor of its placements, as the optimizer's own step would make it;
+    a plain tensor of the saved shape otherwise (a step counter)."""
+    size = tuple(md.size)
+    if tuple(param.shape) == size and size != ():
+        return torch.empty_like(param.detach(), dtype=md.properties.dtype)
+    return torch.empty(size, dtype=md.properties.dtype)
+
+
 def _optimizer_templates(module: torch.nn.Module, optimizer: Any, metadata: Metadata) -> None:
     """Give ``optimizer`` a new state that holds, for each of its parameters
     whose state the checkpoint holds, empty tensors of the saved shapes and
@@ -1174,7 +1186,7 @@ def _optimizer_templates(module: torch.nn.Module, optimizer: Any, metadata: Meta
                 entry = state[p]
                 for part in path[cut:-1]:
                     entry = entry.setdefault(part, {})
-                entry[path[-1]] = (torch.empty(tuple(md.size), dtype=md.properties.dtype)
+                entry[path[-1]] = (_state_template(p, md)
                                    if isinstance(md, TensorStorageMetadata) else None)
                 break
     optimizer.state = state
