@@ -183,3 +183,14 @@ def test_a_batch_made_as_a_slice_trains_like_one_process(dynamic):
                                        msg=lambda m: f"{name}: {m}")
         pipe.zero_grad()
         model.zero_grad()
+
+
+def test_a_microbatch_longer_than_the_model_takes_is_named_in_the_error():
+    # Known only when it runs (an embedding lookup past the position table
+    # adds no guard): the failure names the microbatch and its inputs' shapes.
+    _, pipe = _gpt_pipe(dynamic=True)
+    x = torch.randint(0, 32, (2, 12))
+    with pytest.raises(mpmd.PipelineError,
+                       match=r"index out of range.*microbatch 1 \(inputs idx \(2, 12\)\)"):
+        pipe.step(microbatches=[((x[:, :5],), {}), ((x[:, :12],), {})],
+                  targets=[x[:, :5], x[:, :12]])

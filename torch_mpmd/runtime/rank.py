@@ -19,6 +19,7 @@ import gc
 import hashlib
 import struct
 import json
+import re
 import os
 import sys
 import weakref
@@ -943,11 +944,13 @@ class RankRuntime:
                     "transfer the process group is unusable: restart the job (e.g. torchrun "
                     "--max-restarts) rather than retry.")
         elif self.ledger is None:
-            text = f"{e}\n{partial}."
+            text = f"{self._with_microbatch(e)}\n{partial}."
         else:
             cause = self.runner.error
+            where = self._microbatch_of(e.action)
             first = (f"{type(cause).__name__}: {lockstep._first_line(str(cause))} (in action "
-                     f"{e.action})" if cause is not None else lockstep._first_line(str(e)))
+                     f"{e.action}){'; ' + where if where else ''}" if cause is not None
+                     else lockstep._first_line(str(e)))
             try:
                 outcome = self.ledger.end(kind, timeout_s=self.timeout_s, step=step,
                                           digest=self.digest, failure=first)
@@ -958,10 +961,31 @@ class RankRuntime:
                         + ". The ranks are still in step: the pipeline can be called again")
             except PipelineError as te:
                 told = f"Telling the other ranks failed: {te}"
-            text = f"{e}\n{partial}. {told}."
+            text = f"{self._with_microbatch(e)}\n{partial}. {told}."
         err = PipelineError(text, rank=e.rank, action=e.action, peer=e.peer)
         err._mpmd_settled = True  # reported to the others, or the groups are unusable
         return err
+
+    def _with_microbatch(self, e: Any) -> str:
+        """``e``'s message with its action's microbatch named on its first line."""
+        where = self._microbatch_of(e.action)
+        if not where:
+            return str(e)
+        head, _, rest = str(e).partition("\n")
+        return f"{head} ({where})" + (f"\n{rest}" if rest else "")
+
+    def _microbatch_of(self, action: str) -> str:
+        """For a compute action (``0F1``): its microbatch and that microbatch's
+        input shapes (``microbatch 1 (inputs idx (2, 12))``), for a failure message (an index out of a position table
+        names no microbatch itself); "" otherwise."""
+        match = re.fullmatch(r"\d+[FBIW](\d+)", action or "")
+        inputs = self._fitted
+        if match is None or not inputs or int(match.group(1)) >= len(inputs):
+            return ""
+        mb = int(match.group(1))
+        shapes = ", ".join(f"{name} {tuple(v.shape)}" for name, v in inputs[mb].items()
+                           if isinstance(v, torch.Tensor))
+        return f"microbatch {mb} (inputs {shapes})" if shapes else f"microbatch {mb}"
 
     def _who_died_first(self, e: Any) -> str | None:
         """NOTE [Who died first] (lockstep.py): a peer whose connection closed
