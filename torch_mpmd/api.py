@@ -525,13 +525,15 @@ class Pipeline(torch.nn.Module):
                            # Every wait of the profile and search (NOTE [Named
                            # waits] in lockstep.py): the capture's bound.
                            timeout=(self.startup_timeout if self.startup_timeout is not None
-                                    else self.timeout))
+                                    else self.timeout),
+                           trials=self.config.plan_trials, trials_again=self.config.plan_again)
         config = PipelineConfig.from_settings(self.config, plan=chosen)
         config._check_schedule_at(self.pp_size)
         self.config = config
         self.num_microbatches = config.num_microbatches
         if self.rank == 0:
-            _log.info("torch_mpmd: plan='auto' chose %s", chosen.describe().splitlines()[0])
+            _log.info("torch_mpmd: plan='auto' chose %s; %s", chosen.describe().splitlines()[0],
+                      chosen.planning_summary())
 
     def replan(self, last_n: int | None = None) -> tuple[Any, str]:
         """Re-run the plan search on the stage times the last ``last_n`` steps
@@ -970,6 +972,11 @@ def pipeline(module: torch.nn.Module, config: PipelineConfig | None = None,
     parameters are shards, or not, from ``pipeline()`` on; ``mpmd.plan`` on
     the mesh searches it), and ``memory_limit`` (bytes per rank) as the limit
     (torch_mpmd/planning/auto.py);
+    Its finalists (``plan_trials``, default 3, beside the configuration a
+    user writes first; 0: none) run a few steps each on the real group and
+    the measured fastest is the plan; the decision is cached with the
+    profile, and a relaunch takes it without trials unless ``plan_again``
+    (torch_mpmd/planning/trials.py).
     ``pipe.replan()`` re-runs the search on the measured stage times.
     ``recompute``: module FQNs whose activations are not kept for backward
     but computed again in it (activation checkpointing put on at capture:

@@ -144,6 +144,8 @@ class PipelineConfig:
     plan: Any = _setting(None, shared=_plan_label)
     memory_limit: float | None = _setting(None, shared=str)
     recompute: tuple[str, ...] | None = _setting(None, shared=str)
+    plan_trials: int = _setting(3, shared=str)
+    plan_again: bool = _setting(False, shared=str)
 
     def __post_init__(self) -> None:
         """Every check of a value on its own (ValueError naming it)."""
@@ -168,7 +170,11 @@ class PipelineConfig:
         as_timeout(self.timeout)
         if self.startup_timeout is not None:
             as_timeout(self.startup_timeout, "startup_timeout")
-        for name in ("dynamic", "reshard_after_forward"):
+        if isinstance(self.plan_trials, bool) or not isinstance(self.plan_trials, int) or \
+                self.plan_trials < 0:
+            raise ValueError(f"plan_trials={self.plan_trials!r} must be an int >= 0 (the "
+                             "finalists plan='auto' runs for real; 0: the prediction decides)")
+        for name in ("dynamic", "reshard_after_forward", "plan_again"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")
         if not isinstance(self.data_parallel, str) or self.data_parallel not in DATA_PARALLEL_MODES:

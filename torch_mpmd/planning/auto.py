@@ -24,8 +24,15 @@ from the stages' measured times, and what re-running the search says.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import hashlib
+import json
+import logging
+import os
+import time
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any, Callable
 
 import torch.distributed as dist
@@ -33,8 +40,11 @@ import torch.distributed as dist
 from torch_mpmd.planning.plan import Plan, evaluate_plan, plan_from_sheet
 from torch_mpmd.planning.profile import profile
 from torch_mpmd.planning.sheet import CostSheet, Unit
+from torch_mpmd.planning.trials import DEFAULT_TRIALS
 
 __all__ = ["plan", "replan_sheet", "replan_sentence"]
+
+_log = logging.getLogger("torch_mpmd")
 
 
 def _pp_group(group: Any) -> Any:
@@ -76,8 +86,10 @@ def plan(model: Any, example_args: Any, example_kwargs: Mapping[str, Any] | None
          batch_size: int | None = None, units: Sequence[str] | None = None,
          microbatch_sizes: int | Sequence[int] | None = None, cache_dir: Any = None,
          top_k: int = 5, data_parallel: str | Sequence[str] | None = None,
-         timeout: Any = None) -> Plan:
-    """The plan with the least predicted step for ``model`` on this pipeline group.
+         timeout: Any = None, trials: int = DEFAULT_TRIALS, trials_again: bool = False
+         ) -> Plan:
+    """The plan with the least measured step among the finalists of the
+    search for ``model`` on this pipeline group.
 
     ``example_args``/``example_kwargs``/``target``: one training step's batch
     (as ``pipe.step`` takes it); ``batch_size``: samples per step when it is
@@ -88,16 +100,25 @@ def plan(model: Any, example_args: Any, example_kwargs: Mapping[str, Any] | None
     ``num_microbatches``, ``stages_per_rank`` and ``data_parallel``
     ("replicate", "shard") restrict the search (one value or a list). ``units``,
     ``microbatch_sizes``, ``compile`` and ``cache_dir``: :func:`profile`'s.
+    ``trials``: finalists of the search run for real beside the
+    configuration a user writes first (planning/trials.py; 0: the
+    prediction decides). The decision and its trials are cached with the
+    profile: a later call on the same model, batch, world and constraints
+    takes it without trials, unless ``trials_again``.
     Collective: every rank calls it with the same arguments and gets an equal
     plan. The plan carries its sheet (``plan.sheet``, in memory, not in its
-    JSON) for ``Pipeline.replan``. ``timeout`` (seconds or timedelta; default
-    the pipeline's default, 60 s): every wait for the other ranks, with no
+    JSON) for ``Pipeline.replan``, and in ``plan.search`` the trials and the
+    planning's time. ``timeout`` (seconds or timedelta; default the
+    pipeline's default, 60 s): every wait for the other ranks, with no
     rank making progress; a rank that stalls or died raises PipelineError
     naming it (``pipeline(plan="auto")`` passes its own ``timeout``).
     """
     from torch_mpmd.config import as_timeout
     from torch_mpmd.planning.profile import DEFAULT_TIMEOUT_S
 
+    if isinstance(trials, bool) or not isinstance(trials, int) or trials < 0:
+        raise ValueError(f"trials={trials!r} must be an int >= 0 (0: no trials)")
+    started = time.perf_counter()
     timeout_s = as_timeout(DEFAULT_TIMEOUT_S if timeout is None else timeout).total_seconds()
     grp = _pp_group(group)
     dp_group = _dp_group(group)
@@ -110,41 +131,179 @@ def plan(model: Any, example_args: Any, example_kwargs: Mapping[str, Any] | None
         batch = batch_size_of(args, dict(example_kwargs or {}))
         if batch % num_microbatches == 0:
             sizes = batch // num_microbatches  # the one microbatch the plan can have
-    sheet = profile(model, example_args, example_kwargs, loss_fn=loss_fn, target=target,
-                    units=units, microbatch_sizes=sizes, compile=compile, cache_dir=cache_dir,
-                    group=grp, global_batch=batch_size, dp_group=dp_group, timeout=timeout_s)
     replicated = (dist.is_available() and dist.is_initialized()
                   and dist.get_world_size() > (dist.get_world_size(grp) if grp is not None else 1))
+    world = dist.group.WORLD if replicated else grp
+    first = (dist.get_rank() == 0) if replicated else rank == 0  # reads and writes decisions
+
+    def measured(calibrate: bool, info: dict[str, Any]) -> CostSheet:
+        return profile(model, example_args, example_kwargs, loss_fn=loss_fn, target=target,
+                       units=units, microbatch_sizes=sizes, compile=compile,
+                       cache_dir=cache_dir, group=grp, global_batch=batch_size,
+                       dp_group=dp_group, timeout=timeout_s, calibrate=calibrate, info=info)
+
+    # A cached decision needs the units only; anything else, this launch's fit.
+    info: dict[str, Any] = {}
+    sheet = measured(trials == 0 or trials_again, info)
+    settings = dict(memory_limit=memory_limit, schedules=schedules,
+                    num_microbatches=num_microbatches, stages_per_rank=stages_per_rank,
+                    data_parallel=data_parallel, trials=trials, batch_size=batch_size,
+                    world=dist.get_world_size() if replicated else
+                    (dist.get_world_size(grp) if grp is not None else 1))
+    decision_path = (_decision_path(info.get("cache_path"), settings)
+                     if first and trials > 0 else None)
+    cached = None
+    if decision_path is not None and not trials_again and decision_path.is_file():
+        try:
+            cached = Plan.from_json(decision_path.read_text()).to_json()
+        except (ValueError, OSError):
+            cached = None  # a damaged decision is made again
+    cached, fitted = _broadcast([cached, bool(info.get("measured")) or trials == 0
+                                 or trials_again], world, timeout_s,
+                                "the broadcast of global rank 0's cached decision")
+    if cached is not None:
+        out = Plan.from_json(cached)
+        if replicated:
+            sheet = CostSheet.from_json(_broadcast(sheet.to_json(), world, timeout_s,
+                                                   "the broadcast of global rank 0's sheet"))
+        sheet = dataclasses.replace(sheet, memory_limit=float(memory_limit or 0.0))
+        record = dataclasses.replace(out.search, decided_by="cached decision") \
+            if out.search is not None else None
+        return dataclasses.replace(out, sheet=sheet, search=record)
+    if not fitted:  # the units came from the cache: fit them to this launch
+        sheet = measured(True, {})
     if replicated:
         # Data/tensor-parallel replicas each profiled (their dp groups timed
         # together); all plan from global rank 0's sheet, so that they find
         # the same plan, or fail alike.
-        sheet = CostSheet.from_json(_broadcast(sheet.to_json(), dist.group.WORLD, timeout_s,
+        sheet = CostSheet.from_json(_broadcast(sheet.to_json(), world, timeout_s,
                                                "the broadcast of global rank 0's sheet"))
+    profile_s = time.perf_counter() - started
     result: tuple[str | None, tuple[str, str] | None] = (None, None)
     raised: BaseException | None = None
     if rank == 0:
         try:
             best = plan_from_sheet(sheet, memory_limit=memory_limit, schedules=schedules,
                                    num_microbatches=num_microbatches,
-                                   stages_per_rank=stages_per_rank, top_k=top_k,
+                                   stages_per_rank=stages_per_rank,
+                                   top_k=max(top_k, _SEARCH_TOP if trials else 1),
                                    data_parallel=data_parallel)
+            assert best.search is not None
+            best = dataclasses.replace(best, search=dataclasses.replace(
+                best.search, profile_s=profile_s))
             result = (best.to_json(), None)
         except Exception as e:  # noqa: BLE001  (every rank raises it)
             raised, result = e, (None, (type(e).__name__, str(e)))
     text, failure = _broadcast(result, grp, timeout_s, "the broadcast of rank 0's plan")
     if failure is None and replicated:  # (equal already: one sheet, a deterministic search)
-        text = _broadcast(text, dist.group.WORLD, timeout_s,
-                          "the broadcast of global rank 0's plan")
+        text = _broadcast(text, world, timeout_s, "the broadcast of global rank 0's plan")
     if raised is not None:
         raise raised
     if failure is not None:
         kind, message = failure
         raise (ValueError if kind == "ValueError" else RuntimeError)(message)
-    out = Plan.from_json(text)
     # The sheet remembers the limit: Pipeline.replan searches under it too.
     sheet = dataclasses.replace(sheet, memory_limit=float(memory_limit or 0.0))
-    return dataclasses.replace(out, sheet=sheet, search=out.search)
+    out = Plan.from_json(text)
+    out = dataclasses.replace(out, sheet=sheet, search=out.search)
+    why_not = _why_no_trials(model, group, data_parallel) if trials else "trials=0"
+    if why_not is None:
+        out = _decide_by_trials(out, sheet, trials, model, example_args, example_kwargs,
+                                target, loss_fn=loss_fn, group=grp, world=world,
+                                compile=compile, timeout_s=timeout_s, constraints=dict(
+                                    schedule=_one(schedules), num_microbatches=_one(
+                                        num_microbatches),
+                                    stages_per_rank=_one(stages_per_rank),
+                                    memory_limit=memory_limit))
+        if decision_path is not None:
+            _write_text(decision_path, out.to_json())
+    elif trials and rank == 0:
+        _log.info("torch_mpmd: mpmd.plan runs no trials: %s", why_not)
+    if out.search is not None and len(out.search.top) > top_k:
+        out = dataclasses.replace(out, search=dataclasses.replace(
+            out.search, top=out.search.top[:top_k]))
+    return out
+
+
+# Candidates the search keeps for the finalists to be drawn from.
+_SEARCH_TOP = 16
+
+
+def _one(value: Any) -> Any:
+    """A constraint's single value (the default contender's), else None."""
+    if isinstance(value, (list, tuple)):
+        return value[0] if len(value) == 1 else None
+    return value
+
+
+def _why_no_trials(model: Any, group: Any, data_parallel: Any) -> str | None:
+    """Why trials cannot run here (None: they can). They build pipelines
+    over the user's module without a mesh: not over sharded parameters,
+    tensor-parallel ones or a model still on the meta device."""
+    from torch_mpmd.parallel import meta_init
+
+    modes = [data_parallel] if isinstance(data_parallel, str) else list(data_parallel or ())
+    if "shard" in modes:
+        return "data_parallel='shard' (the parameters are shards of the replicas)"
+    names = tuple(getattr(group, "mesh_dim_names", None) or ())
+    if "tp" in names and group.size(names.index("tp")) > 1:
+        return "a tensor-parallel mesh"
+    if meta_init.has_meta_tensors(model):
+        return "the model is on the meta device"
+    return None
+
+
+def _decide_by_trials(out: Plan, sheet: CostSheet, trials: int, model: Any, example_args: Any,
+                      example_kwargs: Any, target: Any, *, loss_fn: Any, group: Any,
+                      world: Any, compile: Any, timeout_s: float,
+                      constraints: dict[str, Any]) -> Plan:
+    """The finalists of ``out``'s search run on ``group`` and the measured
+    fastest as the plan (planning/trials.py); every rank returns global rank
+    0's choice."""
+    from torch_mpmd.parallel import lockstep
+    from torch_mpmd.planning import trials as t
+
+    assert out.search is not None
+    default = t.default_contender(sheet, **constraints)
+    contenders = t.finalists(out.search.top, count=trials, default=default)
+    if len(contenders) < 2:
+        return out
+    args = example_args if isinstance(example_args, tuple) else (example_args,)
+    started = time.perf_counter()
+    with contextlib.ExitStack() as stack:
+        waits = None
+        if group is not None and dist.get_world_size(group) > 1:
+            waits = stack.enter_context(lockstep.Collectives(group, timeout_s, "plan trials"))
+        ran = t.run_trials(model, args, dict(example_kwargs or {}), target, contenders,
+                           sheet=sheet, loss_fn=loss_fn, group=group, compile=compile,
+                           waits=waits, timeout_s=timeout_s)
+    chosen = t.as_plan(t.choose(ran), ran, out.search, sheet,
+                       trials_s=time.perf_counter() - started)
+    if world is not group:  # replicas: global rank 0's measurements decide for all
+        chosen_text = _broadcast(chosen.to_json(), world, timeout_s,
+                                 "the broadcast of global rank 0's trials")
+        chosen = dataclasses.replace(Plan.from_json(chosen_text), sheet=sheet)
+    return chosen
+
+
+def _decision_path(cache_path: Any, settings: dict[str, Any]) -> Path | None:
+    """Where the decision for ``settings`` (the search's constraints, the
+    world) is cached, beside its profile's entry."""
+    if cache_path is None:
+        return None
+    digest = hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode())
+    return Path(cache_path).with_name(f"{Path(cache_path).stem}.decision-"
+                                      f"{digest.hexdigest()[:16]}.json")
+
+
+def _write_text(path: Path, text: str) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(text)
+        tmp.replace(path)
+    except OSError:
+        pass  # a read-only cache: the plan is still returned
 
 
 # ------------------------------------------------------------------ replan

@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
@@ -35,7 +36,8 @@ from torch_mpmd.planning.sheet import CostSheet, json_text, read_json
 
 PathLike = Union[str, "os.PathLike[str]"]
 
-__all__ = ["Candidate", "Plan", "Rejected", "SearchRecord", "evaluate_plan", "plan_from_sheet"]
+__all__ = ["Candidate", "Plan", "Rejected", "SearchRecord", "Trial", "evaluate_plan",
+           "plan_from_sheet"]
 
 _GIB = float(1 << 30)
 _MODES = ("replicate", "shard")  # parallel/sharding.py's DATA_PARALLEL_MODES
@@ -75,8 +77,39 @@ class Rejected:
 
 
 @dataclass(frozen=True)
+class Trial:
+    """A finalist run for real (planning/trials.py): its fields, its
+    prediction, and its timed steps on the real group (seconds, barrier to
+    barrier), whose median decided. ``default``: the configuration a user
+    writes first, run beside the finalists."""
+
+    schedule: str
+    stages_per_rank: int
+    num_microbatches: int
+    split_points: tuple[str, ...]
+    recompute: tuple[bool, ...]
+    predicted_step_s: float
+    steps_s: tuple[float, ...]
+    data_parallel: str = "replicate"
+    default: bool = False
+
+    @property
+    def measured_step_s(self) -> float:
+        """The median of the timed steps."""
+        return statistics.median(self.steps_s) if self.steps_s else math.inf
+
+    def label(self) -> str:
+        return (f"{self.schedule} v={self.stages_per_rank} m={self.num_microbatches} "
+                f"split {_short(self.split_points)}"
+                + (f" recompute {list(self.recompute)}" if any(self.recompute) else ""))
+
+
+@dataclass(frozen=True)
 class SearchRecord:
-    """What the search saw: its best candidates, the rejected, the counts and its time."""
+    """What the search saw: its best candidates, the rejected, the counts and its
+    time; and what decided: the trials, the planning's phases in seconds
+    (``profile_s``, ``search_s``, ``trials_s``) and ``decided_by``
+    ("trials", "prediction" or "cached decision")."""
 
     top: tuple[Candidate, ...] = ()
     rejected: tuple[Rejected, ...] = ()
@@ -84,6 +117,10 @@ class SearchRecord:
     simulations: int = 0
     search_s: float = 0.0
     memory_limit: float = 0.0
+    trials: tuple[Trial, ...] = ()
+    profile_s: float = 0.0
+    trials_s: float = 0.0
+    decided_by: str = "prediction"
 
 
 @dataclass(frozen=True)
@@ -148,6 +185,11 @@ class Plan:
             record["rejected"] = tuple(
                 Rejected(**_json_fields(Rejected, r, f"the plan's search.rejected[{i}]"))
                 for i, r in enumerate(record.get("rejected", ())))
+            record["trials"] = tuple(
+                Trial(**{**t, "split_points": tuple(t["split_points"]),
+                         "recompute": tuple(t["recompute"]), "steps_s": tuple(t["steps_s"])})
+                for t in (_json_fields(Trial, t, f"the plan's search.trials[{i}]")
+                          for i, t in enumerate(record.get("trials", ()))))
             search = SearchRecord(**record)
         return cls(**values, search=search)
 
@@ -157,6 +199,31 @@ class Plan:
         return cls.from_dict(read_json(text_or_path, "the plan"))
 
     # -- text -------------------------------------------------------------
+    def planning_summary(self) -> str:
+        """What decided and what planning cost: "decided by trials (3
+        finalists and the default, measured 41.2 ms against the default's
+        55.0 ms); planning 12.3 s: profile 6.1 s, search 0.05 s, trials 6.2 s"."""
+        search = self.search
+        if search is None:
+            return "decided by prediction"
+        head = f"decided by {'the ' if search.decided_by != 'trials' else ''}{search.decided_by}"
+        if search.trials:
+            default = [t for t in search.trials if t.default]
+            mine = [t for t in search.trials
+                    if (t.schedule, t.stages_per_rank, t.num_microbatches, t.split_points,
+                        t.recompute) == (self.schedule, self.stages_per_rank,
+                                         self.num_microbatches, self.split_points,
+                                         self.recompute)]
+            head += f" ({len(search.trials)} run"
+            if mine:
+                head += f", measured {mine[0].measured_step_s * 1e3:.1f} ms"
+                if default:
+                    head += f" against the default's {default[0].measured_step_s * 1e3:.1f} ms"
+            head += ")"
+        total = search.profile_s + search.search_s + search.trials_s
+        return (f"{head}; planning {total:.1f} s: profile {search.profile_s:.1f} s, search "
+                f"{search.search_s:.2f} s, trials {search.trials_s:.1f} s")
+
     def describe(self) -> str:
         """The plan, the top candidates and why the winner won (all simulated)."""
         peaks = ", ".join(_gib(b) for b in self.predicted_peak_bytes)
@@ -190,6 +257,8 @@ class Plan:
                     f"{sum(c.recompute):>4}/{len(c.recompute):<4}  "
                     f"{'refined ' if c.refined_split else ''}"
                     f"{'comm-aware ' if c.comm_aware_split else ''}{_short(c.split_points)}")
+        if search.trials:
+            lines.extend(_trial_lines(self, search))
         faster = [r for r in search.rejected if r.step_s is not None]
         invalid = [r for r in search.rejected if r.step_s is None]
         if faster:
@@ -217,6 +286,8 @@ _JSON_KINDS: dict[str, str] = {
     "step_s": "number or null", "max_peak_bytes": "number",
     "top": "object list", "rejected": "object list", "candidates": "int",
     "simulations": "int", "search_s": "number", "memory_limit": "number",
+    "trials": "object list", "profile_s": "number", "trials_s": "number", "decided_by": "str",
+    "steps_s": "number list", "default": "bool",
 }
 _KIND_WORDS = {"str": "a string", "count": "an int >= 1", "int": "an int >= 0",
                "number": "a number", "bool": "true or false", "object": "a JSON object",
@@ -270,6 +341,24 @@ def _json_fields(cls: type, data: object, where: str) -> dict[str, Any]:
             if want is not None:
                 raise ValueError(f"{where}: {label}={v!r} ({type(v).__name__}) must be {want}")
     return dict(data)
+
+
+def _trial_lines(plan: "Plan", search: SearchRecord) -> list[str]:
+    """describe()'s table of the trials: predicted, measured, which won."""
+    lines = [f"trials ({search.decided_by} decided; planning: profile {search.profile_s:.1f} s, "
+             f"search {search.search_s:.2f} s, trials {search.trials_s:.1f} s), the median "
+             "of each finalist's steps, run interleaved, wins:",
+             f"  {'':1} {'measured ms':>11} {'predicted ms':>12} {'pred/meas':>9}  finalist"]
+    for t in search.trials:
+        chosen = (t.schedule, t.stages_per_rank, t.num_microbatches, t.split_points,
+                  t.recompute) == (plan.schedule, plan.stages_per_rank, plan.num_microbatches,
+                                   plan.split_points, plan.recompute)
+        measured = t.measured_step_s
+        lines.append(f"  {'*' if chosen else ' '} {measured * 1e3:>11.1f} "
+                     f"{t.predicted_step_s * 1e3:>12.1f} "
+                     f"{t.predicted_step_s / measured if measured > 0 else math.nan:>9.2f}  "
+                     f"{t.label()}{' (the default a user writes first)' if t.default else ''}")
+    return lines
 
 
 def _short(names: Sequence[str], keep: int = 6) -> str:

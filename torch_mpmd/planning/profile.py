@@ -65,23 +65,33 @@ and ``dp_bandwidth`` are fitted, right after the ping-pong, to the ring
 all-reduce the replicate mode runs, 2 (d - 1) latency + 2 (d - 1) / d *
 bytes / bandwidth, from the median of a 4-byte and of a 4 MiB all-reduce
 over the real dp group (every rank times its own group; pipeline rank 0's
-times go on the sheet). They are cached with the rest of the profile.
+times go on the sheet). Like the link, they are measured at every launch.
 
 Cache: a JSON file under ``cache_dir`` (default ``$MPMD_PROFILE_CACHE``, else
 ``~/.cache/torch_mpmd/profiles``) named by a hash of the model (every module
 class's name and forward source, its parameter and buffer names, shapes and
 dtypes), the batch's and target's shapes and dtypes, the units, the sizes,
 the loss, the device type, the pipeline size (and the dp size above 1) and the
-compile setting. A call
-with the same key loads it (``cache_dir=False``: no cache).
-``measurements`` counts the profiles measured in this process (tests check
-that a second call does not measure).
+compile setting. A call with the same key loads its units
+(``cache_dir=False``: no cache). ``measurements`` counts the profiles
+measured in this process (tests check that a second call does not measure).
+
+NOTE [Relative profiles]: what the cache keeps is the units as measured,
+before any fit, and what it gives back is never used as seconds. A shared
+machine changes speed by the hour (the same step measured 215 ms in one
+launch and 330 ms in another, issue 31), so seconds from another launch,
+beside this launch's runtime constants, would price the runtime against
+programs of another speed. Every launch therefore measures its own link
+(the ping-pong), its dp group's all-reduce and its calibration run, and
+fits the cached units to that run (calibrate.fit_sheet: the units scaled by
+one factor to the compute the run measured, then the price per action):
+the cache saves the units' measuring, the part that grows with the model,
+and keeps only their ratios.
 
 Collective with a ``group``: rank 0 of the group measures (the ping-pong
 needs rank 1) and broadcasts the sheet's JSON, so every rank returns the
-same sheet. With a ``dp_group`` also collective over it: the ranks of every
-dp group agree whether to measure (any replica's missing cache entry
-measures all of them), so the all-reduce timings pair up.
+same sheet. With a ``dp_group`` also collective over it (every launch
+times the all-reduce on every replica at once).
 """
 
 from __future__ import annotations
@@ -310,7 +320,7 @@ def _compile_key(compile: Any) -> str:
 # How a profile is measured, in the key: a cached profile measured otherwise
 # (other units refined, fields a newer sheet prices) is measured again.
 # Bump it when that changes.
-_METHOD = 3
+_METHOD = 4  # 4: entries hold the units unfitted (NOTE [Relative profiles])
 
 
 def profile_key(model: torch.nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any],
@@ -557,13 +567,6 @@ def _all_reduce_rates(group: Any, device: torch.device, waits: lockstep.Collecti
     return small / steps, steps / d * _PONG_BYTES / max(large - small, 1e-9)
 
 
-def _any_over(waits: lockstep.Collectives, flag: bool, device: torch.device, what: str
-              ) -> bool:
-    """Whether ``flag`` holds on any rank of ``waits``' group (collective)."""
-    t = torch.tensor([int(flag)], dtype=torch.int32, device=_comm_device(waits.group, device))
-    return bool(waits.all_reduce(t, what, op=dist.ReduceOp.MAX).item())
-
-
 def _measure(model: torch.nn.Module, args: tuple, kwargs: dict, target: Any, *,
              loss_fn: Any, units: list[str], sizes: list[int], compile: Any, repeats: int,
              batch: int, pp_size: int, global_batch: int, link: tuple[float, float],
@@ -635,7 +638,8 @@ def profile(model: torch.nn.Module, example_args: Any, example_kwargs: Mapping[s
             compile: Any = False, cache_dir: Any = None, group: Any = None,
             pp_size: int | None = None, global_batch: int | None = None, repeats: int = 5,
             memory_limit: float = 0.0, dp_group: Any = None,
-            timeout: float | datetime.timedelta = DEFAULT_TIMEOUT_S) -> CostSheet:
+            timeout: float | datetime.timedelta = DEFAULT_TIMEOUT_S, calibrate: bool = True,
+            info: dict[str, Any] | None = None) -> CostSheet:
     """The measured cost sheet of ``model`` on one step's batch (see the module docstring).
 
     ``example_args``/``example_kwargs``/``target``: a training step's batch
@@ -649,7 +653,11 @@ def profile(model: torch.nn.Module, example_args: Any, example_kwargs: Mapping[s
     ``timeout`` (seconds or timedelta): how long a rank waits for the others
     at a collective, with no rank making progress (rank 0's measuring is
     progress); a rank that stalls or died raises PipelineError naming it
-    (NOTE [Named waits] in lockstep.py).
+    (NOTE [Named waits] in lockstep.py). ``calibrate=False``: a cached
+    profile is returned as cached, its times not fitted to this launch (for
+    a caller that needs the units only). ``info`` (a dict, filled on
+    rank 0): ``cache_path`` (the entry's Path, None without a cache) and
+    ``measured`` (whether the units were measured, not loaded).
     """
     from torch_mpmd.config import as_timeout
 
@@ -665,7 +673,7 @@ def profile(model: torch.nn.Module, example_args: Any, example_kwargs: Mapping[s
                         cache_dir=cache_dir, group=group, pp_size=pp_size,
                         global_batch=global_batch, repeats=repeats, memory_limit=memory_limit,
                         dp_group=dp_group, waits=waits, dp_waits=dp_waits,
-                        timeout_s=timeout_s)
+                        calibrate=calibrate, info=info)
 
 
 def _waits(stack: contextlib.ExitStack, group: Any, timeout_s: float, purpose: str
@@ -682,7 +690,7 @@ def _profile(model: torch.nn.Module, example_args: Any, example_kwargs: Any, *,
              cache_dir: Any, group: Any, pp_size: int | None, global_batch: int | None,
              repeats: int, memory_limit: float, dp_group: Any,
              waits: lockstep.Collectives | None, dp_waits: lockstep.Collectives | None,
-             timeout_s: float) -> CostSheet:
+             calibrate: bool, info: dict[str, Any] | None) -> CostSheet:
     """profile(), its waits made."""
     from torch_mpmd.config import pp_group
 
@@ -708,7 +716,7 @@ def _profile(model: torch.nn.Module, example_args: Any, example_kwargs: Any, *,
         unit_names = find_units(model, order)
     device = _device_of(model)
     dp_size = dist.get_world_size(dp_group) if dp_group is not None else 1
-    text: str | None = None
+    raw_text: str | None = None  # NOTE [Relative profiles]: the cached units, unfitted
     failure: tuple[str, str] | None = None
     raised: BaseException | None = None
     path: Path | None = None
@@ -718,52 +726,63 @@ def _profile(model: torch.nn.Module, example_args: Any, example_kwargs: Any, *,
                           device=device.type, dp_size=dp_size)
         cache = _cache_dir(cache_dir)
         path = cache / f"{key}.json" if cache is not None else None
+        if info is not None:
+            info["cache_path"] = path
         if path is not None and path.is_file():
             try:
-                text = json.loads(path.read_text())["sheet"]
-                CostSheet.from_json(text)
+                raw_text = json.loads(path.read_text())["units_sheet"]
+                CostSheet.from_json(raw_text)
             except (ValueError, KeyError, OSError, TypeError):
-                text = None  # a damaged entry is measured again
-    # Rank 0 tells the others whether it measures (then ranks 0 and 1 ping-pong).
+                raw_text = None  # a damaged entry is measured again
+    # Rank 0 tells the others whether it measures the units.
     if waits is not None:
-        measure = bool(waits.broadcast_json(text is None, "the broadcast of whether rank 0 "
-                                            "measures (no cached profile)"))
+        measure = bool(waits.broadcast_json(raw_text is None, "the broadcast of whether rank "
+                                            "0 measures (no cached profile)"))
     else:
-        measure = text is None
-    if dp_waits is not None:  # the replicas' dp groups time their all-reduces together
-        measure = _any_over(dp_waits, measure, device, "whether any replica measures")
-    if measure:
-        link = ((DEFAULT_LINK_LATENCY_S, DEFAULT_LINK_BANDWIDTH) if grp is None or world < 2
-                else _ping_pong(grp, device, waits))
-        dp: tuple[int, float | None, float | None] = (1, None, None)
-        if dp_waits is not None:
-            dp = (dp_size, *_all_reduce_rates(dp_group, device, dp_waits))
-        runtime = RuntimeCosts(DEFAULT_ACTION_OVERHEAD_S, 0.0, link[0])
-        if grp is not None and world > 1 and len(unit_names) >= world:
-            runtime = measure_runtime(model, example_args, kwargs, target, loss_fn=loss_fn,
-                                      group=grp, units=unit_names,
-                                      num_microbatches=batch // sizes[0], link=link,
-                                      compile=compile, waits=waits)
-        if rank == 0:
-            try:
-                sheet = _measure(model, example_args, kwargs, target, loss_fn=loss_fn,
-                                 units=unit_names, sizes=sizes, compile=compile,
-                                 repeats=repeats, batch=batch, pp_size=pp, global_batch=gb,
-                                 link=link, runtime=runtime, memory_limit=memory_limit,
-                                 order=order, dp=dp)
-                sheet = fit_sheet(sheet, runtime, batch)
-            except Exception as e:  # noqa: BLE001  (every rank raises it, below)
-                failure, raised = (type(e).__name__, str(e)), e
+        measure = raw_text is None
+    if info is not None:
+        info["measured"] = measure
+    if not calibrate and not measure:
+        # A caller that only needs the units (a cached decision: auto.py).
+        if waits is not None:
+            raw_text = waits.broadcast_json(raw_text, "the broadcast of rank 0's cached "
+                                            "profile")
+        assert raw_text is not None
+        return _with_batch(CostSheet.from_json(raw_text), gb, memory_limit)
+    # This launch's own constants, measured whether or not the units were
+    # cached: the link, the dp group's all-reduce and the runtime around the
+    # programs (NOTE [Relative profiles]).
+    link = ((DEFAULT_LINK_LATENCY_S, DEFAULT_LINK_BANDWIDTH) if grp is None or world < 2
+            else _ping_pong(grp, device, waits))
+    dp: tuple[int, float | None, float | None] = (1, None, None)
+    if dp_waits is not None:
+        dp = (dp_size, *_all_reduce_rates(dp_group, device, dp_waits))
+    runtime = RuntimeCosts(DEFAULT_ACTION_OVERHEAD_S, 0.0, link[0])
+    if grp is not None and world > 1 and len(unit_names) >= world:
+        runtime = measure_runtime(model, example_args, kwargs, target, loss_fn=loss_fn,
+                                  group=grp, units=unit_names,
+                                  num_microbatches=batch // sizes[0], link=link,
+                                  compile=compile, waits=waits)
+    text: str | None = None
+    if rank == 0:
+        try:
+            if measure:
+                raw = _measure(model, example_args, kwargs, target, loss_fn=loss_fn,
+                               units=unit_names, sizes=sizes, compile=compile,
+                               repeats=repeats, batch=batch, pp_size=pp, global_batch=gb,
+                               link=link, runtime=runtime, memory_limit=memory_limit,
+                               order=order, dp=dp)
+                _write_entry(path, key, raw.to_json())
             else:
-                text = sheet.to_json()
-            if path is not None and text is not None:
-                try:
-                    path.parent.mkdir(parents=True, exist_ok=True)
-                    tmp = path.with_suffix(f".tmp{os.getpid()}")
-                    tmp.write_text(json.dumps({"key": key, "sheet": text}))
-                    tmp.replace(path)
-                except OSError:
-                    pass  # a read-only cache: the profile is still returned
+                assert raw_text is not None
+                raw = dataclasses.replace(
+                    CostSheet.from_json(raw_text), action_overhead=runtime.action_overhead,
+                    step_overhead=runtime.step_overhead, link_latency=runtime.transfer_latency,
+                    link_bandwidth=link[1], dp_size=dp[0], dp_latency=dp[1],
+                    dp_bandwidth=dp[2])
+            text = fit_sheet(raw, runtime, batch).to_json()
+        except Exception as e:  # noqa: BLE001  (every rank raises it, below)
+            failure, raised = (type(e).__name__, str(e)), e
     if waits is not None:
         text, failure = waits.broadcast_json([text, failure], "the broadcast of rank 0's "
                                              "profile (or its failure)")
@@ -774,7 +793,23 @@ def _profile(model: torch.nn.Module, example_args: Any, example_kwargs: Any, *,
         error = ValueError if kind == "ValueError" else RuntimeError
         raise error(f"profiling {type(model).__name__} failed on pipeline rank 0: {message}")
     assert text is not None
-    sheet = CostSheet.from_json(text)
-    if sheet.global_batch != gb or sheet.memory_limit != memory_limit:
-        sheet = dataclasses.replace(sheet, global_batch=gb, memory_limit=memory_limit)
+    return _with_batch(CostSheet.from_json(text), gb, memory_limit)
+
+
+def _with_batch(sheet: CostSheet, global_batch: int, memory_limit: float) -> CostSheet:
+    if sheet.global_batch != global_batch or sheet.memory_limit != memory_limit:
+        sheet = dataclasses.replace(sheet, global_batch=global_batch, memory_limit=memory_limit)
     return sheet
+
+
+def _write_entry(path: Path | None, key: str, units_sheet: str) -> None:
+    """The cache entry: the units as measured, before this launch's fit."""
+    if path is None:
+        return
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps({"key": key, "units_sheet": units_sheet}))
+        tmp.replace(path)
+    except OSError:
+        pass  # a read-only cache: the profile is still returned

@@ -1,0 +1,241 @@
+"""Measured finalists: the simulator proposes, the real group decides (DESIGN.md section 11).
+
+    contenders = finalists(sheet, search.top, default=default_contender(sheet, ...), count=3)
+    trials = run_trials(model, args, kwargs, target, contenders, loss_fn=..., group=..., ...)
+    best = choose(trials)
+
+The simulator prices thousands of candidates from a profile; its error on a
+model it has not met (10-40% on a wide-head model, issue 31) is larger than
+the differences between the plans it ranks, so the plan it predicts best is
+often not the fastest, and one launch in three was slower than no plan. So
+``mpmd.plan`` (and ``plan="auto"``) runs a few finalists for real, as the
+autotuners people trust do (Inductor's max-autotune, cuDNN's benchmark
+mode):
+
+- which (:func:`finalists`): the best by prediction; then, among those
+  within :data:`PREDICTION_ERROR` of it, the best of another microbatch
+  count and the best of another schedule family (the choices the model's
+  error makes uncertain); then the next best; and the configuration a user
+  writes first (:func:`default_contender`: 1F1B, m = 4p, the blocks split
+  evenly by count), so that the choice is never measurably slower than it;
+- how (:func:`run_trials`): each finalist a pipeline over the same model,
+  built one at a time (its capture and first step untimed), then timed
+  steps barrier to barrier, interleaved A B C A B C so that the machine's
+  drift hits all alike; all freed after the choice;
+- which wins (:func:`choose`): the least median step.
+
+NOTE [Trials leave no trace]: trials run real steps on the user's model
+before its first step. They run under ``model_state_kept`` (the
+parameters' gradients, buffers and RNG states restored after), never touch
+an optimizer, and build their pipelines without a mesh (no sharding of the
+user's parameters): the first ``step()`` of the chosen plan then returns
+the loss and gradients one process would, and an optimizer built from
+``pipe.parameters()`` before it holds the parameters that plan trains.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import re
+import time
+from collections.abc import Sequence
+from typing import Any, Callable
+
+from torch_mpmd.planning.plan import Candidate, Plan, Trial, evaluate_plan
+from torch_mpmd.planning.sheet import CostSheet
+
+__all__ = ["DEFAULT_TRIALS", "PREDICTION_ERROR", "TRIAL_STEPS", "choose", "default_contender",
+           "finalists", "run_trials"]
+
+# Finalists from the search (the default a user writes first comes beside them).
+DEFAULT_TRIALS = 3
+# Timed steps per finalist (after one untimed: capture, build, first run).
+TRIAL_STEPS = 5
+# The simulator's relative error on a model it has not met, after the
+# launch's own calibration: candidates predicted within it of the best are
+# too close for the prediction to rank (BENCHMARKS.md, the planner zoo).
+PREDICTION_ERROR = 0.15
+_BLOCK = re.compile(r"^(.*)\.(\d+)(?:\..*)?$")
+
+
+def family(schedule: str) -> str:
+    """A schedule's family for the finalists' spread: whether it splits
+    backward into I and W (the zero-bubble kind) or runs it whole."""
+    return "split backward" if schedule in ("zero_bubble", "zbv", "dualpipev") else "whole backward"
+
+
+def _blocks(units: Sequence[str]) -> list[int]:
+    """Where each block of the model's longest run of numbered units starts
+    (indices into ``units``; ``blocks.3`` or its first refined part
+    ``blocks.3.attn``), in block order; [] when there is none."""
+    starts: dict[str, dict[int, int]] = {}
+    for u, name in enumerate(units):
+        found = _BLOCK.match(name)
+        if found:
+            starts.setdefault(found.group(1), {}).setdefault(int(found.group(2)), u)
+    if not starts:
+        return []
+    prefix = max(starts, key=lambda p: len(starts[p]))
+    return [starts[prefix][i] for i in sorted(starts[prefix])]
+
+
+def even_split(sheet: CostSheet, stages: int) -> list[str] | None:
+    """The split a user writes first: the blocks split evenly by count (the
+    embedding before them goes with the first stage, what runs after them
+    with the last); None when the model has fewer blocks than stages."""
+    blocks = _blocks([u.name for u in sheet.units])
+    if len(blocks) < stages:
+        return None
+    return [sheet.units[blocks[len(blocks) * s // stages]].name for s in range(1, stages)]
+
+
+def default_contender(sheet: CostSheet, *, schedule: str | None = None,
+                      num_microbatches: int | None = None, stages_per_rank: int | None = None,
+                      memory_limit: float | None = None) -> Candidate | None:
+    """The configuration a user writes first, under the user's constraints:
+    ``schedule`` (default 1F1B) at ``num_microbatches`` (default the largest
+    divisor of the batch at most 4p, the m >= 4p that 1F1B guides give), the
+    blocks split evenly by count; None when it is not a valid plan here (a
+    split the blocks cannot give, over ``memory_limit``)."""
+    name = schedule or "1f1b"
+    v = stages_per_rank or (2 if name in ("zbv", "dualpipev", "interleaved_1f1b") else 1)
+    m = num_microbatches
+    if m is None:
+        m = max(d for d in range(1, min(sheet.global_batch, 4 * sheet.pp_size) + 1)
+                if sheet.global_batch % d == 0)
+    split = even_split(sheet, sheet.pp_size * v)
+    try:
+        plan = evaluate_plan(sheet, name, num_microbatches=m, stages_per_rank=v,
+                             split_points=split)
+    except (ValueError, RuntimeError):
+        return None  # (a schedule that needs another m or v: the search's candidates stand)
+    if memory_limit and max(plan.predicted_peak_bytes) > memory_limit:
+        return None
+    return Candidate(schedule=plan.schedule, stages_per_rank=plan.stages_per_rank,
+                     num_microbatches=plan.num_microbatches, split_points=plan.split_points,
+                     recompute=plan.recompute, predicted_step_s=plan.predicted_step_s,
+                     predicted_peak_bytes=plan.predicted_peak_bytes)
+
+
+def _fields(c: Candidate | Trial) -> tuple:
+    return (c.schedule, c.stages_per_rank, c.num_microbatches, tuple(c.split_points),
+            tuple(c.recompute), c.data_parallel)
+
+
+def finalists(top: Sequence[Candidate], *, count: int = DEFAULT_TRIALS,
+              default: Candidate | None = None, error: float = PREDICTION_ERROR
+              ) -> list[tuple[Candidate, bool]]:
+    """The contenders to run, each with whether it is ``default``: ``count``
+    of the search's ``top`` (best first; see the module docstring) and
+    ``default`` beside them (unless it is one of them)."""
+    if count < 1 or not top:
+        return []
+    best = top[0].predicted_step_s
+    near = [c for c in top if c.predicted_step_s <= best * (1 + error)]
+    chosen = [top[0]]
+
+    def add(pick: Callable[[Candidate], bool]) -> None:
+        for c in near:
+            if len(chosen) < count and c not in chosen and pick(c):
+                chosen.append(c)
+                return
+
+    add(lambda c: c.num_microbatches not in {x.num_microbatches for x in chosen})
+    add(lambda c: family(c.schedule) not in {family(x.schedule) for x in chosen})
+    for c in top:
+        if len(chosen) >= count:
+            break
+        if c not in chosen:
+            chosen.append(c)
+    out = [(c, False) for c in chosen]
+    if default is not None:
+        same = [i for i, (c, _) in enumerate(out) if _fields(c) == _fields(default)]
+        if same:
+            out[same[0]] = (out[same[0]][0], True)
+        else:
+            out.append((default, True))
+    return out
+
+
+def plan_of(c: Candidate | Trial, sheet: CostSheet | None = None) -> Plan:
+    """The Plan a contender or trial describes (carrying ``sheet``, whose
+    units a recomputing plan needs)."""
+    peaks = getattr(c, "predicted_peak_bytes", ())
+    return Plan(schedule=c.schedule, num_microbatches=c.num_microbatches,
+                stages_per_rank=c.stages_per_rank, split_points=tuple(c.split_points),
+                recompute=tuple(c.recompute), predicted_step_s=c.predicted_step_s,
+                predicted_peak_bytes=tuple(peaks), data_parallel=c.data_parallel,
+                sheet=sheet)
+
+
+def run_trials(model: Any, args: tuple, kwargs: dict, target: Any,
+               contenders: Sequence[tuple[Candidate, bool]], *, sheet: CostSheet,
+               loss_fn: Any, group: Any, compile: Any, waits: Any, timeout_s: float,
+               steps: int = TRIAL_STEPS) -> list[Trial]:
+    """Every contender run on ``group`` (the pipeline group; collective over
+    it, ``waits``: its lockstep.Collectives, None for one process): built one
+    at a time, one untimed step each, then ``steps`` timed steps each,
+    interleaved; every rank returns rank 0's timings. The model is left as
+    it was (NOTE [Trials leave no trace])."""
+    import torch.distributed as dist
+
+    import torch_mpmd  # (its public pipeline(): api imports planning, not the reverse)
+    from torch_mpmd.parallel import lockstep
+    from torch_mpmd.planning.calibrate import model_state_kept
+
+    def barrier(what: str) -> None:
+        if waits is not None:
+            waits.barrier(what)
+
+    walls: list[list[float]] = [[] for _ in contenders]
+    with model_state_kept(model):
+        pipes = []
+        for i, (c, _) in enumerate(contenders):
+            lockstep.progress(f"building trial {i + 1} of {len(contenders)}")
+            pipe = torch_mpmd.pipeline(model, loss_fn=loss_fn, plan=plan_of(c, sheet),
+                                       group=group, compile=compile, timeout=timeout_s)
+            barrier(f"the barrier before trial {i}'s first step")
+            pipe.step(*args, **kwargs, target=target)  # capture, build, first transfers
+            pipes.append(pipe)
+        for step in range(steps):
+            for i, pipe in enumerate(pipes):
+                barrier(f"the barrier before trial {i}'s step {step}")
+                start = time.perf_counter()
+                pipe.step(*args, **kwargs, target=target)
+                barrier(f"the barrier after trial {i}'s step {step}")
+                walls[i].append(time.perf_counter() - start)
+        del pipes, pipe  # freed before the chosen plan is built
+        gc.collect()
+    if waits is not None and dist.get_world_size(waits.group) > 1:
+        walls = waits.broadcast_json(walls, "the broadcast of rank 0's trial timings")
+    return [Trial(schedule=c.schedule, stages_per_rank=c.stages_per_rank,
+                  num_microbatches=c.num_microbatches, split_points=tuple(c.split_points),
+                  recompute=tuple(c.recompute), predicted_step_s=c.predicted_step_s,
+                  steps_s=tuple(float(w) for w in ws), data_parallel=c.data_parallel,
+                  default=is_default)
+            for (c, is_default), ws in zip(contenders, walls)]
+
+
+def choose(trials: Sequence[Trial]) -> Trial:
+    """The trial of least median step (on an exact tie, the one predicted
+    faster)."""
+    if not trials:
+        raise ValueError("no trials to choose from")
+    return min(trials, key=lambda t: (t.measured_step_s, t.predicted_step_s))
+
+
+def as_plan(trial: Trial, trials: Sequence[Trial], search: Any, sheet: CostSheet,
+            *, trials_s: float, decided_by: str = "trials") -> Plan:
+    """The chosen ``trial`` as the Plan ``mpmd.plan`` returns, its search
+    record carrying every trial and the trials' time."""
+    from torch_mpmd.planning.plan import evaluate_plan as _evaluate
+
+    peaks = _evaluate(sheet, trial.schedule, num_microbatches=trial.num_microbatches,
+                      stages_per_rank=trial.stages_per_rank, split_points=trial.split_points,
+                      recompute=trial.recompute, data_parallel=trial.data_parallel
+                      ).predicted_peak_bytes
+    record = dataclasses.replace(search, trials=tuple(trials), trials_s=trials_s,
+                                 decided_by=decided_by)
+    return dataclasses.replace(plan_of(trial), predicted_peak_bytes=peaks, search=record,
+                               sheet=sheet)
