@@ -145,9 +145,13 @@ def plan(model: Any, example_args: Any, example_kwargs: Mapping[str, Any] | None
     # A cached decision needs the units only; anything else, this launch's fit.
     info: dict[str, Any] = {}
     sheet = measured(trials == 0 or trials_again, info)
-    settings = dict(memory_limit=memory_limit, schedules=schedules,
-                    num_microbatches=num_microbatches, stages_per_rank=stages_per_rank,
-                    data_parallel=data_parallel, trials=trials, batch_size=batch_size,
+    # The decision's key beside the profile's: what the search is told, spelled
+    # alike however given ("1f1b" or ["1f1b"]; no dp mode without replicas).
+    settings = dict(memory_limit=float(memory_limit or 0.0), schedules=_listed(schedules),
+                    num_microbatches=_listed(num_microbatches),
+                    stages_per_rank=_listed(stages_per_rank),
+                    data_parallel=_listed(data_parallel) if dp_group is not None else [],
+                    trials=trials, batch_size=batch_size,
                     world=dist.get_world_size() if replicated else
                     (dist.get_world_size(grp) if grp is not None else 1))
     decision_path = (_decision_path(info.get("cache_path"), settings)
@@ -227,6 +231,13 @@ def plan(model: Any, example_args: Any, example_kwargs: Mapping[str, Any] | None
 
 # Candidates the search keeps for the finalists to be drawn from.
 _SEARCH_TOP = 16
+
+
+def _listed(value: Any) -> list[Any]:
+    """A constraint as a sorted list (None: [])."""
+    if value is None:
+        return []
+    return sorted(value, key=str) if isinstance(value, (list, tuple)) else [value]
 
 
 def _one(value: Any) -> Any:
