@@ -136,11 +136,23 @@ def _timed_steps(pipe: Any, waits: Any, args: tuple, kwargs: dict, target: Any, 
     timed barrier to barrier (``waits``: lockstep.Collectives over the
     pipeline group): their walls and every rank's timelines."""
     walls, rows = [], []
+    waits.barrier("the barrier before the calibration's steps")  # names a missing rank
+
+    def barrier(what: str) -> None:
+        # NOTE [Calibration barriers]: a named barrier (lockstep's arrive)
+        # polls the store every 20 ms, so a rank leaves it up to 20 ms after
+        # the other: that skew fell inside the steps' walls and timelines
+        # (a latency-bound model's calibration measured 24 ms per step
+        # outside the actions where its steps spend 2), and the fit priced it
+        # per action. The timed steps' barriers are the group's all-reduce
+        # alone, still bounded by the timeout.
+        waits.all_reduce(torch.zeros(1, device=waits.device), what, arrive=False)
+
     for step in range(2 + steps):
-        waits.barrier(f"the barrier before calibration step {step}")
+        barrier(f"the barrier before calibration step {step}")
         start = time.perf_counter()
         pipe.step(*args, **kwargs, target=target)
-        waits.barrier(f"the barrier after calibration step {step}")
+        barrier(f"the barrier after calibration step {step}")
         wall = time.perf_counter() - start
         if step >= 2:
             walls.append(wall)
