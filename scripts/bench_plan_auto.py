@@ -47,7 +47,7 @@ def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 def model_of(args: argparse.Namespace) -> GPT:
     torch.manual_seed(0)
-    vocab = 96 * (16 if args.wide_head else 1)
+    vocab = args.vocab or 96 * (16 if args.wide_head else 1)
     m = GPT(GPTConfig(vocab_size=vocab, block_size=64, n_layer=args.layers, n_head=4,
                       d_model=args.d_model))
     m.head.weight = torch.nn.Parameter(m.tok.weight.detach().clone())  # untied
@@ -166,6 +166,11 @@ def main() -> None:
     ap.add_argument("--ffn-widths", type=lambda t: [int(w) for w in t.split(",")],
                     default=None, help="each block's MLP width in multiples of d_model, "
                     "comma-separated (default 4 for every block)")
+    ap.add_argument("--vocab", type=int, default=0,
+                    help="the vocabulary (default 96, or 1536 with --wide-head; the issue's "
+                    "wide-head model: 12288)")
+    ap.add_argument("--trials", type=int, default=3,
+                    help="mpmd.plan's finalists run for real (0: the prediction decides)")
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--memory-limit-mib", type=float, default=0.0,
                     help="plan under this limit per rank; contenders whose measured peak "
@@ -190,22 +195,22 @@ def main() -> None:
     box = [tempfile.mkdtemp(prefix="mpmd_bench_profiles_") if rank == 0 else None]
     dist.broadcast_object_list(box, src=0)
     g = torch.Generator().manual_seed(1)
-    vocab = 96 * (16 if args.wide_head else 1)
+    vocab = args.vocab or 96 * (16 if args.wide_head else 1)
     x = torch.randint(0, vocab, (16, 64), generator=g)
     y = torch.randint(0, vocab, (16, 64), generator=g)
 
     limit = args.memory_limit_mib * 2**20 if args.memory_limit_mib else None
     t0 = time.perf_counter()
     plan = mpmd.plan(model_of(args), (x,), loss_fn=loss_fn, target=y, cache_dir=box[0],
-                     memory_limit=limit, compile=args.compile)
+                     memory_limit=limit, compile=args.compile, trials=args.trials)
     first = time.perf_counter() - t0
     t0 = time.perf_counter()
     mpmd.plan(model_of(args), (x,), loss_fn=loss_fn, target=y, cache_dir=box[0],
-              memory_limit=limit, compile=args.compile)
+              memory_limit=limit, compile=args.compile, trials=args.trials)
     second = time.perf_counter() - t0
     if rank == 0:
-        print(f"planning: {first:.2f} s (profile + search), {second:.2f} s with the cached "
-              "profile")
+        print(f"planning: {first:.2f} s (profile + search + trials: {plan.planning_summary()}),"
+              f" {second:.2f} s with the cached profile and decision")
         s = plan.sheet
         print(f"profile's runtime constants: {s.action_overhead * 1e6:.0f} us per action "
               f"(fitted), {s.step_overhead * 1e3:.2f} ms per step outside the actions, "
@@ -285,6 +290,11 @@ def main() -> None:
             print(f"memory limit {limit / 2**20:.1f} MiB per rank: the plan's measured peak "
                   f"{peaks['plan'] / 2**20:.1f} MiB, predicted "
                   f"{max(plan.predicted_peak_bytes) / 2**20:.1f} MiB")
+        print(f"chosen: {plan.schedule} v={plan.stages_per_rank} m={plan.num_microbatches} "
+              f"split {list(plan.split_points)}; plan / default "
+              f"{statistics.median(times['plan']) / base:.3f}"
+              + (f"; plan / grid best {statistics.median(times['plan']) / grid[best]:.3f}"
+                 if grid else ""))
         print(f"plan predicted {plan.predicted_step_s * 1e3:.1f} ms, measured "
               f"{statistics.median(times['plan']) * 1e3:.1f} ms "
               f"({plan.predicted_step_s / statistics.median(times['plan']):.2f}); "

@@ -313,10 +313,10 @@ def compiled(case: dict[str, Any]) -> dict[str, Any]:
     it is and counts its calls: the profile's calibration pipeline runs the
     compiled programs (NOTE [Fitted action overhead]: it fits the runtime's
     costs around the programs the plan will run), and the plan trains with
-    them like one process."""
-    from torch_mpmd.planning import calibrate
+    them like one process; so do the trials' pipelines."""
+    from torch_mpmd.planning import calibrate, trials
 
-    calls = {"profile": 0, "calibration": 0}
+    calls = {"profile": 0, "calibration": 0, "trials": 0}
     phase = ["profile"]
 
     def compiler(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
@@ -332,14 +332,22 @@ def compiled(case: dict[str, Any]) -> dict[str, Any]:
         finally:
             phase[0] = "profile"
 
+    def run_trials(*args: Any, **kwargs: Any) -> Any:
+        phase[0] = "trials"
+        try:
+            return real_trials(*args, **kwargs)
+        finally:
+            phase[0] = "profile"
+
     cache = _cache()
     x, y = _batch()
     real, profiling.measure_runtime = profiling.measure_runtime, calibration
+    real_trials, trials.run_trials = trials.run_trials, run_trials
     try:
         plan = mpmd.plan(_model(), (x,), loss_fn=loss_fn, target=y, cache_dir=cache,
                          compile=compiler)
     finally:
-        profiling.measure_runtime = real
+        profiling.measure_runtime, trials.run_trials = real, real_trials
     res: dict[str, Any] = {"calls": dict(calls)}
     pipe = mpmd.pipeline(_model(), loss_fn=loss_fn, plan=plan, compile=compiler)
     res["step"] = _train_and_compare(pipe, _model(), x, y)

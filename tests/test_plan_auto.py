@@ -106,6 +106,7 @@ def test_a_compiled_plan_is_calibrated_on_its_compiled_programs():
         # Every rank's calibration stage ran compiled programs; rank 0 also
         # profiled the units with them.
         assert r["calls"]["calibration"] > 0, (rank, r["calls"])
+        assert r["calls"]["trials"] > 0, (rank, r["calls"])  # the finalists ran compiled
         assert (r["calls"]["profile"] > 0) == (rank == 0), (rank, r["calls"])
         assert r["step_calls"] > 0, rank
         step = r["step"]

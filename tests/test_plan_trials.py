@@ -145,6 +145,7 @@ def test_trials_keep_the_first_step_exact_with_an_optimizer_built_before_it():
         bad = {n: d for n, d in r["others"].items() if d > 0}
         assert not bad, f"rank {rank}: parameters it does not hold changed: {bad}"
         assert r["opt_params"] >= r["held"] > 0
+        assert r["pipelines_alive"] == 1, f"rank {rank}: trial pipelines still alive"
     assert results[0]["trials"] == results[1]["trials"]
 
 

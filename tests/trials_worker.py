@@ -14,6 +14,7 @@ calibration (NOTE [Relative profiles]).
 
 from __future__ import annotations
 
+import gc
 import json
 import shutil
 from pathlib import Path
@@ -55,6 +56,8 @@ def exact(case: dict[str, Any]) -> dict[str, Any]:
     untouched = _model()
     res["others"] = {n: _diff(p, dict(untouched.named_parameters())[n])
                      for n, p in model.named_parameters() if id(p) not in held}
+    gc.collect()  # the trials' pipelines (and the calibration's) are freed after the choice
+    res["pipelines_alive"] = sum(isinstance(o, mpmd.Pipeline) for o in gc.get_objects())
     search = pipe.config.plan.search
     res["decided_by"] = search.decided_by
     res["trials"] = _trials(pipe.config.plan)

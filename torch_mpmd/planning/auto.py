@@ -210,7 +210,7 @@ def plan(model: Any, example_args: Any, example_kwargs: Mapping[str, Any] | None
     sheet = dataclasses.replace(sheet, memory_limit=float(memory_limit or 0.0))
     out = Plan.from_json(text)
     out = dataclasses.replace(out, sheet=sheet, search=out.search)
-    why_not = _why_no_trials(model, group, data_parallel) if trials else "trials=0"
+    why_not = _why_no_trials(model, group, out) if trials else "trials=0"
     if why_not is None:
         out = _decide_by_trials(out, sheet, trials, model, example_args, example_kwargs,
                                 target, loss_fn=loss_fn, group=grp, world=world,
@@ -247,15 +247,16 @@ def _one(value: Any) -> Any:
     return value
 
 
-def _why_no_trials(model: Any, group: Any, data_parallel: Any) -> str | None:
+def _why_no_trials(model: Any, group: Any, best: Plan) -> str | None:
     """Why trials cannot run here (None: they can). They build pipelines
-    over the user's module without a mesh: not over sharded parameters,
-    tensor-parallel ones or a model still on the meta device."""
+    over the user's module on the pipeline group, without a mesh: not over
+    sharded parameters, tensor-parallel ones or a model still on the meta
+    device. (Replicated data parallel: each replica runs the trials on its
+    own pipeline group; the all-reduce they leave out is alike for all.)"""
     from torch_mpmd.parallel import meta_init
 
-    modes = [data_parallel] if isinstance(data_parallel, str) else list(data_parallel or ())
-    if "shard" in modes:
-        return "data_parallel='shard' (the parameters are shards of the replicas)"
+    if best.data_parallel == "shard":
+        return "the search chose data_parallel='shard', which trials cannot run unsharded"
     names = tuple(getattr(group, "mesh_dim_names", None) or ())
     if "tp" in names and group.size(names.index("tp")) > 1:
         return "a tensor-parallel mesh"
@@ -276,7 +277,8 @@ def _decide_by_trials(out: Plan, sheet: CostSheet, trials: int, model: Any, exam
 
     assert out.search is not None
     default = t.default_contender(sheet, **constraints)
-    contenders = t.finalists(out.search.top, count=trials, default=default)
+    top = [c for c in out.search.top if c.data_parallel == "replicate"]
+    contenders = t.finalists(top, count=trials, default=default)
     if len(contenders) < 2:
         return out
     args = example_args if isinstance(example_args, tuple) else (example_args,)

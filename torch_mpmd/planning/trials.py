@@ -178,6 +178,7 @@ def run_trials(model: Any, args: tuple, kwargs: dict, target: Any,
     at a time, one untimed step each, then ``steps`` timed steps each,
     interleaved; every rank returns rank 0's timings. The model is left as
     it was (NOTE [Trials leave no trace])."""
+    import torch
     import torch.distributed as dist
 
     import torch_mpmd  # (its public pipeline(): api imports planning, not the reverse)
@@ -185,8 +186,11 @@ def run_trials(model: Any, args: tuple, kwargs: dict, target: Any,
     from torch_mpmd.planning.calibrate import model_state_kept
 
     def barrier(what: str) -> None:
+        # NOTE [Calibration barriers] (calibrate.py): lockstep's named barrier
+        # lets ranks leave up to 20 ms apart; the timed steps' barriers are
+        # the group's all-reduce alone (bounded by the timeout all the same).
         if waits is not None:
-            waits.barrier(what)
+            waits.all_reduce(torch.zeros(1, device=waits.device), what, arrive=False)
 
     walls: list[list[float]] = [[] for _ in contenders]
     with model_state_kept(model):
@@ -195,7 +199,8 @@ def run_trials(model: Any, args: tuple, kwargs: dict, target: Any,
             lockstep.progress(f"building trial {i + 1} of {len(contenders)}")
             pipe = torch_mpmd.pipeline(model, loss_fn=loss_fn, plan=plan_of(c, sheet),
                                        group=group, compile=compile, timeout=timeout_s)
-            barrier(f"the barrier before trial {i}'s first step")
+            if waits is not None:  # (a named barrier: names a rank that is missing)
+                waits.barrier(f"the barrier before trial {i}'s first step")
             pipe.step(*args, **kwargs, target=target)  # capture, build, first transfers
             pipes.append(pipe)
         for step in range(steps):
