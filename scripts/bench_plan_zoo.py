@@ -15,7 +15,7 @@ Each launch profiles the model once (``mpmd.profile``, ``cache_dir=False``,
 FX programs, 2 gloo ranks of 1 thread each: its calibration fits the
 runtime's constants, planning/calibrate.py), then takes every entry of a
 grid: schedules 1f1b, interleaved_1f1b, zero_bubble and zbv x microbatch
-counts ``--m`` x two splits (the planner's balanced split, ``evaluate_plan``
+counts ``--counts`` x two splits (the planner's balanced split, ``evaluate_plan``
 with ``split_points=None``, and an even split by layer count). Each entry is
 predicted by ``evaluate_plan`` on that launch's sheet and measured in the
 same launch: its pipeline built once, ``--warmup`` steps, then ``--steps``
@@ -372,22 +372,76 @@ def report(data: dict[str, Any], sheet_key: str = "sheet", label: str = "") -> d
               f"{statistics.median(e['step_out']) * 1e3:.1f} |")
     print(f"Spearman {rho:.3f}; median |predicted/measured - 1|: raw {raw:.1%}, after the "
           f"launch's scale ({scale:.3f}) {scaled:.1%}")
-    return {"spearman": rho, "raw": raw, "scale": scale, "scaled": scaled}
+    # The machine's drift apart: each entry predicted with the sheet's units
+    # scaled to the compute its own steps measured (all ranks' F/B/I/W spans).
+    fair = []
+    for e in entries:
+        f = statistics.median(e["compute"]) / sheet_compute(sheet, e["m"])
+        units = [dataclasses.replace(u, **{k: getattr(u, k) * f for k in _TIMES})
+                 for u in sheet.units]
+        fair.append(predict(dataclasses.replace(sheet, units=units), [e])[0])
+    rho_f = spearman(fair, meas)
+    raw_f, scale_f, scaled_f = errors(fair, meas)
+    print(f"with each entry's own measured compute: Spearman {rho_f:.3f}; median error raw "
+          f"{raw_f:.1%}, scaled ({scale_f:.3f}) {scaled_f:.1%}; the measured steps' own spread "
+          f"(median over entries of each entry's max/min - 1): "
+          f"{statistics.median(max(e['walls']) / min(e['walls']) - 1 for e in entries):.0%}")
+    return {"spearman": rho, "raw": raw, "scale": scale, "scaled": scaled,
+            "spearman_own_compute": rho_f, "scaled_own_compute": scaled_f}
+
+
+_TIMES = ("forward", "backward_input", "backward_weight", "forward_fixed",
+          "backward_input_fixed", "backward_weight_fixed")
+
+
+def before_sheet(case: Case, seen: dict[str, Any], fit: Any) -> Any:
+    """The launch's sheet as the calibration fitted it before issue 31: the
+    same 1F1B run (its split and microbatches), but every barrier around its
+    timed steps a named one, which polls the store every 20 ms (NOTE
+    [Calibration barriers] in planning/calibrate.py), fitted to the same
+    measured units. Collective."""
+    from torch_mpmd.parallel import lockstep
+    from torch_mpmd.planning import calibrate
+    from torch_mpmd.planning.sheet import CostSheet
+
+    class Polled(lockstep.Collectives):
+        def all_reduce(self, tensor: torch.Tensor, what: str, op: Any = dist.ReduceOp.SUM,
+                       *, arrive: bool = True) -> torch.Tensor:
+            return super().all_reduce(tensor, what, op, arrive=True)
+
+    raw = CostSheet.from_json(seen["raw"])
+    run = seen["runtime"]
+    with Polled(dist.group.WORLD, 60.0, "the old calibration") as waits:
+        costs = calibrate.measure_runtime(
+            case.make(), case.args, case.kwargs, case.target, loss_fn=case.loss_fn,
+            group=dist.group.WORLD, units=[raw.units[0].name, *run["split_points"]],
+            num_microbatches=run["num_microbatches"], link=(0.0, raw.link_bandwidth),
+            waits=waits)
+    seen["runtime_before"] = dataclasses.asdict(costs)
+    return fit(dataclasses.replace(raw, step_overhead=costs.step_overhead,
+                                   link_latency=costs.transfer_latency,
+                                   action_overhead=costs.action_overhead),
+               costs, seen["batch"])
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="wide_head", choices=MODELS)
-    ap.add_argument("--m", type=lambda t: [int(v) for v in t.split(",")], default=[2, 4, 8, 16])
+    ap.add_argument("--counts", type=lambda t: [int(v) for v in t.split(",")], default=[2, 4, 8, 16])
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--no-before", dest="before", action="store_false",
+                    help="skip the second calibration as it ran before issue 31 (its "
+                    "barriers polling the store), fitted to the same sheet for comparison")
     ap.add_argument("--json", default=None, help="write everything measured here")
     ap.add_argument("--from-json", default=None, help="report a saved run (no launch)")
     args = ap.parse_args()
     if args.from_json:
         with open(args.from_json) as f:
             data = json.load(f)
-        report(data)
+        if data.get("before"):
+            report(data, "before", " (before: the calibration's barriers polled the store)")
+        report(data, label=" (after)")
         return
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -414,19 +468,27 @@ def main() -> None:
     sheet = mpmd.profile(case.make(), case.args, case.kwargs, loss_fn=case.loss_fn,
                          target=case.target, cache_dir=False)
     profiled = time.perf_counter() - t0
-    entries = grid(case, sheet, args.m)
+    before = None
+    if args.before:
+        box = [seen]  # rank 0 fitted the sheet; every rank runs the calibration
+        dist.broadcast_object_list(box, src=0)
+        seen = box[0]
+        before = before_sheet(case, seen, real_fit).to_json()
+    entries = grid(case, sheet, args.counts)
     t0 = time.perf_counter()
     measure(case, entries, args.steps, args.warmup)
     measured = time.perf_counter() - t0
     if rank == 0:
         data = {"model": args.model, "sheet": sheet.to_json(), **seen, "entries": entries,
-                "profile_s": profiled, "measure_s": measured}
+                "profile_s": profiled, "measure_s": measured, "before": before}
         print(f"{args.model}: profile {profiled:.1f} s, {len(entries)} entries measured in "
               f"{measured:.1f} s ({args.steps} timed steps each, round-robin)")
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(data, f)
-        report(data)
+        if before is not None:
+            report(data, "before", " (before: the calibration's barriers polled the store)")
+        report(data, label=" (after)")
     dist.destroy_process_group()
 
 

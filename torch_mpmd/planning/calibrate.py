@@ -38,7 +38,18 @@ came out at 300-600 us and made the planner choose the fewest microbatches.
 A second run at half the microbatch, to tell the two apart from steps
 alone, moved the price by hundreds of microseconds between identical
 calibrations (steps vary by a few percent); the spans, summed over every
-action of every step, do not.
+action of every step, do not. (Those steps were timed between barriers that
+polled the store every 20 ms: NOTE [Calibration barriers].)
+
+Since issue 31 the run is two pipelines, 1F1B at the profile's microbatch
+count m and at 2m, stepped in turn (A B A B: the machine's drift hits both
+alike), 8 timed steps each; the compute scale comes from the first, and the
+price per action from the difference of the two medians, the step overhead
+from what is left (NOTE [Two microbatch counts]). With one run, whatever the
+prediction of that run lacked (the barriers' skew, a per-step cost) was
+priced per action, and the plans of many microbatches paid it once per
+action: the wide-head GPT's sheet predicted zero_bubble m=2 at 1.13 of its
+measured step and m=16 at 1.48 (issue 31).
 
 The calibration runs the programs the profile timed: FX, or compiled as
 ``compile=`` compiles them (its two stages compile once more, on their own
@@ -76,6 +87,9 @@ class RuntimeCosts:
     num_microbatches: int = 0       # 0: no calibration ran
     step_wall: float = 0.0          # its median step, barrier to barrier
     compute_seconds: float = 0.0    # a step's compute actions' spans, all ranks, median
+    # The second run, at twice the microbatches (0: none; NOTE [Two microbatch counts]).
+    second_microbatches: int = 0
+    second_wall: float = 0.0
 
 
 def fit_action_overhead(schedule: Any, rows: Sequence[Any], wall_s: float, *,
@@ -135,7 +149,15 @@ def _timed_steps(pipe: Any, waits: Any, args: tuple, kwargs: dict, target: Any, 
     """Two warm-up steps (capture, build, first transfers), then ``steps``
     timed barrier to barrier (``waits``: lockstep.Collectives over the
     pipeline group): their walls and every rank's timelines."""
-    walls, rows = [], []
+    return _timed_rounds([pipe], waits, args, kwargs, target, steps)[0]
+
+
+def _timed_rounds(pipes: Sequence[Any], waits: Any, args: tuple, kwargs: dict, target: Any,
+                  steps: int) -> list[tuple[list[float], list[Any]]]:
+    """:func:`_timed_steps` of several pipelines, stepped in turn (A B A B
+    ...: the machine's drift hits all alike); per pipeline its walls and
+    timelines."""
+    out: list[tuple[list[float], list[Any]]] = [([], []) for _ in pipes]
     waits.barrier("the barrier before the calibration's steps")  # names a missing rank
 
     def barrier(what: str) -> None:
@@ -149,21 +171,23 @@ def _timed_steps(pipe: Any, waits: Any, args: tuple, kwargs: dict, target: Any, 
         waits.all_reduce(torch.zeros(1, device=waits.device), what, arrive=False)
 
     for step in range(2 + steps):
-        barrier(f"the barrier before calibration step {step}")
-        start = time.perf_counter()
-        pipe.step(*args, **kwargs, target=target)
-        barrier(f"the barrier after calibration step {step}")
-        wall = time.perf_counter() - start
-        if step >= 2:
-            walls.append(wall)
-            rows.append(pipe.timelines())  # every rank's (collective)
-    return walls, rows
+        for pipe, (walls, rows) in zip(pipes, out):
+            barrier(f"the barrier before calibration step {step}")
+            start = time.perf_counter()
+            pipe.step(*args, **kwargs, target=target)
+            barrier(f"the barrier after calibration step {step}")
+            wall = time.perf_counter() - start
+            if step >= 2:
+                walls.append(wall)
+                rows.append(pipe.timelines())  # every rank's (collective)
+    return out
 
 
 def measure_runtime(model: torch.nn.Module, args: tuple, kwargs: dict, target: Any, *,
                     loss_fn: Any, group: Any, units: Sequence[str], num_microbatches: int,
-                    link: tuple[float, float], steps: int = 10,
-                    compile: Any = False, waits: Any = None) -> RuntimeCosts:
+                    link: tuple[float, float], steps: int = 8,
+                    compile: Any = False, waits: Any = None,
+                    second: bool = True) -> RuntimeCosts:
     """The runtime's costs running ``model`` on ``group`` (a pipeline group of
     at least two ranks; collective over it): see the module docstring.
     ``units``: the profile's (the split cuts at every ``len(units) / p``-th);
@@ -171,8 +195,10 @@ def measure_runtime(model: torch.nn.Module, args: tuple, kwargs: dict, target: A
     stage programs' compiler, as ``pipeline(compile=)`` takes it; ``waits``:
     the lockstep.Collectives over ``group`` that bound every wait (default:
     made here, with the pipeline's default timeout), whose timeout the
-    calibration pipeline takes. The model's gradients, buffers and the RNG
-    state are left as they were."""
+    calibration pipeline takes. ``second``: also run ``2 * num_microbatches``
+    (where the batch divides into them), stepped in turn with the first
+    (NOTE [Two microbatch counts]). The model's gradients, buffers and the
+    RNG state are left as they were."""
     from torch_mpmd.parallel import lockstep
 
     if waits is None:
@@ -182,13 +208,20 @@ def measure_runtime(model: torch.nn.Module, args: tuple, kwargs: dict, target: A
 
     pp = dist.get_world_size(group)
     split = [units[len(units) * k // pp] for k in range(1, pp)]
+    from torch_mpmd.planning.profile import batch_size_of
+
+    counts = [num_microbatches]
+    if second and batch_size_of(args, kwargs) % (2 * num_microbatches) == 0:
+        counts.append(2 * num_microbatches)
     with model_state_kept(model):  # the calibration leaves no trace in the model
-        pipe = torch_mpmd.pipeline(model, loss_fn=loss_fn, schedule="1f1b",
-                                   num_microbatches=num_microbatches, group=group,
-                                   split_points=split, compile=compile,
-                                   timeout=waits.timeout_s)
-        walls, rows = _timed_steps(pipe, waits, args, kwargs, target, steps)
-        message = _message_bytes(pipe)
+        # One model for both pipelines: each builds its own programs from it.
+        pipes = [torch_mpmd.pipeline(model, loss_fn=loss_fn, schedule="1f1b",
+                                     num_microbatches=m, group=group, split_points=split,
+                                     compile=compile, timeout=waits.timeout_s)
+                 for m in counts]
+        runs = _timed_rounds(pipes, waits, args, kwargs, target, steps)
+        message = _message_bytes(pipes[0])
+    walls, rows = runs[0]
     latency, bandwidth = link
     arrivals = [t for r in rows for t in trace.transfer_latencies(r)]
     if arrivals:  # what a message takes beyond its bytes on the link
@@ -201,7 +234,9 @@ def measure_runtime(model: torch.nn.Module, args: tuple, kwargs: dict, target: A
         num_microbatches=num_microbatches, step_wall=statistics.median(walls),
         compute_seconds=statistics.median(
             sum(end - start for row in r for action, start, end in row if action.is_compute)
-            for r in rows))
+            for r in rows),
+        second_microbatches=counts[1] if len(counts) > 1 else 0,
+        second_wall=statistics.median(runs[1][0]) if len(counts) > 1 else 0.0)
     # One answer for every rank (each timed its own walls): rank 0's.
     sent = waits.broadcast_json(dataclasses.asdict(costs), "the broadcast of rank 0's "
                                 "calibration")
@@ -256,8 +291,49 @@ def fit_sheet(sheet: Any, costs: RuntimeCosts, batch: int) -> Any:
         return evaluate_plan(dataclasses.replace(at, action_overhead=overhead_s), "1f1b",
                              num_microbatches=m, split_points=split).predicted_step_s
 
+    if costs.second_microbatches and costs.second_wall > 0:
+        return _fit_two(sheet, at, costs, split)
     top = max(costs.action_overhead, 1e-6)
     while predicted(top) < wall and top < 1.0:
         top *= 2
     fitted = _bisect(predicted, wall, costs.action_overhead, top)
     return dataclasses.replace(sheet, units=units, action_overhead=fitted)
+
+
+def _fit_two(sheet: Any, at: Any, costs: RuntimeCosts, split: list[str]) -> Any:
+    """NOTE [Two microbatch counts]: one run cannot tell a cost per action
+    from a cost per step: a price per action fitted to one run takes in
+    whatever of the step the prediction lacks, and the plans of more
+    microbatches (more actions) pay it again for each. With the same
+    pipeline also run at twice the microbatches (``costs.second_*``; the
+    runs stepped in turn, so the machine's drift hits both alike), the
+    difference of the two steps prices the actions alone: the action
+    overhead ``a`` is where the planner's predicted difference of the two
+    (step overhead 0; ``at``: the sheet with its units scaled) equals the
+    measured one, at least the timelines' reading, and the step overhead
+    the mean of what each run's step leaves beyond its prediction at that
+    ``a`` (at least 0)."""
+    from torch_mpmd.planning.plan import evaluate_plan
+
+    counts = (costs.num_microbatches, costs.second_microbatches)
+    walls = (costs.step_wall, costs.second_wall)
+    bare = dataclasses.replace(at, step_overhead=0.0)
+
+    def steps(overhead_s: float) -> tuple[float, float]:
+        return tuple(evaluate_plan(dataclasses.replace(bare, action_overhead=overhead_s),
+                                   "1f1b", num_microbatches=m, split_points=split
+                                   ).predicted_step_s for m in counts)
+
+    def difference(overhead_s: float) -> float:
+        one, two = steps(overhead_s)
+        return two - one
+
+    floor = costs.action_overhead
+    target = walls[1] - walls[0]
+    top = max(floor, 1e-6)
+    while difference(top) < target and top < 1.0:
+        top *= 2
+    fitted = _bisect(difference, target, floor, top)
+    step = max(0.0, statistics.fmean(w - p for w, p in zip(walls, steps(fitted))))
+    return dataclasses.replace(sheet, units=at.units, action_overhead=fitted,
+                               step_overhead=step)
