@@ -278,10 +278,18 @@ def grid(case: Case, sheet: Any, counts: list[int]) -> list[dict[str, Any]]:
                 out.append({"name": f"{schedule} m={m} {split}", "schedule": schedule,
                             "v": v, "m": m, "split": list(plan.split_points),
                             "split_kind": split})
-    # Of two entries with the same split (balanced = even), one.
+    # Of two entries with the same split (balanced = even, as on equal
+    # blocks), one, and in the other's place the even split moved one block
+    # later (a split a user might also try), so the grid keeps its size.
     seen, unique = set(), []
     for e in out:
         key = (e["schedule"], e["m"], tuple(e["split"]))
+        if key in seen:
+            stages = sheet.pp_size * e["v"]
+            e = dict(e, split_kind="shifted", name=e["name"].replace("even", "shifted"),
+                     split=[f"{case.blocks}.{case.layers * k // stages + 1}"
+                            for k in range(1, stages)])
+            key = (e["schedule"], e["m"], tuple(e["split"]))
         if key not in seen:
             seen.add(key)
             unique.append(e)
@@ -463,6 +471,15 @@ def main() -> None:
     calibrate.fit_sheet = keeping_fit
     if hasattr(profile_mod, "fit_sheet"):
         profile_mod.fit_sheet = keeping_fit
+    real_measure = profile_mod.measure_runtime
+
+    def timed_measure(*a: Any, **k: Any) -> Any:  # the calibration's own time
+        t0 = time.perf_counter()
+        try:
+            return real_measure(*a, **k)
+        finally:
+            seen["calibration_s"] = time.perf_counter() - t0
+    profile_mod.measure_runtime = timed_measure
     case = case_of(args.model)
     t0 = time.perf_counter()
     sheet = mpmd.profile(case.make(), case.args, case.kwargs, loss_fn=case.loss_fn,
@@ -481,7 +498,8 @@ def main() -> None:
     if rank == 0:
         data = {"model": args.model, "sheet": sheet.to_json(), **seen, "entries": entries,
                 "profile_s": profiled, "measure_s": measured, "before": before}
-        print(f"{args.model}: profile {profiled:.1f} s, {len(entries)} entries measured in "
+        print(f"{args.model}: profile {profiled:.1f} s (its calibration "
+              f"{seen.get('calibration_s', 0.0):.1f} s), {len(entries)} entries measured in "
               f"{measured:.1f} s ({args.steps} timed steps each, round-robin)")
         if args.json:
             with open(args.json, "w") as f:
