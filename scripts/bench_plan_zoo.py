@@ -432,6 +432,32 @@ def before_sheet(case: Case, seen: dict[str, Any], fit: Any) -> Any:
                costs, seen["batch"])
 
 
+def markdown(data: dict[str, Any]) -> None:
+    """One table of the saved run: each entry's prediction before (the old
+    calibration, fitted in the same launch) and after, against its measured
+    median; then the statistics of both."""
+    from torch_mpmd.planning.sheet import CostSheet
+
+    entries = data["entries"]
+    meas = [statistics.median(e["walls"]) for e in entries]
+    sheets = {"before": CostSheet.from_json(data["before"]),
+              "after": CostSheet.from_json(data["sheet"])}
+    pred = {k: predict(sh, entries) for k, sh in sheets.items()}
+    print("| entry | measured ms | predicted before | ratio | predicted after | ratio |")
+    print("|---|---|---|---|---|---|")
+    for i, e in enumerate(entries):
+        b, a = pred["before"][i], pred["after"][i]
+        print(f"| {e['name']} | {meas[i] * 1e3:.1f} | {b * 1e3:.1f} | {b / meas[i]:.2f} | "
+              f"{a * 1e3:.1f} | {a / meas[i]:.2f} |")
+    for k, sh in sheets.items():
+        raw, scale, scaled = errors(pred[k], meas)
+        print(f"{k}: {sh.action_overhead * 1e6:.0f} us per action, {sh.step_overhead * 1e3:.1f} "
+              f"ms per step; Spearman {spearman(pred[k], meas):.3f}, median |p/m - 1| raw "
+              f"{raw:.1%}, scaled ({scale:.2f}) {scaled:.1%}")
+    print(f"spread of the measured steps (median of max/min - 1): "
+          f"{statistics.median(max(e['walls']) / min(e['walls']) - 1 for e in entries):.0%}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="wide_head", choices=MODELS)
@@ -443,10 +469,25 @@ def main() -> None:
                     "barriers polling the store), fitted to the same sheet for comparison")
     ap.add_argument("--json", default=None, help="write everything measured here")
     ap.add_argument("--from-json", default=None, help="report a saved run (no launch)")
+    ap.add_argument("--refit", action="store_true", help="with --from-json: fit the saved "
+                    "sheet and calibration again with this checkout's calibrate.fit_sheet")
+    ap.add_argument("--markdown", action="store_true", help="with --from-json: one table, "
+                    "before and after side by side")
     args = ap.parse_args()
     if args.from_json:
         with open(args.from_json) as f:
             data = json.load(f)
+        if args.refit:  # the sheet as this checkout's calibrate.fit_sheet fits the launch's run
+            from torch_mpmd.planning import calibrate
+            from torch_mpmd.planning.sheet import CostSheet
+
+            run = calibrate.RuntimeCosts(**{**data["runtime"], "split_points": tuple(
+                data["runtime"]["split_points"])})
+            data["sheet"] = calibrate.fit_sheet(CostSheet.from_json(data["raw"]), run,
+                                                data["batch"]).to_json()
+        if args.markdown:
+            markdown(data)
+            return
         if data.get("before"):
             report(data, "before", " (before: the calibration's barriers polled the store)")
         report(data, label=" (after)")
