@@ -12,5 +12,5 @@ status=0
 echo "[test] C++ suite (ctest)"
 ctest --test-dir build/cmake --output-on-failure -j 2 || status=1
 echo "[test] Python suite (pytest)"
-"$PYTHON" -m pytest -q tests || status=1
+"$PYTHON" -m pytest -q --durations=25 tests || status=1
 exit $status
