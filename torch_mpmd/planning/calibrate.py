@@ -43,7 +43,7 @@ polled the store every 20 ms: NOTE [Calibration barriers].)
 
 Since issue 31 the run is two pipelines, 1F1B at the profile's microbatch
 count m and at 2m, stepped in turn (A B A B: the machine's drift hits both
-alike), 8 timed steps each; the compute scale comes from the first, and the
+alike), 6 timed steps each; the compute scale comes from the first, and the
 price per action from the difference of the two medians, the step overhead
 from what is left (NOTE [Two microbatch counts]). With one run, whatever the
 prediction of that run lacked (the barriers' skew, a per-step cost) was
@@ -185,7 +185,7 @@ def _timed_rounds(pipes: Sequence[Any], waits: Any, args: tuple, kwargs: dict, t
 
 def measure_runtime(model: torch.nn.Module, args: tuple, kwargs: dict, target: Any, *,
                     loss_fn: Any, group: Any, units: Sequence[str], num_microbatches: int,
-                    link: tuple[float, float], steps: int = 8,
+                    link: tuple[float, float], steps: int = 6,
                     compile: Any = False, waits: Any = None,
                     second: bool = True) -> RuntimeCosts:
     """The runtime's costs running ``model`` on ``group`` (a pipeline group of
