@@ -154,7 +154,10 @@ def test_the_measured_faster_of_two_forced_finalists_wins_on_every_rank():
     assert r0["plan"] == r1["plan"] and r0["trials"] == r1["trials"]
     trials = r0["trials"]
     assert {x["fields"][2] for x in trials} == {1, 8}, trials
-    assert all(len(x["steps"]) == t.TRIAL_STEPS for x in trials)
+    counts = sorted(len(x["steps"]) for x in trials)
+    # Every finalist its steps; the close ones more (when two medians are close).
+    assert counts[0] == t.TRIAL_STEPS and counts[-1] in (t.TRIAL_STEPS,
+                                                         t.TRIAL_STEPS + t.EXTRA_STEPS)
     medians = [sorted(x["steps"])[len(x["steps"]) // 2] for x in trials]
     fastest = trials[medians.index(min(medians))]["fields"]
     assert r0["plan"] == fastest, (r0["plan"], trials)

@@ -21,7 +21,8 @@ mode):
 - how (:func:`run_trials`): each finalist a pipeline over the same model,
   built one at a time (its capture and first step untimed), then timed
   steps barrier to barrier, interleaved A B C A B C so that the machine's
-  drift hits all alike; all freed after the choice;
+  drift hits all alike, and more steps of those whose medians are too
+  close to tell apart; all freed after the choice;
 - which wins (:func:`choose`): the least median step.
 
 NOTE [Trials leave no trace]: trials run real steps on the user's model
@@ -38,6 +39,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import re
+import statistics
 import time
 from collections.abc import Sequence
 from typing import Any, Callable
@@ -45,13 +47,18 @@ from typing import Any, Callable
 from torch_mpmd.planning.plan import Candidate, Plan, Trial, evaluate_plan
 from torch_mpmd.planning.sheet import CostSheet
 
-__all__ = ["DEFAULT_TRIALS", "PREDICTION_ERROR", "TRIAL_STEPS", "choose", "default_contender",
-           "finalists", "run_trials"]
+__all__ = ["CLOSE", "DEFAULT_TRIALS", "EXTRA_STEPS", "PREDICTION_ERROR", "TRIAL_STEPS",
+           "choose", "default_contender", "finalists", "run_trials"]
 
 # Finalists from the search (the default a user writes first comes beside them).
 DEFAULT_TRIALS = 3
 # Timed steps per finalist (after one untimed: capture, build, first run).
 TRIAL_STEPS = 5
+# More timed steps for the finalists whose medians are within CLOSE of the
+# least: differences that small are within a few steps' noise on a shared
+# machine (BENCHMARKS.md, "The machine's own noise").
+EXTRA_STEPS = 4
+CLOSE = 0.03
 # The simulator's relative error on a model it has not met, after the
 # launch's own calibration: candidates predicted within it of the best are
 # too close for the prediction to rank (BENCHMARKS.md, the planner zoo).
@@ -172,12 +179,14 @@ def plan_of(c: Candidate | Trial, sheet: CostSheet | None = None) -> Plan:
 def run_trials(model: Any, args: tuple, kwargs: dict, target: Any,
                contenders: Sequence[tuple[Candidate, bool]], *, sheet: CostSheet,
                loss_fn: Any, group: Any, compile: Any, waits: Any, timeout_s: float,
-               steps: int = TRIAL_STEPS) -> list[Trial]:
+               steps: int = TRIAL_STEPS, extra_steps: int = EXTRA_STEPS) -> list[Trial]:
     """Every contender run on ``group`` (the pipeline group; collective over
     it, ``waits``: its lockstep.Collectives, None for one process): built one
     at a time, one untimed step each, then ``steps`` timed steps each,
-    interleaved; every rank returns rank 0's timings. The model is left as
-    it was (NOTE [Trials leave no trace])."""
+    interleaved; then ``extra_steps`` more, interleaved, of those whose
+    median is within :data:`CLOSE` of the least (when two or more are).
+    Every rank returns rank 0's timings. The model is left as it was (NOTE
+    [Trials leave no trace])."""
     import torch
     import torch.distributed as dist
 
@@ -203,17 +212,32 @@ def run_trials(model: Any, args: tuple, kwargs: dict, target: Any,
                 waits.barrier(f"the barrier before trial {i}'s first step")
             pipe.step(*args, **kwargs, target=target)  # capture, build, first transfers
             pipes.append(pipe)
-        for step in range(steps):
-            for i, pipe in enumerate(pipes):
-                barrier(f"the barrier before trial {i}'s step {step}")
-                start = time.perf_counter()
-                pipe.step(*args, **kwargs, target=target)
-                barrier(f"the barrier after trial {i}'s step {step}")
-                walls[i].append(time.perf_counter() - start)
+
+        def rounds(which: list[int], count: int, first: int) -> None:
+            for step in range(first, first + count):
+                for i in which:
+                    barrier(f"the barrier before trial {i}'s step {step}")
+                    start = time.perf_counter()
+                    pipes[i].step(*args, **kwargs, target=target)
+                    barrier(f"the barrier after trial {i}'s step {step}")
+                    walls[i].append(time.perf_counter() - start)
+
+        def shared(what: str) -> list[list[float]]:
+            if waits is not None and dist.get_world_size(waits.group) > 1:
+                return waits.broadcast_json(walls, what)
+            return walls
+
+        rounds(list(range(len(pipes))), steps, 0)
+        walls = shared("the broadcast of rank 0's trial timings")
+        # Where the medians are too close to tell, more steps of those alone
+        # (every rank decides alike: on rank 0's timings).
+        medians = [statistics.median(w) for w in walls]
+        close = [i for i, m in enumerate(medians) if m <= min(medians) * (1 + CLOSE)]
+        if len(close) > 1 and extra_steps > 0:
+            rounds(close, extra_steps, steps)
+            walls = shared("the broadcast of rank 0's further trial timings")
         del pipes, pipe  # freed before the chosen plan is built
         gc.collect()
-    if waits is not None and dist.get_world_size(waits.group) > 1:
-        walls = waits.broadcast_json(walls, "the broadcast of rank 0's trial timings")
     return [Trial(schedule=c.schedule, stages_per_rank=c.stages_per_rank,
                   num_microbatches=c.num_microbatches, split_points=tuple(c.split_points),
                   recompute=tuple(c.recompute), predicted_step_s=c.predicted_step_s,
