@@ -470,7 +470,8 @@ def main() -> None:
     ap.add_argument("--json", default=None, help="write everything measured here")
     ap.add_argument("--from-json", default=None, help="report a saved run (no launch)")
     ap.add_argument("--refit", action="store_true", help="with --from-json: fit the saved "
-                    "sheet and calibration again with this checkout's calibrate.fit_sheet")
+                    "sheet and calibration again with this checkout's calibrate.fit_sheet "
+                    "(its first run only)")
     ap.add_argument("--markdown", action="store_true", help="with --from-json: one table, "
                     "before and after side by side")
     args = ap.parse_args()
@@ -481,8 +482,10 @@ def main() -> None:
             from torch_mpmd.planning import calibrate
             from torch_mpmd.planning.sheet import CostSheet
 
+            # One run, as measure_runtime's default (a launch of the two-count
+            # calibration saved its second run too: left out here).
             run = calibrate.RuntimeCosts(**{**data["runtime"], "split_points": tuple(
-                data["runtime"]["split_points"])})
+                data["runtime"]["split_points"]), "second_microbatches": 0})
             data["sheet"] = calibrate.fit_sheet(CostSheet.from_json(data["raw"]), run,
                                                 data["batch"]).to_json()
         if args.markdown:

@@ -41,15 +41,18 @@ calibrations (steps vary by a few percent); the spans, summed over every
 action of every step, do not. (Those steps were timed between barriers that
 polled the store every 20 ms: NOTE [Calibration barriers].)
 
-Since issue 31 the run is two pipelines, 1F1B at the profile's microbatch
-count m and at 2m, stepped in turn (A B A B: the machine's drift hits both
-alike), 6 timed steps each; the compute scale comes from the first, and the
-price per action from the difference of the two medians, the step overhead
-from what is left (NOTE [Two microbatch counts]). With one run, whatever the
-prediction of that run lacked (the barriers' skew, a per-step cost) was
-priced per action, and the plans of many microbatches paid it once per
-action: the wide-head GPT's sheet predicted zero_bubble m=2 at 1.13 of its
-measured step and m=16 at 1.48 (issue 31).
+Those barriers were the cause of issue 31's error growing with m (the
+wide-head GPT's sheet predicted zero_bubble m=2 at 1.13 of its measured
+step and m=16 at 1.48): the skew they left inside the run was priced per
+action, and the plans of many microbatches paid it once per action. With
+plain all-reduce barriers the one run's fit is flat over m = 2..16 on the
+six models of scripts/bench_plan_zoo.py (BENCHMARKS.md, "Predicted against
+measured: the planner zoo"). ``measure_runtime(second=True)`` also runs 1F1B
+at 2m, stepped in turn with the first, and fits the price per action from
+the difference of the two (NOTE [Two microbatch counts]); on the zoo it was
+no better than one run (the difference of two medians of a few steps is
+noisy on a shared machine) and it builds a second pipeline, so it is off by
+default.
 
 The calibration runs the programs the profile timed: FX, or compiled as
 ``compile=`` compiles them (its two stages compile once more, on their own
@@ -185,9 +188,9 @@ def _timed_rounds(pipes: Sequence[Any], waits: Any, args: tuple, kwargs: dict, t
 
 def measure_runtime(model: torch.nn.Module, args: tuple, kwargs: dict, target: Any, *,
                     loss_fn: Any, group: Any, units: Sequence[str], num_microbatches: int,
-                    link: tuple[float, float], steps: int = 6,
+                    link: tuple[float, float], steps: int = 10,
                     compile: Any = False, waits: Any = None,
-                    second: bool = True) -> RuntimeCosts:
+                    second: bool = False) -> RuntimeCosts:
     """The runtime's costs running ``model`` on ``group`` (a pipeline group of
     at least two ranks; collective over it): see the module docstring.
     ``units``: the profile's (the split cuts at every ``len(units) / p``-th);
