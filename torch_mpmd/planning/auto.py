@@ -29,7 +29,6 @@ import dataclasses
 import hashlib
 import json
 import logging
-import os
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -39,6 +38,7 @@ import torch.distributed as dist
 
 from torch_mpmd.planning.plan import Plan, evaluate_plan, plan_from_sheet
 from torch_mpmd.planning.profile import profile
+from torch_mpmd.planning.profile_cache import write_atomic
 from torch_mpmd.planning.sheet import CostSheet, Unit
 from torch_mpmd.planning.trials import DEFAULT_TRIALS
 
@@ -220,7 +220,7 @@ def plan(model: Any, example_args: Any, example_kwargs: Mapping[str, Any] | None
                                     stages_per_rank=_one(stages_per_rank),
                                     memory_limit=memory_limit))
         if decision_path is not None:
-            _write_text(decision_path, out.to_json())
+            write_atomic(decision_path, out.to_json())
     elif trials and rank == 0:
         _log.info("torch_mpmd: mpmd.plan runs no trials: %s", why_not)
     if out.search is not None and len(out.search.top) > top_k:
@@ -307,16 +307,6 @@ def _decision_path(cache_path: Any, settings: dict[str, Any]) -> Path | None:
     digest = hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode())
     return Path(cache_path).with_name(f"{Path(cache_path).stem}.decision-"
                                       f"{digest.hexdigest()[:16]}.json")
-
-
-def _write_text(path: Path, text: str) -> None:
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(text)
-        tmp.replace(path)
-    except OSError:
-        pass  # a read-only cache: the plan is still returned
 
 
 # ------------------------------------------------------------------ replan

@@ -69,10 +69,12 @@ import contextlib
 import dataclasses
 import statistics
 import time
+from collections.abc import Mapping
 from typing import Any, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
+import torch.utils._pytree as pytree
 
 __all__ = ["RuntimeCosts", "fit_action_overhead", "fit_sheet", "measure_runtime"]
 
@@ -113,6 +115,14 @@ def fit_action_overhead(schedule: Any, rows: Sequence[Any], wall_s: float, *,
     while predicted(hi) < wall_s and hi < 1.0:
         hi *= 2
     return _bisect(predicted, wall_s, 0.0, hi)
+
+
+def batch_size_of(args: Sequence[Any], kwargs: Mapping[str, Any]) -> int:
+    """The leading size of the first tensor among the inputs (the batch)."""
+    for leaf in pytree.tree_leaves((tuple(args), dict(kwargs))):
+        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
+            return int(leaf.shape[0])
+    raise ValueError("the example inputs hold no tensor with a batch dimension")
 
 
 @contextlib.contextmanager
@@ -211,8 +221,6 @@ def measure_runtime(model: torch.nn.Module, args: tuple, kwargs: dict, target: A
 
     pp = dist.get_world_size(group)
     split = [units[len(units) * k // pp] for k in range(1, pp)]
-    from torch_mpmd.planning.profile import batch_size_of
-
     counts = [num_microbatches]
     if second and batch_size_of(args, kwargs) % (2 * num_microbatches) == 0:
         counts.append(2 * num_microbatches)

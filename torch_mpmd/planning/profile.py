@@ -99,10 +99,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
-import hashlib
-import inspect
-import json
-import os
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -114,8 +110,9 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 
 from torch_mpmd.parallel import lockstep
-from torch_mpmd.planning.calibrate import (RuntimeCosts, fit_sheet, measure_runtime,
-                                           model_state_kept)
+from torch_mpmd.planning.calibrate import (RuntimeCosts, batch_size_of, fit_sheet,
+                                           measure_runtime, model_state_kept)
+from torch_mpmd.planning.profile_cache import cache_dir_of, profile_key, read_entry, write_entry
 from torch_mpmd.planning.sheet import CostSheet, Unit
 from torch_mpmd.planning.units import call_order, coarse, refine, too_big
 
@@ -256,14 +253,6 @@ def _check_units(model: torch.nn.Module, units: Sequence[str]) -> list[str]:
 # ------------------------------------------------------------------ sizes
 
 
-def batch_size_of(args: Sequence[Any], kwargs: Mapping[str, Any]) -> int:
-    """The leading size of the first tensor among the inputs (the batch)."""
-    for leaf in pytree.tree_leaves((tuple(args), dict(kwargs))):
-        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
-            return int(leaf.shape[0])
-    raise ValueError("the example inputs hold no tensor with a batch dimension")
-
-
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
@@ -288,70 +277,6 @@ def _sizes(microbatch_sizes: Any, batch: int, pp_size: int) -> list[int]:
             raise ValueError(f"microbatch_sizes: {s!r} must be a positive int dividing the "
                              f"batch of {batch}")
     return sizes
-
-
-# ------------------------------------------------------------------ cache key
-
-
-def _describe_value(value: Any) -> Any:
-    leaves, spec = pytree.tree_flatten(value)
-    return [str(spec), [(tuple(t.shape), str(t.dtype)) if isinstance(t, torch.Tensor) else repr(t)
-                        for t in leaves]]
-
-
-def _source(cls: type) -> str:
-    try:
-        return inspect.getsource(cls.forward)
-    except (OSError, TypeError, AttributeError):
-        return cls.__qualname__
-
-
-def _loss_label(loss_fn: Any) -> str:
-    from torch_mpmd.programs.loss import loss_label
-    return loss_label(loss_fn)
-
-
-def _compile_key(compile: Any) -> str:
-    if callable(compile) and not isinstance(compile, bool):
-        return f"{getattr(compile, '__module__', '')}.{getattr(compile, '__qualname__', '')}"
-    return repr(compile)
-
-
-# How a profile is measured, in the key: a cached profile measured otherwise
-# (other units refined, fields a newer sheet prices) is measured again.
-# Bump it when that changes.
-_METHOD = 4  # 4: entries hold the units unfitted (NOTE [Relative profiles])
-
-
-def profile_key(model: torch.nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any],
-                target: Any, *, loss_fn: Any, units: Sequence[str], sizes: Sequence[int],
-                compile: Any, pp_size: int, device: str, dp_size: int = 1) -> str:
-    """The cache key (a sha256 hex digest) of a profile; see the module docstring."""
-    classes = sorted({type(m) for m in model.modules()}, key=lambda c: c.__qualname__)
-    what = {
-        "classes": [(c.__module__, c.__qualname__, _source(c)) for c in classes],
-        "params": [(n, tuple(p.shape), str(p.dtype), p.requires_grad)
-                   for n, p in model.named_parameters(remove_duplicate=False)],
-        "buffers": [(n, tuple(b.shape), str(b.dtype)) for n, b in model.named_buffers()],
-        "training": model.training,
-        "args": _describe_value(tuple(args)), "kwargs": _describe_value(dict(kwargs)),
-        "target": _describe_value(target), "loss": _loss_label(loss_fn),
-        "units": list(units), "sizes": list(sizes), "compile": _compile_key(compile),
-        "pp_size": pp_size, "device": device, "torch": torch.__version__,
-        "method": _METHOD,
-    }
-    if dp_size > 1:  # (keys of profiles without data parallel stay as they were)
-        what["dp_size"] = dp_size
-    return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()
-
-
-def _cache_dir(cache_dir: Any) -> Path | None:
-    if cache_dir is False:
-        return None
-    if cache_dir is None:
-        cache_dir = os.environ.get("MPMD_PROFILE_CACHE") or \
-            os.path.join(os.path.expanduser("~"), ".cache", "torch_mpmd", "profiles")
-    return Path(cache_dir)
 
 
 # ------------------------------------------------------------------ measuring
@@ -724,16 +649,11 @@ def _profile(model: torch.nn.Module, example_args: Any, example_kwargs: Any, *,
         key = profile_key(model, example_args, kwargs, target, loss_fn=loss_fn,
                           units=unit_names, sizes=sizes, compile=compile, pp_size=pp,
                           device=device.type, dp_size=dp_size)
-        cache = _cache_dir(cache_dir)
+        cache = cache_dir_of(cache_dir)
         path = cache / f"{key}.json" if cache is not None else None
         if info is not None:
             info["cache_path"] = path
-        if path is not None and path.is_file():
-            try:
-                raw_text = json.loads(path.read_text())["units_sheet"]
-                CostSheet.from_json(raw_text)
-            except (ValueError, KeyError, OSError, TypeError):
-                raw_text = None  # a damaged entry is measured again
+        raw_text = read_entry(path)
     # Rank 0 tells the others whether it measures the units.
     if waits is not None:
         measure = bool(waits.broadcast_json(raw_text is None, "the broadcast of whether rank "
@@ -772,7 +692,7 @@ def _profile(model: torch.nn.Module, example_args: Any, example_kwargs: Any, *,
                                repeats=repeats, batch=batch, pp_size=pp, global_batch=gb,
                                link=link, runtime=runtime, memory_limit=memory_limit,
                                order=order, dp=dp)
-                _write_entry(path, key, raw.to_json())
+                write_entry(path, key, raw.to_json())
             else:
                 assert raw_text is not None
                 raw = dataclasses.replace(
@@ -800,16 +720,3 @@ def _with_batch(sheet: CostSheet, global_batch: int, memory_limit: float) -> Cos
     if sheet.global_batch != global_batch or sheet.memory_limit != memory_limit:
         sheet = dataclasses.replace(sheet, global_batch=global_batch, memory_limit=memory_limit)
     return sheet
-
-
-def _write_entry(path: Path | None, key: str, units_sheet: str) -> None:
-    """The cache entry: the units as measured, before this launch's fit."""
-    if path is None:
-        return
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps({"key": key, "units_sheet": units_sheet}))
-        tmp.replace(path)
-    except OSError:
-        pass  # a read-only cache: the profile is still returned
