@@ -107,7 +107,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.utils._pytree as pytree
 
 from torch_mpmd.parallel import lockstep
 from torch_mpmd.planning.calibrate import (RuntimeCosts, batch_size_of, fit_sheet,
