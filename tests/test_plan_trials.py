@@ -46,9 +46,12 @@ def test_finalists_span_microbatch_counts_and_families_within_the_models_error()
     picked = [c for c, _ in got]
     assert picked == [top[0], top[3], top[4]], picked  # m=8, then the split-backward family
     assert not any(d for _, d in got)
-    # Past the model's error, another m or family is not worth a trial: next best.
+    # Past the model's error another family is not worth a trial (the next
+    # best runs instead), but another m still is: the model errs most there.
     got = t.finalists(top, count=3, error=0.005)
-    assert [c for c, _ in got] == top[:3]
+    assert [c for c, _ in got] == [top[0], top[3], top[1]]
+    assert [c for c, _ in t.finalists(top[:3] + top[4:], count=2, error=0.005)] == \
+        [top[0], top[5]]
 
 
 def test_the_default_runs_beside_the_finalists_or_is_marked_among_them():
