@@ -158,9 +158,9 @@ def test_the_measured_faster_of_two_forced_finalists_wins_on_every_rank():
     trials = r0["trials"]
     assert {x["fields"][2] for x in trials} == {1, 8}, trials
     counts = sorted(len(x["steps"]) for x in trials)
-    # Every finalist its steps; the close ones more (when two medians are close).
-    assert counts[0] == t.TRIAL_STEPS and counts[-1] in (t.TRIAL_STEPS,
-                                                         t.TRIAL_STEPS + t.EXTRA_STEPS)
+    # Every finalist the same steps; the close ones more (when two medians are close).
+    assert t.TRIAL_STEPS <= counts[0] <= t.MAX_TRIAL_STEPS, counts
+    assert counts[-1] == counts[0] or counts[-1] >= counts[0] + t.EXTRA_STEPS, counts
     medians = [sorted(x["steps"])[len(x["steps"]) // 2] for x in trials]
     fastest = trials[medians.index(min(medians))]["fields"]
     assert r0["plan"] == fastest, (r0["plan"], trials)

@@ -48,13 +48,18 @@ from typing import Any, Callable
 from torch_mpmd.planning.plan import Candidate, Plan, Trial, evaluate_plan
 from torch_mpmd.planning.sheet import CostSheet
 
-__all__ = ["CLOSE", "DEFAULT_TRIALS", "EXTRA_STEPS", "PREDICTION_ERROR", "TRIAL_STEPS",
+__all__ = ["CLOSE", "DEFAULT_TRIALS", "EXTRA_STEPS", "MAX_TRIAL_STEPS", "PREDICTION_ERROR",
+           "TRIAL_SECONDS", "TRIAL_STEPS",
            "choose", "default_contender", "finalists", "run_trials"]
 
 # Finalists from the search (the default a user writes first comes beside them).
 DEFAULT_TRIALS = 3
-# Timed steps per finalist (after one untimed: capture, build, first run).
+# Timed steps per finalist (after one untimed: capture, build, first run):
+# at least TRIAL_STEPS, more while all rounds fit in TRIAL_SECONDS, at most
+# MAX_TRIAL_STEPS.
 TRIAL_STEPS = 5
+TRIAL_SECONDS = 4.0
+MAX_TRIAL_STEPS = 20
 # More timed steps for the finalists whose medians are within CLOSE of the
 # least: differences that small are within a few steps' noise on a shared
 # machine (BENCHMARKS.md, "The machine's own noise").
@@ -192,9 +197,10 @@ def run_trials(model: Any, args: tuple, kwargs: dict, target: Any,
                steps: int = TRIAL_STEPS, extra_steps: int = EXTRA_STEPS) -> list[Trial]:
     """Every contender run on ``group`` (the pipeline group; collective over
     it, ``waits``: its lockstep.Collectives, None for one process): built one
-    at a time, one untimed step each, then ``steps`` timed steps each,
-    interleaved; then ``extra_steps`` more, interleaved, of those whose
-    median is within :data:`CLOSE` of the least (when two or more are).
+    at a time, one untimed step each, then ``steps`` timed steps each (more
+    for fast steps: see TRIAL_SECONDS), interleaved; then as many again (at
+    least ``extra_steps``), interleaved, of those whose median is within
+    :data:`CLOSE` of the least (when two or more are).
     Every rank returns rank 0's timings. The model is left as it was (NOTE
     [Trials leave no trace])."""
     import torch
@@ -237,14 +243,21 @@ def run_trials(model: Any, args: tuple, kwargs: dict, target: Any,
                 return waits.broadcast_json(walls, what)
             return walls
 
-        rounds(list(range(len(pipes))), steps, 0)
+        # One round timed, then as many as fill TRIAL_SECONDS (at least
+        # ``steps``, at most MAX_TRIAL_STEPS): a fast model's medians get the
+        # steps its noise needs at little cost.
+        rounds(list(range(len(pipes))), 1, 0)
+        walls = shared("the broadcast of rank 0's first trial round")
+        per_round = sum(w[0] for w in walls)
+        total = max(steps, min(MAX_TRIAL_STEPS, int(TRIAL_SECONDS / max(per_round, 1e-9))))
+        rounds(list(range(len(pipes))), total - 1, 1)
         walls = shared("the broadcast of rank 0's trial timings")
         # Where the medians are too close to tell, more steps of those alone
         # (every rank decides alike: on rank 0's timings).
         medians = [statistics.median(w) for w in walls]
         close = [i for i, m in enumerate(medians) if m <= min(medians) * (1 + CLOSE)]
         if len(close) > 1 and extra_steps > 0:
-            rounds(close, extra_steps, steps)
+            rounds(close, max(extra_steps, total), total)
             walls = shared("the broadcast of rank 0's further trial timings")
         del pipes, pipe  # freed before the chosen plan is built
         gc.collect()
