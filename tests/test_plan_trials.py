@@ -84,6 +84,30 @@ def test_the_default_is_1f1b_at_4p_microbatches_split_evenly_by_blocks():
     assert t.default_contender(sheet, memory_limit=1.0) is None
 
 
+def test_a_best_cutting_inside_a_block_runs_beside_its_split_between_blocks():
+    names = ["tok", "blocks.0", "blocks.1.attn", "blocks.1.mlp", "blocks.2", "blocks.3",
+             "ln_f", "head"]
+    sheet = CostSheet(units=[Unit(name=n, forward=1e-3, backward_input=1e-3,
+                                  backward_weight=1e-3, output_bytes=1e4) for n in names],
+                      global_batch=8, pp_size=2, reference_microbatch=2,
+                      action_overhead=1e-4, link_latency=1e-4, link_bandwidth=1e9)
+    inside = _cand("zero_bubble", 2, 1.0, ("blocks.1.mlp",))
+    assert t.cuts_inside_blocks(sheet, inside)
+    # A block's first part, a whole block, a unit after the blocks: not inside.
+    for split in (("blocks.1.attn",), ("blocks.2",), ("head",)):
+        assert not t.cuts_inside_blocks(sheet, _cand("zero_bubble", 2, 1.0, split))
+        assert t.at_block_boundaries(sheet, _cand("zero_bubble", 2, 1.0, split)) is None
+    whole = t.at_block_boundaries(sheet, inside)
+    assert (whole.schedule, whole.num_microbatches, whole.split_points) == \
+        ("zero_bubble", 2, ("blocks.2",))
+    want = evaluate_plan(sheet, "zero_bubble", num_microbatches=2, split_points=["blocks.2"])
+    assert whole.predicted_step_s == pytest.approx(want.predicted_step_s)
+    assert t.at_block_boundaries(sheet, inside, memory_limit=1.0) is None
+    other_m = _cand("zero_bubble", 4, 1.1, ("blocks.2",))
+    got = t.finalists([inside, other_m], count=2, beside=[whole, other_m])
+    assert [c for c, _ in got] == [inside, other_m, whole]  # (other_m once)
+
+
 def _trial(m: int, steps: tuple[float, ...], predicted: float = 1.0) -> Trial:
     return Trial(schedule="1f1b", stages_per_rank=1, num_microbatches=m,
                  split_points=("blocks.2",), recompute=(False, False),

@@ -278,7 +278,10 @@ def _decide_by_trials(out: Plan, sheet: CostSheet, trials: int, model: Any, exam
     assert out.search is not None
     default = t.default_contender(sheet, **constraints)
     top = [c for c in out.search.top if c.data_parallel == "replicate"]
-    contenders = t.finalists(top, count=trials, default=default)
+    beside = [t.at_block_boundaries(sheet, top[0], memory_limit=constraints["memory_limit"])] \
+        if top else []
+    contenders = t.finalists(top, count=trials, default=default,
+                             beside=[c for c in beside if c is not None])
     if len(contenders) < 2:
         return out
     args = example_args if isinstance(example_args, tuple) else (example_args,)

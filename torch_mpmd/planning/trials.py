@@ -16,8 +16,9 @@ mode):
   another microbatch count (within :data:`PREDICTION_ERROR` of it if one
   is, else the best of another count at all) and, within that error, the
   best of another schedule family (the choices the model's error makes
-  uncertain); then the next best; and the configuration a user
-  writes first (:func:`default_contender`: 1F1B, m = 4p, the blocks split
+  uncertain); then the next best; where the best cuts inside a block, the
+  same schedule cut between blocks (:func:`at_block_boundaries`); and the
+  configuration a user writes first (:func:`default_contender`: 1F1B, m = 4p, the blocks split
   evenly by count), so that the choice is never measurably slower than it;
 - how (:func:`run_trials`): each finalist a pipeline over the same model,
   built one at a time (its capture and first step untimed), then timed
@@ -131,17 +132,57 @@ def default_contender(sheet: CostSheet, *, schedule: str | None = None,
                      predicted_peak_bytes=plan.predicted_peak_bytes)
 
 
+def cuts_inside_blocks(sheet: CostSheet, c: Candidate) -> bool:
+    """Whether ``c`` cuts a block of the model's numbered blocks inside it
+    (at a refined unit: ``blocks.1.mlp``, NOTE [Refined units])."""
+    blocks = {sheet.units[u].name for u in _blocks([x.name for x in sheet.units])}
+    for name in c.split_points:
+        found = _BLOCK.match(name)
+        if found and name not in blocks and "." in name[len(found.group(1)) + 1:]:
+            return True
+    return False
+
+
+def at_block_boundaries(sheet: CostSheet, c: Candidate, *, memory_limit: float | None = None
+                        ) -> Candidate | None:
+    """``c``'s schedule, v and m with the blocks split evenly by count, as a
+    finalist beside ``c`` when ``c`` cuts inside a block (None otherwise, or
+    when that split is not a valid plan here). On the zoo's MoE and Llama
+    models the search's cuts inside a block ran 5-18% slower than the same
+    schedule cut between blocks (BENCHMARKS.md, "plan='auto' decided by
+    trials"): the cut's price is where the simulator errs."""
+    if not cuts_inside_blocks(sheet, c):
+        return None
+    split = even_split(sheet, sheet.pp_size * c.stages_per_rank)
+    if split is None or tuple(split) == tuple(c.split_points):
+        return None
+    try:
+        plan = evaluate_plan(sheet, c.schedule, num_microbatches=c.num_microbatches,
+                             stages_per_rank=c.stages_per_rank, split_points=split,
+                             data_parallel=c.data_parallel)
+    except (ValueError, RuntimeError):
+        return None
+    if memory_limit and max(plan.predicted_peak_bytes) > memory_limit:
+        return None
+    return Candidate(schedule=plan.schedule, stages_per_rank=plan.stages_per_rank,
+                     num_microbatches=plan.num_microbatches, split_points=plan.split_points,
+                     recompute=plan.recompute, predicted_step_s=plan.predicted_step_s,
+                     predicted_peak_bytes=plan.predicted_peak_bytes,
+                     data_parallel=plan.data_parallel)
+
+
 def _fields(c: Candidate | Trial) -> tuple:
     return (c.schedule, c.stages_per_rank, c.num_microbatches, tuple(c.split_points),
             tuple(c.recompute), c.data_parallel)
 
 
 def finalists(top: Sequence[Candidate], *, count: int = DEFAULT_TRIALS,
-              default: Candidate | None = None, error: float = PREDICTION_ERROR
-              ) -> list[tuple[Candidate, bool]]:
+              default: Candidate | None = None, error: float = PREDICTION_ERROR,
+              beside: Sequence[Candidate] = ()) -> list[tuple[Candidate, bool]]:
     """The contenders to run, each with whether it is ``default``: ``count``
-    of the search's ``top`` (best first; see the module docstring) and
-    ``default`` beside them (unless it is one of them)."""
+    of the search's ``top`` (best first; see the module docstring), then
+    ``beside`` (e.g. :func:`at_block_boundaries` of the best) and
+    ``default`` (each unless it is one of them already)."""
     if count < 1 or not top:
         return []
     best = top[0].predicted_step_s
@@ -169,6 +210,9 @@ def finalists(top: Sequence[Candidate], *, count: int = DEFAULT_TRIALS,
         if len(chosen) >= count:
             break
         if c not in chosen:
+            chosen.append(c)
+    for c in beside:
+        if all(_fields(c) != _fields(x) for x in chosen):
             chosen.append(c)
     out = [(c, False) for c in chosen]
     if default is not None:
