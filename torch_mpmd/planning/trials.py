@@ -325,12 +325,10 @@ def as_plan(trial: Trial, trials: Sequence[Trial], search: Any, sheet: CostSheet
             *, trials_s: float, decided_by: str = "trials") -> Plan:
     """The chosen ``trial`` as the Plan ``mpmd.plan`` returns, its search
     record carrying every trial and the trials' time."""
-    from torch_mpmd.planning.plan import evaluate_plan as _evaluate
-
-    peaks = _evaluate(sheet, trial.schedule, num_microbatches=trial.num_microbatches,
-                      stages_per_rank=trial.stages_per_rank, split_points=trial.split_points,
-                      recompute=trial.recompute, data_parallel=trial.data_parallel
-                      ).predicted_peak_bytes
+    peaks = evaluate_plan(sheet, trial.schedule, num_microbatches=trial.num_microbatches,
+                          stages_per_rank=trial.stages_per_rank, split_points=trial.split_points,
+                          recompute=trial.recompute, data_parallel=trial.data_parallel
+                          ).predicted_peak_bytes
     record = dataclasses.replace(search, trials=tuple(trials), trials_s=trials_s,
                                  decided_by=decided_by)
     return dataclasses.replace(plan_of(trial), predicted_peak_bytes=peaks, search=record,
