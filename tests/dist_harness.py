@@ -1,4 +1,4 @@
-"""Launch N fresh Python processes as gloo ranks on 127.0.0.1 and collect their results.
+"""Run a function on N gloo ranks (Python processes on 127.0.0.1) and collect their results.
 
     from dist_harness import run_ranks
     run = run_ranks(2, "pipeline_worker:grid", cases, timeout=120)
@@ -20,20 +20,28 @@ The parent waits with one hard overall timeout; on expiry it kills every rank
 ``run.exit_times[rank]`` is when that rank's process ended by itself (seconds
 from the launch; None when the harness killed it), and ``run.exit_wall(rank)``
 the same on the ``time.time()`` clock, to compare with times a worker records.
+
+A launch that expects success (``check=True``, and every :class:`GridRun`) is
+served by a worker group: ranks started once in the pytest session that run
+call after call, and are replaced after any call that fails (NOTE [Worker
+groups]). The others start fresh processes, as ``MPMD_TEST_POOL=0`` makes all.
 """
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import datetime
 import importlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -106,10 +114,269 @@ def _kill(proc: subprocess.Popen) -> None:
         proc.kill()
 
 
+def _rank_env(world_size: int, port: int, pg_timeout: float, init_process_group: bool,
+              env: dict[str, str] | None) -> dict[str, str]:
+    """The environment every rank of a launch (or of a worker group) starts with."""
+    base_env = dict(os.environ)
+    if sys.platform == "linux":  # gloo on loopback, whatever the hostname resolves to
+        base_env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    base_env.update(env or {})
+    pythonpath = [str(TESTS_DIR), str(REPO_ROOT)]
+    if base_env.get("PYTHONPATH"):
+        pythonpath.append(base_env["PYTHONPATH"])
+    base_env.update(
+        PYTHONPATH=os.pathsep.join(pythonpath), MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port), WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1",
+        PYTHONUNBUFFERED="1", HARNESS_PG_TIMEOUT=str(pg_timeout),
+        HARNESS_INIT_PG="1" if init_process_group else "0")
+    return base_env
+
+
+def _spawn(world_size: int, base_env: dict[str, str], workdir: Path, *,
+           serve: bool = False) -> tuple[list[subprocess.Popen], list[Any]]:
+    """Start the ranks, each in its own session (so a kill takes its children too),
+    stdout and stderr to files in ``workdir``; ``serve``: a worker group's ranks,
+    which read calls from stdin."""
+    procs: list[subprocess.Popen] = []
+    files = []
+    try:
+        for rank in range(world_size):
+            rank_env = dict(base_env, RANK=str(rank), LOCAL_RANK=str(rank))
+            out = open(workdir / f"stdout{rank}.txt", "wb")
+            err = open(workdir / f"stderr{rank}.txt", "wb")
+            files += [out, err]
+            procs.append(subprocess.Popen(
+                [sys.executable, str(Path(__file__).resolve())] + (["--serve"] if serve else []),
+                env=rank_env, stdout=out, stderr=err, cwd=str(workdir), start_new_session=True,
+                stdin=subprocess.PIPE if serve else subprocess.DEVNULL))
+    except BaseException:
+        for p in procs:
+            _kill(p)
+        for f in files:
+            f.close()
+        raise
+    return procs, files
+
+
+def _wait(codes: Any, world_size: int, timeout: float,
+          failure_grace: float | None) -> tuple[bool, list[float | None], float]:
+    """Poll ``codes()`` (a list of exit codes, None while running) until every rank
+    ended, ``timeout`` passed, or ``failure_grace`` passed after a non-zero code:
+    (timed out, per rank seconds to its end, elapsed seconds)."""
+    start = time.monotonic()
+    first_failure: float | None = None
+    exit_times: list[float | None] = [None] * world_size
+    timed_out = False
+    while True:
+        now_codes = codes()
+        now = time.monotonic()
+        for rank, code in enumerate(now_codes):
+            if code is not None and exit_times[rank] is None:
+                exit_times[rank] = now - start
+        if all(c is not None for c in now_codes):
+            break
+        if first_failure is None and any(c not in (None, 0) for c in now_codes):
+            first_failure = now
+        if now - start > timeout:
+            timed_out = True
+            break
+        if (first_failure is not None and failure_grace is not None
+                and now - first_failure > failure_grace):
+            break
+        time.sleep(0.02)
+    return timed_out, exit_times, time.monotonic() - start
+
+
+def _results(workdir: Path, world_size: int) -> tuple[list[Any], list[bool]]:
+    """Each rank's result (or last partial result) and whether it was complete."""
+    results, complete = [], []
+    for rank in range(world_size):
+        final = workdir / f"result{rank}.json"
+        partial = workdir / f"partial{rank}.json"
+        if final.exists():
+            results.append(json.loads(final.read_text()))
+            complete.append(True)
+        else:
+            results.append(json.loads(partial.read_text()) if partial.exists() else None)
+            complete.append(False)
+    return results, complete
+
+
+def _log_launch(run: RunResult, target: str, how: str) -> None:
+    """One JSON line per launch in $MPMD_TEST_LAUNCH_LOG, when set (to measure the suite)."""
+    path = os.environ.get(LAUNCH_LOG_VAR)
+    if path:
+        line = dict(test=os.environ.get("PYTEST_CURRENT_TEST", ""), target=target,
+                    world=run.world_size, how=how, elapsed=round(run.elapsed, 2))
+        with open(path, "a") as f:
+            f.write(json.dumps(line) + "\n")
+
+
+# ---------------------------------------------------------------- worker groups
+
+# NOTE [Worker groups]: a launch used to start fresh processes, which import
+# torch (and the library, transformers, Inductor) and rendezvous gloo: seconds
+# per rank before the first case. Most launches only need ranks that run a
+# function and report, so they are served by a worker group instead: ranks
+# started once per (world size, process group timeout, extra environment) in
+# the pytest session, each holding its gloo group, that run one call after
+# another. A call is a line on each rank's stdin naming the call's directory
+# and target; the rank runs it as a fresh rank would (HARNESS_DIR, results and
+# partial results there) and then writes done<rank>.json. Between calls a rank
+# puts back what a call may change and a fresh process would not have seen:
+# os.environ, the RNG states, default dtype, grad mode and thread count; the
+# test-side modules (tests/*.py) are imported afresh, Dynamo's caches are
+# reset. Kept on purpose: imported libraries and their in-memory caches
+# (Inductor's loaded kernels) and :func:`worker_cache`. After each call every
+# rank checks that its default group still works and that no torch_mpmd
+# ledger is left broken or mid-call; a call that failed, timed out or left a
+# rank unclean gets the group torn down (its ranks killed), and the next call
+# starts a new one: a failed case cannot poison the next.
+#
+# Calls that look at failures (check=False: ranks that die, hang, exit early
+# or are killed), calls without a process group, with the store in this
+# process, or MPMD_TEST_POOL=0 keep starting fresh processes.
+
+POOL_VAR = "MPMD_TEST_POOL"            # "0": every launch starts fresh processes
+LAUNCH_LOG_VAR = "MPMD_TEST_LAUNCH_LOG"  # a file: one JSON line per launch
+_POOLS: dict[tuple[Any, ...], "_WorkerGroup"] = {}
+_POOLS_LOCK = threading.Lock()
+MAX_POOLS = 3  # worker groups kept at once (each rank holds torch and its models)
+
+
+class _WorkerGroup:
+    """``world_size`` ranks started once that serve calls (NOTE [Worker groups])."""
+
+    def __init__(self, world_size: int, pg_timeout: float, env: dict[str, str] | None) -> None:
+        self.world_size = world_size
+        self.lock = threading.Lock()
+        self.calls = 0
+        self.dir = Path(tempfile.mkdtemp(prefix="mpmd_group_"))
+        base_env = _rank_env(world_size, free_port(), pg_timeout, True, env)
+        self.procs, self.files = _spawn(world_size, base_env, self.dir, serve=True)
+        self.offsets = [[0, 0] for _ in range(world_size)]  # output read so far
+
+    def alive(self) -> bool:
+        return all(p.poll() is None for p in self.procs)
+
+    def close(self) -> None:
+        for p in self.procs:
+            _kill(p)
+            if p.stdin is not None:
+                try:
+                    p.stdin.close()
+                except OSError:
+                    pass
+        for p in self.procs:
+            p.wait()
+        for f in self.files:
+            f.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def _output(self, rank: int, which: int) -> str:
+        path = self.dir / f"{('stdout', 'stderr')[which]}{rank}.txt"
+        with open(path, "rb") as f:
+            f.seek(self.offsets[rank][which])
+            data = f.read()
+        self.offsets[rank][which] += len(data)
+        return data.decode(errors="replace")
+
+    def call(self, target: str, workdir: Path, timeout: float,
+             failure_grace: float | None) -> tuple[RunResult, bool]:
+        """Run one call; (its result, whether the group may serve another)."""
+        self.calls += 1
+        line = json.dumps(dict(dir=str(workdir), target=target, seq=self.calls)) + "\n"
+        started_at = time.time()
+        for p in self.procs:
+            try:
+                p.stdin.write(line.encode())
+                p.stdin.flush()
+            except OSError:
+                pass  # a dead rank: its exit code tells
+        done: list[dict[str, Any] | None] = [None] * self.world_size
+
+        def codes() -> list[int | None]:
+            out: list[int | None] = []
+            for rank, p in enumerate(self.procs):
+                if done[rank] is None and (workdir / f"done{rank}.json").exists():
+                    done[rank] = json.loads((workdir / f"done{rank}.json").read_text())
+                out.append(done[rank]["status"] if done[rank] is not None else p.poll())
+            return out
+
+        timed_out, exit_times, elapsed = _wait(codes, self.world_size, timeout, failure_grace)
+        final = codes()
+        healthy = (not timed_out and all(d is not None and d["status"] == 0 and d["clean"]
+                                         for d in done))
+        if not healthy:  # every rank still running is killed, as a fresh launch's would be
+            for p in self.procs:
+                _kill(p)
+            for p in self.procs:
+                p.wait()
+            final = [c if c is not None else p.returncode for c, p in zip(final, self.procs)]
+        results, complete = _results(workdir, self.world_size)
+        stdout = [self._output(r, 0) for r in range(self.world_size)]
+        stderr = [self._output(r, 1) for r in range(self.world_size)]
+        run = RunResult(self.world_size, results, complete, final, stdout, stderr, elapsed,
+                        timed_out, exit_times, started_at)
+        return run, healthy
+
+
+def _pooled_call(world_size: int, target: str, workdir: Path, timeout: float,
+                 pg_timeout: float, failure_grace: float | None,
+                 env: dict[str, str] | None) -> RunResult | None:
+    """Serve the call from a worker group (None: every group of this kind is busy)."""
+    key = (world_size, pg_timeout, tuple(sorted((env or {}).items())))
+    with _POOLS_LOCK:
+        group = _POOLS.get(key)
+        if group is not None and not group.lock.acquire(blocking=False):
+            return None  # another thread's call is running on it: launch fresh
+        if group is not None and not group.alive():
+            _POOLS.pop(key)
+            group.close()
+            group.lock.release()
+            group = None
+        if group is None:
+            while len(_POOLS) >= MAX_POOLS:  # the oldest idle group goes
+                idle = [k for k, g in _POOLS.items() if not g.lock.locked()]
+                if not idle:
+                    break
+                _POOLS.pop(idle[0]).close()
+            group = _POOLS[key] = _WorkerGroup(world_size, pg_timeout, env)
+            group.lock.acquire()
+        else:  # most recently used last
+            _POOLS[key] = _POOLS.pop(key)
+    try:
+        run, healthy = group.call(target, workdir, timeout, failure_grace)
+    except BaseException:
+        healthy = False
+        raise
+    finally:
+        if not healthy:
+            with _POOLS_LOCK:
+                if _POOLS.get(key) is group:
+                    del _POOLS[key]
+            group.close()
+        group.lock.release()
+    return run
+
+
+def close_worker_groups() -> None:
+    """Kill every worker group (the end of the pytest session)."""
+    with _POOLS_LOCK:
+        groups = list(_POOLS.values())
+        _POOLS.clear()
+    for g in groups:
+        g.close()
+
+
+atexit.register(close_worker_groups)
+
+
 def run_ranks(world_size: int, target: str, *args: Any, timeout: float = 120.0,
               pg_timeout: float = 60.0, init_process_group: bool = True,
               failure_grace: float | None = 20.0, env: dict[str, str] | None = None,
-              check: bool = True, agent_store: bool = False) -> RunResult:
+              check: bool = True, agent_store: bool = False,
+              pooled: bool | None = None) -> RunResult:
     """Run ``target`` ("module:function" importable from tests/) on ``world_size`` ranks.
 
     ``timeout``: hard limit for the whole launch, after which every rank is killed.
@@ -121,72 +388,59 @@ def run_ranks(world_size: int, target: str, *args: Any, timeout: float = 120.0,
     ``agent_store``: the rendezvous store lives in this process, as torchrun's
     agent hosts it (TORCHELASTIC_USE_AGENT_STORE), not in rank 0's: it
     outlives any rank.
+    ``pooled``: served by a worker group (NOTE [Worker groups]); None: when
+    ``check`` (a call that inspects failures gets fresh processes). Never
+    without a process group or with ``agent_store``, nor with MPMD_TEST_POOL=0.
     """
     if ":" not in target:
         raise ValueError(f"target={target!r} must be 'module:function'")
     if not init_process_group and world_size != 1:
         raise ValueError("init_process_group=False needs world_size=1")
     json.dumps(args)  # fail here, not in the children, on non-JSON arguments
+    if pooled is None:
+        pooled = check
+    pooled = (pooled and init_process_group and not agent_store
+              and os.environ.get(POOL_VAR, "1") != "0"
+              and "HARNESS_FINALIZE" not in (env or {}))
     workdir = Path(tempfile.mkdtemp(prefix="mpmd_ranks_"))
     (workdir / "args.json").write_text(json.dumps(list(args)))
+    try:
+        run = None
+        if pooled:
+            run = _pooled_call(world_size, target, workdir, timeout, pg_timeout,
+                               failure_grace, env)
+        how = "pooled" if run is not None else "fresh"
+        if run is None:
+            run = _fresh_launch(world_size, target, workdir, timeout, pg_timeout,
+                                init_process_group, failure_grace, env, agent_store)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    _log_launch(run, target, how)
+    return run.check() if check else run
+
+
+def _fresh_launch(world_size: int, target: str, workdir: Path, timeout: float,
+                  pg_timeout: float, init_process_group: bool, failure_grace: float | None,
+                  env: dict[str, str] | None, agent_store: bool) -> RunResult:
+    """Start ``world_size`` new processes for this one call and wait for them."""
     port = free_port()
-    base_env = dict(os.environ)
-    if sys.platform == "linux":  # gloo on loopback, whatever the hostname resolves to
-        base_env.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    base_env.update(env or {})
+    base_env = _rank_env(world_size, port, pg_timeout, init_process_group, env)
+    base_env.update(HARNESS_TARGET=target, HARNESS_DIR=str(workdir))
     store = None
     if agent_store:
-        import datetime as _dt
-
         import torch.distributed as dist
 
         store = dist.TCPStore("127.0.0.1", port, world_size, is_master=True,
-                              timeout=_dt.timedelta(seconds=timeout), wait_for_workers=False)
+                              timeout=datetime.timedelta(seconds=timeout),
+                              wait_for_workers=False)
         base_env["TORCHELASTIC_USE_AGENT_STORE"] = "True"
-    pythonpath = [str(TESTS_DIR), str(REPO_ROOT)]
-    if base_env.get("PYTHONPATH"):
-        pythonpath.append(base_env["PYTHONPATH"])
-    base_env.update(
-        PYTHONPATH=os.pathsep.join(pythonpath), MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port), WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1",
-        PYTHONUNBUFFERED="1", HARNESS_TARGET=target, HARNESS_DIR=str(workdir),
-        HARNESS_PG_TIMEOUT=str(pg_timeout),
-        HARNESS_INIT_PG="1" if init_process_group else "0")
     procs: list[subprocess.Popen] = []
-    files = []
+    files: list[Any] = []
     started_at = time.time()
-    start = time.monotonic()
     try:
-        for rank in range(world_size):
-            rank_env = dict(base_env, RANK=str(rank), LOCAL_RANK=str(rank))
-            out = open(workdir / f"stdout{rank}.txt", "wb")
-            err = open(workdir / f"stderr{rank}.txt", "wb")
-            files += [out, err]
-            procs.append(subprocess.Popen(
-                [sys.executable, str(Path(__file__).resolve())], env=rank_env,
-                stdout=out, stderr=err, stdin=subprocess.DEVNULL, cwd=str(workdir),
-                start_new_session=True))
-        timed_out = False
-        first_failure: float | None = None
-        exit_times: list[float | None] = [None] * world_size
-        while True:
-            codes = [p.poll() for p in procs]
-            now = time.monotonic()
-            for rank, code in enumerate(codes):
-                if code is not None and exit_times[rank] is None:
-                    exit_times[rank] = now - start
-            if all(c is not None for c in codes):
-                break
-            if first_failure is None and any(c not in (None, 0) for c in codes):
-                first_failure = now
-            if now - start > timeout:
-                timed_out = True
-                break
-            if (first_failure is not None and failure_grace is not None
-                    and now - first_failure > failure_grace):
-                break
-            time.sleep(0.05)
-        elapsed = time.monotonic() - start
+        procs, files = _spawn(world_size, base_env, workdir)
+        timed_out, exit_times, elapsed = _wait(lambda: [p.poll() for p in procs],
+                                               world_size, timeout, failure_grace)
         for p in procs:
             _kill(p)
         for p in procs:
@@ -198,24 +452,11 @@ def run_ranks(world_size: int, target: str, *args: Any, timeout: float = 120.0,
             f.close()
         del store  # the agent store (if any) closes with the launch
 
-    results, complete, stdout, stderr = [], [], [], []
-    for rank in range(world_size):
-        final = workdir / f"result{rank}.json"
-        partial = workdir / f"partial{rank}.json"
-        if final.exists():
-            results.append(json.loads(final.read_text()))
-            complete.append(True)
-        else:
-            results.append(json.loads(partial.read_text()) if partial.exists() else None)
-            complete.append(False)
-        stdout.append((workdir / f"stdout{rank}.txt").read_text(errors="replace"))
-        stderr.append((workdir / f"stderr{rank}.txt").read_text(errors="replace"))
-    run = RunResult(world_size, results, complete, [p.returncode for p in procs],
-                    stdout, stderr, elapsed, timed_out, exit_times, started_at)
-    for path in workdir.iterdir():
-        path.unlink()
-    workdir.rmdir()
-    return run.check() if check else run
+    results, complete = _results(workdir, world_size)
+    stdout = [(workdir / f"stdout{r}.txt").read_text(errors="replace") for r in range(world_size)]
+    stderr = [(workdir / f"stderr{r}.txt").read_text(errors="replace") for r in range(world_size)]
+    return RunResult(world_size, results, complete, [p.returncode for p in procs],
+                     stdout, stderr, elapsed, timed_out, exit_times, started_at)
 
 
 # ---------------------------------------------------------------- inside a rank
@@ -241,7 +482,7 @@ class GridRun:
 
         if self.run is None:
             self.run = run_ranks(self.world_size, self.target, self.cases,
-                                 timeout=self.timeout, check=False)
+                                 timeout=self.timeout, check=False, pooled=True)
         run = self.run
         ranks = [(res.get(self.task, res) if isinstance(res, dict) else {}).get(case_id)
                  for res in run.results]
@@ -303,37 +544,156 @@ def run_grid(cases: list[dict[str, Any]], handlers: dict[str, Any], *,
     return {key: out} if key else out
 
 
-def _rank_main() -> None:
-    rank = int(os.environ["RANK"])
-    workdir = Path(os.environ["HARNESS_DIR"])
-    module_name, func_name = os.environ["HARNESS_TARGET"].split(":")
-    args = json.loads((workdir / "args.json").read_text())
+def worker_cache(key: Any, build: Any) -> Any:
+    """``build()``, made once per rank process and kept across the calls a worker
+    group serves (NOTE [Worker groups]); in a fresh launch, once per launch.
+    For what many cases would build alike (a Hugging Face model's weights):
+    callers must not change the value (copy it first)."""
+    if key not in _WORKER_CACHE:
+        _WORKER_CACHE[key] = build()
+    return _WORKER_CACHE[key]
+
+
+_WORKER_CACHE: dict[Any, Any] = {}
+
+
+def _init_group() -> None:
     import torch.distributed as dist
 
     if os.environ["HARNESS_INIT_PG"] == "1":
         pg_timeout = datetime.timedelta(seconds=float(os.environ["HARNESS_PG_TIMEOUT"]))
         dist.init_process_group("gloo", timeout=pg_timeout)
-    func = getattr(importlib.import_module(module_name), func_name)
-    value = func(*args)
+
+
+def _call(target: str, workdir: Path) -> Any:
+    module_name, func_name = target.split(":")
+    args = json.loads((workdir / "args.json").read_text())
+    return getattr(importlib.import_module(module_name), func_name)(*args)
+
+
+def _rank_main() -> None:
+    rank = int(os.environ["RANK"])
+    workdir = Path(os.environ["HARNESS_DIR"])
+    import torch.distributed as dist
+
+    _init_group()
+    value = _call(os.environ["HARNESS_TARGET"], workdir)
     _write_json(workdir / f"result{rank}.json", value)
     if dist.is_initialized():
         dist.destroy_process_group()
     if os.environ.get("HARNESS_FINALIZE") == "1":
         return  # exit through interpreter finalization (to reproduce the abort below)
+    _leave()
+
+
+def _leave() -> None:
     # The rank's work is done and reported. Run the exit handlers (torch_mpmd's
     # NOTE [Release at exit] among them), then leave without interpreter
     # finalization: a gloo group freed during finalization has aborted ranks
     # after their work ("terminate called without an active exception"), which
     # is not what these tests check.
-    import atexit
-
     atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
 
 
+class _ProcessState:
+    """What a call may change in a worker group's rank that a fresh process
+    would start without (NOTE [Worker groups]), taken before the first call."""
+
+    def __init__(self) -> None:
+        import random
+
+        import torch
+
+        self.environ = dict(os.environ)
+        self.torch_rng = torch.random.get_rng_state()
+        self.python_rng = random.getstate()
+        self.dtype = torch.get_default_dtype()
+        self.threads = torch.get_num_threads()
+        self.modules = set(sys.modules)
+
+    def restore(self, workdir: Path) -> None:
+        import random
+
+        import torch
+
+        os.environ.clear()
+        os.environ.update(self.environ, HARNESS_DIR=str(workdir))
+        torch.random.set_rng_state(self.torch_rng)
+        random.setstate(self.python_rng)
+        torch.set_default_dtype(self.dtype)
+        torch.set_grad_enabled(True)
+        if torch.get_num_threads() != self.threads:
+            torch.set_num_threads(self.threads)
+        # The test side's modules run afresh (their module-level state starts
+        # anew); libraries stay imported. This module stays: it holds the cache.
+        for name, module in list(sys.modules.items()):
+            where = getattr(module, "__file__", None) or ""
+            if (name not in self.modules and name != "dist_harness"
+                    and Path(where).parent == TESTS_DIR):
+                del sys.modules[name]
+        dynamo = sys.modules.get("torch._dynamo")
+        if dynamo is not None:
+            dynamo.reset()
+
+
+def _clean_after(seq: int, ok: bool) -> bool:
+    """Whether every rank of the group finished call ``seq`` fit to serve another:
+    each says so in one all-reduce over the default group (which also proves the
+    group still works)."""
+    import datetime as dt
+
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return False
+    lockstep = sys.modules.get("torch_mpmd.parallel.lockstep")
+    # torch_mpmd keeps one ledger per pipeline group for the process's life; a
+    # broken one (or one left mid-call) would refuse the next call's pipeline.
+    ledgers = getattr(lockstep, "_LEDGERS", {}) if lockstep is not None else {}
+    ok = ok and all(getattr(ledger, "broken", None) is None
+                    and getattr(ledger, "phase", "idle") == "idle"
+                    for ledger in ledgers.values())
+    votes = torch.tensor([int(ok), seq], dtype=torch.int64)
+    try:
+        dist.all_reduce(votes, async_op=True).wait(timeout=dt.timedelta(seconds=30))
+    except Exception:  # noqa: BLE001  (a broken group: not fit)
+        return False
+    world = dist.get_world_size()
+    return votes.tolist() == [world, seq * world]
+
+
+def _serve() -> None:
+    """A worker group's rank: one call per line on stdin until stdin closes."""
+    import traceback
+
+    rank = int(os.environ["RANK"])
+    _init_group()
+    state = _ProcessState()
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        workdir = Path(cmd["dir"])
+        state.restore(workdir)
+        status = 0
+        try:
+            _write_json(workdir / f"result{rank}.json", _call(cmd["target"], workdir))
+        except BaseException:  # noqa: BLE001  (reported as a fresh rank's exit code 1)
+            traceback.print_exc()
+            status = 1
+        clean = _clean_after(cmd["seq"], status == 0)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        _write_json(workdir / f"done{rank}.json", dict(status=status, clean=clean))
+    _leave()  # the pytest session ended
+
+
 if __name__ == "__main__":
     # Running this file as a script puts tests/ (its directory) first on sys.path,
     # ahead of anything else; the target's module is then importable by name.
-    _rank_main()
+    if sys.argv[1:] == ["--serve"]:
+        _serve()
+    else:
+        _rank_main()
