@@ -459,7 +459,7 @@ class ShardedStages:
                 flat[slot.offset:slot.offset + local.numel()].copy_(local)
             out = flat.new_empty(self.size * numel)
             opts = torch._C._distributed_c10d.AllgatherOptions()
-            opts.timeout = lockstep._timedelta(self.timeout_s)
+            opts.timeout = lockstep.as_timedelta(self.timeout_s)
             works.append((self.group._allgather_base(out, flat, opts), out))
         self._pending[stage] = works
         timing = self._timing[stage] = [posted, 0.0]
@@ -590,7 +590,7 @@ class ShardedStages:
             out = table.new_empty(numel)
             opts = torch._C._distributed_c10d.ReduceScatterOptions()
             opts.reduceOp = dist.ReduceOp.SUM
-            opts.timeout = lockstep._timedelta(self.timeout_s)
+            opts.timeout = lockstep.as_timedelta(self.timeout_s)
             work = self.group._reduce_scatter_base(out, table.view(-1), opts)
             self._reduced_bytes += table.numel() * table.element_size()
             self._reductions.append((work, out, slots, []))

@@ -511,8 +511,7 @@ class RankRuntime:
                     f"{self.ledger.name(self.ledger.me)}: {problem}; every rank must build the "
                     "same model and call pipeline() with the same arguments and the same input "
                     "shapes", rank=self.rank)
-                err._mpmd_settled = True  # every rank raises it, in step
-                raise err
+                raise lockstep.settle(err)  # every rank raises it, in step
 
     def _settings_difference(self) -> str:
         """Each setting in which this rank differs from the first peer that
@@ -938,7 +937,7 @@ class RankRuntime:
         ranks in the end exchange; any other failure leaves the groups unusable."""
         partial = "The step's gradients are partial (call zero_grad() before another step)"
         if not getattr(e, "drained", False):
-            self._break(f"rank {self.rank}: {lockstep._first_line(str(e), 600)}")
+            self._break(f"rank {self.rank}: {lockstep.first_line(str(e), 600)}")
             died = self._who_died_first(e)
             text = (f"{e}\n{died + '. ' if died else ''}{partial}; after a failed or timed-out "
                     "transfer the process group is unusable: restart the job (e.g. torchrun "
@@ -948,9 +947,9 @@ class RankRuntime:
         else:
             cause = self.runner.error
             where = self._microbatch_of(e.action)
-            first = (f"{type(cause).__name__}: {lockstep._first_line(str(cause))} (in action "
+            first = (f"{type(cause).__name__}: {lockstep.first_line(str(cause))} (in action "
                      f"{e.action}){'; ' + where if where else ''}" if cause is not None
-                     else lockstep._first_line(str(e)))
+                     else lockstep.first_line(str(e)))
             try:
                 outcome = self.ledger.end(kind, timeout_s=self.timeout_s, step=step,
                                           digest=self.digest, failure=first)
@@ -963,8 +962,7 @@ class RankRuntime:
                 told = f"Telling the other ranks failed: {te}"
             text = f"{self._with_microbatch(e)}\n{partial}. {told}."
         err = PipelineError(text, rank=e.rank, action=e.action, peer=e.peer)
-        err._mpmd_settled = True  # reported to the others, or the groups are unusable
-        return err
+        return lockstep.settle(err)  # reported to the others, or the groups are unusable
 
     def _with_microbatch(self, e: Any) -> str:
         """``e``'s message with its action's microbatch named on its first line."""
