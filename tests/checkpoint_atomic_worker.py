@@ -49,7 +49,8 @@ def peer_fails_in_load(directory: str, how: str) -> dict[str, Any]:
                 time.sleep(0.05)
             os._exit(0)
 
-        mpmd.checkpoint._read_manifests = stall
+        from torch_mpmd.checkpoint import loading
+        loading.read_manifests = stall
     elif rank == 1 and how == "die_in_dcp":
         def die(*args: Any, **kwargs: Any) -> Any:
             partial_result({"died": True})

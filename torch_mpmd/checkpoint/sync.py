@@ -1,4 +1,4 @@
-"""Bounded collectives of torch_mpmd.checkpoint: no wait past the timeout, the rank that stalled or died named.
+"""The collectives of a checkpoint's save or load, bounded and naming the rank that stalled or died, and the errors every rank raises.
 
 NOTE [Checkpoint waits]: ``save`` and ``load`` are collective, and a rank
 that stalls or dies in one must not leave the others waiting for the
@@ -7,7 +7,7 @@ So every collective of a save or load goes over a gloo group of the
 checkpoint's own (every rank; made once per timeout, after every rank
 arrived), whose default timeout is the checkpoint's: DCP's own collectives
 (its plans, the gather of what each rank wrote or read) run on it too, and
-end within that timeout. The exchanges of checkpoint.py go through
+end within that timeout. The exchanges of saving.py and loading.py go through
 :class:`lockstep.Collectives` (NOTE [Named waits]): a rank enters one once
 every rank arrived, and a rank that does not arrive, with no progress
 anywhere for the timeout, is named. A failure inside DCP's collectives (a
@@ -24,9 +24,11 @@ which the others wait for in DCP's last collective, must fit in it: give
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -35,9 +37,11 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from torch_mpmd.parallel import lockstep
 
-__all__ = ["CheckpointError", "Sync", "timeout_seconds"]
+__all__ = ["CheckpointError", "Sync", "DCPFailed", "timeout_seconds", "distributed", "this_rank",
+           "raise_agreed", "dcp_error", "dcp_failed_error", "quiet_dcp", "named"]
 
 _DEFAULT_TIMEOUT_S = 1800.0   # a module without a timeout: the process group's default
+_SHOWN = 3                    # keys named per kind in an error's first line
 
 
 class CheckpointError(RuntimeError):
@@ -192,3 +196,63 @@ class Sync:
 
 class DCPFailed(RuntimeError):
     """A collective of DCP's failed; ``args[0]`` says who made it fail."""
+
+
+# ----------------------------------------------------- ranks and errors
+
+def distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def this_rank() -> int:
+    return dist.get_rank() if distributed() else 0
+
+
+def raise_agreed(problems: list[str | None], what: str) -> None:
+    """Raise on every rank when any rank reported a problem (``problems`` as
+    gathered by ``Sync.gather``): the first line is the first failing rank's."""
+    failed = [(r, p) for r, p in enumerate(problems) if p]
+    if not failed:
+        return
+    rank, first = failed[0]
+    head, _, rest = first.partition("\n")
+    where = f" (rank {rank})" if len(problems) > 1 else ""
+    lines = [f"{what}: {head}{where}"] + ([rest] if rest else [])
+    lines += [f"rank {r}: {p}" for r, p in failed[1:]]
+    raise CheckpointError("\n".join(lines))
+
+
+def dcp_error(what: str, target: str, exc: CheckpointException) -> CheckpointError:
+    """DCP's CheckpointException puts the cause at the end of a traceback:
+    lead with it instead."""
+    failures = sorted(exc.failures.items())
+    rank, (cause, _) = failures[0]
+    head, _, rest = str(cause).partition("\n")
+    others = [r for r, _ in failures[1:]]
+    more = f" (and on ranks {others})" if others else ""
+    return CheckpointError(f"{what} {target} failed on rank {rank}{more}: "
+                           f"{type(cause).__name__}: {head}" + (f"\n{rest}" if rest else ""))
+
+
+@contextlib.contextmanager
+def quiet_dcp() -> Iterator[None]:
+    """DCP warns that it assumes one process even when told so (no_dist=True)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def dcp_failed_error(e: "DCPFailed", doing: str, rank: int, after: str) -> CheckpointError:
+    """The CheckpointError of a collective of DCP's that failed (``e``, from
+    :meth:`Sync.run_dcp`): ``doing`` (e.g. "saving step_3") failed on
+    ``rank``, who made it fail, then ``after`` (what state that leaves)."""
+    cause = e.__cause__
+    head = str(cause).strip().partition("\n")[0]
+    return CheckpointError(f"{doing} failed on rank {rank}: {type(cause).__name__}: {head}; "
+                           f"{e.args[0]} ({after})")
+
+
+def named(keys: list[str]) -> str:
+    shown = ", ".join(keys[:_SHOWN])
+    return shown + (f" and {len(keys) - _SHOWN} more" if len(keys) > _SHOWN else "")
+
