@@ -47,7 +47,7 @@ def main() -> None:
                          split_points=["layers.4"], timeout=60)
     for _ in range(5):
         pipe.step(x, target=y)
-    rt = pipe._runtime()
+    rt = pipe.session.runtime
     ledger = rt.ledger
 
     pair = []

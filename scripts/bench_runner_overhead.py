@@ -41,7 +41,7 @@ def main() -> None:
     xs, ys = x.chunk(m), y.chunk(m)
     pipe = mpmd.pipeline(Tiny(), loss_fn=F.mse_loss, schedule="1f1b", num_microbatches=m)
     pipe.step(x, target=y)
-    rt = pipe._runtime()
+    rt = pipe.session.runtime
     runner = rt.runner
     prog = runner.programs[0]
     inv_m = torch.full((), 1.0 / m)

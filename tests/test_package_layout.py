@@ -1,6 +1,7 @@
 """The package's rooms (README "Layout"): no import circle between torch_mpmd's
-modules, no private name imported across subpackages, every module says what
-it is in its first line, no module over 1,500 lines.
+modules, no private name imported or read across subpackages (``obj._name``
+where ``_name`` belongs to another room), every module says what it is in its
+first line, no module over 800 lines.
 
 Read from the source with ast (nothing imported), so a lazy import inside a
 function counts like one at the top; imports under ``if TYPE_CHECKING:`` do
@@ -123,12 +124,115 @@ def test_no_private_name_crosses_a_room():
     assert not crossings, "\n".join(crossings)
 
 
+MAX_LINES = 800
+
+# Private names of torch (and Python) that torch_mpmd reads on torch's own
+# objects; a room of ours that happens to define one too does not own it.
+TORCH_PRIVATE = {
+    "_modules": "nn.Module's submodule table (a Pipeline mirrors the module's tree)",
+    "_parameters": "nn.Module's parameter table (the same)",
+    "_buffers": "nn.Module's buffer table (the same)",
+    "_non_persistent_buffers_set": "nn.Module's non-persistent buffer names (state dicts)",
+    "_local_tensor": "a DTensor's local shard, without the autograd of to_local()",
+    "_orig_mod": "the module a torch.compile OptimizedModule wraps",
+    "_torchdynamo_orig_callable": "the function a torch.compile'd function wraps",
+    "_backward_hooks": "a tensor's gradient hooks (the compile door runs them later)",
+    "_post_accumulate_grad_hooks": "the same, after accumulation",
+    "_pytree": "torch.utils._pytree, torch's tree flattening",
+}
+
+
+def _defined_private_names(text: str) -> set[str]:
+    """The private names a module's source defines: functions, classes,
+    methods, and what it assigns (``self._x = ...``, ``obj._x = ...``, class
+    fields)."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for t in targets:
+                for leaf in (t.elts if isinstance(t, ast.Tuple) else [t]):
+                    if isinstance(leaf, ast.Attribute):
+                        names.add(leaf.attr)
+                    elif isinstance(leaf, ast.Name):
+                        names.add(leaf.id)
+    return {n for n in names if n.startswith("_") and not n.startswith("__")}
+
+
+def _root_name(node: ast.AST) -> str | None:
+    while isinstance(node, ast.Attribute):
+        node = node.value
+    return node.id if isinstance(node, ast.Name) else None
+
+
+def _private_reads(text: str) -> list[tuple[int, str, str]]:
+    """(line, the expression, its private attribute) for every ``x._name``
+    in the source whose object is not ``self``, ``cls``, ``super()`` or one
+    of torch's own modules (``torch._dynamo``)."""
+    reads = []
+    for node in ast.walk(ast.parse(text)):
+        if not isinstance(node, ast.Attribute):
+            continue
+        name = node.attr
+        if not name.startswith("_") or name.startswith("__"):
+            continue
+        obj = node.value
+        if isinstance(obj, ast.Name) and obj.id in ("self", "cls"):
+            continue
+        if isinstance(obj, ast.Call) and isinstance(obj.func, ast.Name) and \
+                obj.func.id == "super":
+            continue
+        if _root_name(obj) == "torch":
+            continue
+        reads.append((node.lineno, ast.unparse(node), name))
+    return reads
+
+
+def _crossings(sources: dict[str, str]) -> list[str]:
+    """Reads of ``obj._name`` where only other rooms define ``_name``."""
+    owners: dict[str, set[str]] = {}
+    for m, text in sources.items():
+        for name in _defined_private_names(text):
+            owners.setdefault(name, set()).add(_room(m))
+    found = []
+    for m, text in sources.items():
+        for line, expr, name in _private_reads(text):
+            rooms = owners.get(name, set())
+            if name in TORCH_PRIVATE or not rooms or _room(m) in rooms:
+                continue  # torch's own, none of ours, or this room's
+            found.append(f"{m}:{line}: {expr} ({name} belongs to {', '.join(sorted(rooms))})")
+    return found
+
+
+def test_no_private_attribute_of_another_room_is_read():
+    """``obj._name`` where only other rooms define ``_name``: the object is
+    another room's, and its private state is that room's to change."""
+    crossings = _crossings({m: path.read_text() for m, path in MODULES.items()})
+    assert not crossings, "\n".join(crossings)
+
+
+def test_the_private_attribute_check_sees_a_crossing():
+    """The check itself, on two small modules of two rooms."""
+    sources = {
+        "torch_mpmd.parallel.lockstep": "def _first_line(t):\n    return t\n",
+        "torch_mpmd.runtime.rank": ("from torch_mpmd.parallel import lockstep\n"
+                                    "class R:\n    def f(self, e):\n"
+                                    "        self._own = 1\n"
+                                    "        return lockstep._first_line(e), self._own, "
+                                    "e._modules, torch._dynamo\n"),
+    }
+    assert _crossings(sources) == [
+        "torch_mpmd.runtime.rank:5: lockstep._first_line (_first_line belongs to parallel)"]
+
+
 @pytest.mark.parametrize("module", sorted(MODULES))
 def test_module_says_what_it_is_and_stays_small(module):
     text = MODULES[module].read_text()
     doc = ast.get_docstring(ast.parse(text))
     assert doc and doc.splitlines()[0].strip(), f"{module} has no first line saying what it is"
-    assert text.count("\n") <= 1500, f"{module} has {text.count(chr(10))} lines"
+    assert text.count("\n") <= MAX_LINES, f"{module} has {text.count(chr(10))} lines"
 
 
 def test_the_public_trace_module_is_the_whole_face_of_runtime_trace():

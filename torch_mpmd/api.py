@@ -14,108 +14,46 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
+import datetime
 import inspect
-import logging
 import os
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from torch_mpmd import training
-from torch_mpmd.config import (PLAN_FIELDS, PipelineConfig, Resolved, check_stage_count,
-                               positive_int, settings_signature)
-from torch_mpmd.graph.hf import training_kwargs
-from torch_mpmd.graph.recompute import checkpointed, stage_modules
-from torch_mpmd.graph.stage import set_path, split_model
-from torch_mpmd.microbatch import (check_target_batch, contiguous_inputs, contiguous_tree,
-                                   explicit_microbatches, first_microbatch,
-                                   merge_microbatches, split_tree)
-from torch_mpmd.parallel import meta_init
-from torch_mpmd.parallel.lockstep import Collectives, PipelineError, pipeline_call
-from torch_mpmd.parallel.sharding import ParamShards
-from torch_mpmd.programs.loss import callable_name, needs_target
-from torch_mpmd.programs.stage_programs import resolve_compiler
+from torch_mpmd.config import (PLAN_FIELDS, PipelineConfig, Resolved, positive_int,
+                               settings_signature)
+from torch_mpmd.graph.stage import set_path
+from torch_mpmd.parallel.lockstep import Collectives, PipelineError
 from torch_mpmd.runtime import trace
-from torch_mpmd.runtime.captures import (CaptureCache, capture_key, describe_key,
-                                        microbatch_misfit)
-from torch_mpmd.runtime.outputs import deliver_outputs
-from torch_mpmd.runtime.rank import RankRuntime, StagedModel
+from torch_mpmd.runtime.step import CallHistory
 from torch_mpmd.runtime.view import RankView
-from torch_mpmd.runtime.step import EVAL, FORWARD, STEP, CallHistory, run_step
 from torch_mpmd.schedules import Schedule
+from torch_mpmd.session import Session
 
 __all__ = ["pipeline", "Pipeline", "PipelineError", "PipelineConfig"]
 
-_log = logging.getLogger("torch_mpmd")
-
-
-def _holding_parameters(method: Callable[..., Any]) -> Callable[..., Any]:
-    """Run a Pipeline method with its compute parameters unparked (NOTE [Parked
-    parameters] in sharding.py)."""
-    @functools.wraps(method)
-    def run(self: "Pipeline", *args: Any, **kwargs: Any) -> Any:
-        with self.unparked():
-            return method(self, *args, **kwargs)
-    return run
-
 
 class Pipeline(torch.nn.Module):
-    """A model split into pipeline stages, this rank's part of it (see :func:`pipeline`)."""
+    """A model split into pipeline stages, this rank's part of it (see :func:`pipeline`).
+
+    The captures, calls and plan are its :attr:`session`'s (session.py);
+    the Pipeline is the face of them a user holds: an ``nn.Module`` of this
+    rank's tensors, its calls, statistics, traces and replanning."""
 
     def __init__(self, module: torch.nn.Module, config: PipelineConfig,
-                 resolved: Resolved) -> None:
+                 resolved: Resolved, constraints: dict[str, Any] | None = None) -> None:
         """Use :func:`pipeline`, which checks ``config`` and resolves its groups."""
         super().__init__()
         # Not registered as a submodule: parameters() must list this rank's only.
         object.__setattr__(self, "_mpmd_module", module)
-        self.config = config
-        self.num_microbatches = config.num_microbatches  # None until plan="auto" plans
-        # plan="auto": the settings the user gave beside it, kept by the search.
-        self._mpmd_constraints: dict[str, Any] = {}
-        self._mpmd_group = resolved.group
-        self.pp_size = resolved.pp_size
-        self.rank = dist.get_rank(self._mpmd_group) if self._mpmd_group else 0
-        self.device = (torch.device(config.device) if config.device is not None
-                       else _default_device(module))
-        if self.device.type == "meta":
-            self.device = torch.device("cpu")
-        self.timeout = resolved.timeout
-        self.startup_timeout = resolved.startup_timeout  # None: timeout (see pipeline())
-        self._mpmd_dp_group = resolved.dp_group
-        self._mpmd_replicas = resolved.replicas
-        self.dp_size = dist.get_world_size(resolved.dp_group) if resolved.dp_group is not None else 1
-        self._mpmd_compiler = resolve_compiler(config.compile)
-        self._mpmd_meta = meta_init.has_meta_tensors(module)
-        self.parameter_bytes = 0  # this rank's materialized bytes (meta-device models)
-        self._mpmd_runtime: RankRuntime | None = None
-        self._mpmd_split: Any = None
-        self._mpmd_cache = CaptureCache()  # the captures per key (captures.py)
-        self.calls = CallHistory()  # what this rank's calls did (step.py)
-        self._mpmd_all_modules: list[torch.nn.Module] | None = None
-        self._mpmd_all_params: list[torch.Tensor] = []  # the module's, for NOTE [Freezing]
-        if self._mpmd_meta:  # now, so that an optimizer built before the first step
-            # holds the Parameters that this rank later materializes in place
-            meta_init.replace_with_standins(module, self.device)
+        session = Session(module, config, resolved, self._adopt_local_tensors, constraints)
+        object.__setattr__(self, "_mpmd_session", session)
         self.data_parallel = config.data_parallel
-        mesh, dp_mesh = config.mesh, resolved.dp_mesh
-        # Sharded data parallel: the user's parameters are DTensor shards from
-        # now on, so an optimizer built before the first step holds them.
-        names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
-        # Tensor-parallel peers: a meta-device model's shared tensors are synced over it.
-        self._mpmd_tp_group = (mesh.get_group("tp") if "tp" in names and
-                               mesh.size(names.index("tp")) > 1 else None)
-        self._mpmd_shards = (ParamShards(module, dp_mesh, root=mesh)
-                             if config.data_parallel == "shard" and dp_mesh is not None else None)
-        self._mpmd_weighted: bool | None = None  # token-weighted loss (None: no step yet)
-        # The global token count of the last step or eval_step when its loss
-        # was token-weighted (else None).
-        self.last_token_count: float | None = None
-        self._mpmd_parking = False  # NOTE [Parked parameters] (sharding.py)
-        self._mpmd_unparked = 0     # depth of unparked() contexts
-        if self._mpmd_shards is not None:
+        if session.shards is not None:
             self._mirror_shards()
             return
         # Until capture: mirror the whole module's tree (see the module docstring).
@@ -127,7 +65,7 @@ class Pipeline(torch.nn.Module):
     def _mirror_shards(self) -> None:
         """Until capture, with sharded data parallel: the module's tree with each
         parameter replaced by its shard."""
-        module, shards = self._mpmd_module, self._mpmd_shards
+        module, shards = self._mpmd_module, self.session.shards
         for fqn, p in module.named_parameters(remove_duplicate=False):
             set_path(self, fqn, shards.shard_of(p), "parameter")
         for name, mod in module.named_modules():
@@ -136,32 +74,90 @@ class Pipeline(torch.nn.Module):
                     set_path(self, f"{name}.{leaf}" if name else leaf, b, "buffer",
                               persistent=leaf not in mod._non_persistent_buffers_set)
 
+    def _adopt_local_tensors(self, params: dict[str, torch.Tensor],
+                             buffers: dict[str, torch.Tensor], non_persistent: set[str]) -> None:
+        """This rank's tensors of the capture in use, as the module's own (the
+        session's ``adopt``)."""
+        self._modules = {}
+        self._parameters = {}
+        self._buffers = {}
+        self._non_persistent_buffers_set = set()
+        for fqn, p in params.items():
+            set_path(self, fqn, p, "parameter")
+        for fqn, b in buffers.items():
+            set_path(self, fqn, b, "buffer", persistent=fqn not in non_persistent)
+
     def park_between_calls(self) -> None:
         """With sharded data parallel: from now on, between calls, the module's
         own (compute) parameters hold empty tensors of their own shape and
         strides, as torch.compile's guards expect (NOTE [Parked parameters] in
         sharding.py; the compile door asks for it). No-op otherwise."""
-        if self._mpmd_shards is not None:
-            self._mpmd_parking = True
-            if not self._mpmd_unparked:
-                self._mpmd_shards.park()
+        self.session.park_between_calls()
 
-    @contextlib.contextmanager
-    def unparked(self) -> Iterator[None]:
+    def unparked(self) -> contextlib.AbstractContextManager[None]:
         """The compute parameters as the pipeline runs them, for the duration
         (parked again after, when parking: :meth:`park_between_calls`)."""
-        if not self._mpmd_parking:
-            yield
-            return
-        if not self._mpmd_unparked:
-            self._mpmd_shards.unpark()
-        self._mpmd_unparked += 1
-        try:
-            yield
-        finally:
-            self._mpmd_unparked -= 1
-            if not self._mpmd_unparked:
-                self._mpmd_shards.park()
+        return self.session.unparked()
+
+    # ------------------------------------------------------------ the session's state
+    @property
+    def session(self) -> Session:
+        """The captures, calls and plan behind this pipeline (session.py)."""
+        return self._mpmd_session
+
+    @property
+    def config(self) -> PipelineConfig:
+        """The config the pipeline runs with (with ``plan="auto"``, the planned
+        one after the first step)."""
+        return self.session.config
+
+    @property
+    def num_microbatches(self) -> int | None:
+        """Microbatches per step (None until ``plan="auto"`` plans)."""
+        return self.session.num_microbatches
+
+    @property
+    def rank(self) -> int:
+        """This process's rank in the pipeline group."""
+        return self.session.rank
+
+    @property
+    def pp_size(self) -> int:
+        return self.session.pp_size
+
+    @property
+    def dp_size(self) -> int:
+        return self.session.dp_size
+
+    @property
+    def device(self) -> torch.device:
+        return self.session.device
+
+    @property
+    def timeout(self) -> datetime.timedelta:
+        """The bound of every wait of a call."""
+        return self.session.timeout
+
+    @property
+    def startup_timeout(self) -> datetime.timedelta | None:
+        """The bound of the waits of a capturing call (None: ``timeout``)."""
+        return self.session.startup_timeout
+
+    @property
+    def calls(self) -> CallHistory:
+        """What this rank's calls did (runtime/step.py)."""
+        return self.session.calls
+
+    @property
+    def parameter_bytes(self) -> int:
+        """This rank's materialized bytes (meta-device models; 0 otherwise)."""
+        return self.session.parameter_bytes
+
+    @property
+    def last_token_count(self) -> float | None:
+        """The global token count of the last step or eval_step when its loss
+        was token-weighted (else None)."""
+        return self.session.last_token_count
 
     # ------------------------------------------------------------ properties
     @property
@@ -171,32 +167,26 @@ class Pipeline(torch.nn.Module):
 
     @property
     def is_captured(self) -> bool:
-        return self._mpmd_runtime is not None
-
-    def _runtime(self) -> RankRuntime:
-        if self._mpmd_runtime is None:
-            raise RuntimeError("the pipeline has not captured the model yet: call step() or the "
-                               "pipeline once first")
-        return self._mpmd_runtime
+        return self.session.runtime_or_none is not None
 
     @property
     def num_stages(self) -> int:
-        return self._runtime().model.num_stages
+        return self.session.runtime.model.num_stages
 
     @property
     def local_stages(self) -> tuple[int, ...]:
-        return self._runtime().local_stages
+        return self.session.runtime.local_stages
 
     @property
     def schedule(self) -> Schedule:
         """The lowered schedule every rank runs (this rank's row is its program)."""
-        return self._runtime().schedule
+        return self.session.runtime.schedule
 
     @property
     def replicas(self) -> list[list[int]] | None:
         """With a mesh's "dp" dimension: the global ranks of each data-parallel
         replica's pipeline (None without one)."""
-        return self._mpmd_replicas
+        return self.session.replicas
 
     def inspect(self) -> RankView:
         """What this rank runs now (a :class:`torch_mpmd.runtime.view.RankView`):
@@ -204,13 +194,13 @@ class Pipeline(torch.nn.Module):
         call, its stage programs (or why the autograd runner runs instead), the
         activation bytes held, the shapes crossing each stage edge, and how many
         captures were made. Local; a RuntimeError before the first call."""
-        return RankView.of(self._runtime(),
-                           captures=self._mpmd_cache.count)
+        return RankView.of(self.session.runtime,
+                           captures=self.session.captures.count)
 
     @property
     def split(self) -> Any:
         """The SplitModel: plan, stage modules (all stages) and signatures."""
-        return self._mpmd_split
+        return self.session.split
 
     # ------------------------------------------------------------ capture
     def train(self, mode: bool = True) -> "Pipeline":
@@ -219,158 +209,6 @@ class Pipeline(torch.nn.Module):
         super().train(mode)
         self._mpmd_module.train(mode)
         return self
-
-    # NOTE [Freezing]: stage programs, the autograd runner's weight lists,
-    # data-parallel buckets and tied sums are built for the parameters that
-    # require grad when the model is captured. ``requires_grad`` of every
-    # parameter of the wrapped module is therefore part of the capture key,
-    # read at every call: freezing or unfreezing between steps takes the
-    # capture built for the new set (made once, then reused, like train/eval
-    # captures), so a frozen parameter gets no gradient and an unfrozen one
-    # gets its own, as in eager PyTorch. The key is the module's flags, which
-    # every rank holds whole: freeze on the module (``pipe.module`` or the
-    # model you wrapped), on every rank alike; ranks that disagree get a
-    # PipelineError at the next call. With sharded data parallel the shards
-    # (``pipe.parameters()``) may also be frozen: their rows are reduced and
-    # left without gradient (ShardedStages.add_grad), no new capture needed.
-    def _ensure_built(self, args0: tuple, kwargs0: dict) -> RankRuntime:
-        # One capture per key (shapes, train/eval modes, trainable parameters:
-        # NOTE [Freezing]), kept and reused (runtime/captures.py).
-        if self._mpmd_all_modules is None:  # walked once: the capture fixed the modules
-            self._mpmd_all_modules = list(self._mpmd_module.modules())
-            self._mpmd_all_params = list(self._mpmd_module.parameters())
-        key = capture_key(args0, kwargs0, self.config.dynamic, self._mpmd_all_modules,
-                          self._mpmd_all_params)
-        current = self._mpmd_cache.current
-        found, unfit = self._mpmd_cache.find(key, args0, kwargs0)
-        if found is not None:
-            if found is not current:  # an earlier capture: its tensors are the rank's again
-                self._mpmd_runtime, self._mpmd_split = found
-                self._adopt_local_tensors(*found)
-            return found[0]
-        self._mpmd_cache.check_state_captures(key, unfit)
-        previous = self._mpmd_runtime
-        if previous is not None and self.rank == 0:
-            # Stages and their programs are specialized to the shapes captured
-            # (a dynamic capture: to the guards its symbolic sizes recorded).
-            _log.warning("torch_mpmd: capturing%s again: %s",
-                         " and compiling" if self._mpmd_compiler else "",
-                         self._mpmd_cache.why_again(key, unfit))
-        spr = self.config.stages_per_rank_default
-        schedule = self.config.schedule
-        # Under grad mode whatever the caller's: which values carry gradients
-        # across stages is read from the capture (the runner sets the mode).
-        with torch.enable_grad(), checkpointed(self._mpmd_module,
-                                                     self._recompute_modules(args0, kwargs0)):
-            split = split_model(self._mpmd_module, *args0,
-                                split_points=self.config.split_points,
-                                num_stages=self.config.num_stages,
-                                default_num_stages=self.pp_size * spr,
-                                bytes_cost=self.config.bytes_cost,
-                                dynamic=self.config.dynamic, **kwargs0)
-        check_stage_count(split.num_stages, self.pp_size, self.config.stages_per_rank,
-                          source="the stage_boundary() markers or split points"
-                          if (split.ir.num_markers or self.config.split_points) else
-                          "num_stages")
-        settings = self._shared_settings(split, key)
-        runtime = RankRuntime(StagedModel.from_split(split), schedule=schedule, num_microbatches=self.num_microbatches,
-                              group=self._mpmd_group, device=self.device, timeout=self.timeout,
-                              lookahead=self.config.lookahead, settings=settings,
-                              seed=self.config.seed, dp_group=self._mpmd_dp_group,
-                              replicas=self._mpmd_replicas, compiler=self._mpmd_compiler,
-                              startup_timeout=self.startup_timeout, shards=self._mpmd_shards,
-                              reshard_after_forward=self.config.reshard_after_forward)
-        if previous is not None:
-            old = sorted(n for n, _ in self.named_parameters(remove_duplicate=False))
-            new = sorted(self._local_tensors(runtime, split)[0])
-            if old != new:
-                raise ValueError(
-                    "the batch shape changed and the re-captured model places other parameters "
-                    f"on rank {self.rank} ({len(new)} instead of {len(old)}); use markers or "
-                    "split_points so stages do not depend on shapes, or keep the batch shape")
-        self._mpmd_runtime, self._mpmd_split = runtime, split
-        self._mpmd_cache.add(key, (runtime, split))
-        self._adopt_local_tensors(runtime, split)
-        shards = self._mpmd_shards
-        if previous is None and (self._mpmd_meta or shards is not None):
-            # The compute tensors of this rank's stages (with sharding, the
-            # parameters are their shards' full-shape compute parameters).
-            compute = self._local_tensors(runtime, split, user=False)
-            local = list({id(t): t for t in [*compute[0].values(), *compute[1].values()]}
-                         .values())
-            if self._mpmd_meta:
-                self.parameter_bytes = meta_init.materialize(
-                    self._mpmd_module, local, self.config.init_fn, self.device)
-                tied = [(pg, [shards.compute[id(p)] for p in ps] if shards is not None else ps)
-                        for pg, ps in runtime.tied_groups]
-                meta_init.synchronize(tied, runtime.dp_group, local, runtime,
-                                      tp_group=self._mpmd_tp_group)
-            if shards is not None:
-                shards.take(local)  # materialized values into the shards; compute freed
-                shards.release(local)  # other ranks' stages' shards
-                if self._mpmd_meta:
-                    held = [getattr(t, "_local_tensor", t)  # a shard: its local rows
-                            for t in [*self.parameters(), *self.buffers()]]
-                    self.parameter_bytes = sum(t.numel() * t.element_size() for t in held
-                                               if not meta_init.is_standin(t))
-        return runtime
-
-    def _shared_settings(self, split: Any, key: tuple) -> dict[str, str]:
-        """The settings every rank must share, by name: the start-up handshake
-        compares them and names the one that differs, with its values."""
-        return {"model": type(self._mpmd_module).__name__, **self.config.shared_settings(),
-                "num_stages": str(split.num_stages), "microbatch inputs": describe_key(key)}
-
-    def _local_tensors(self, runtime: RankRuntime, split: Any, *, user: bool = True
-                       ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], set[str]]:
-        """This rank's parameters and buffers by FQN (aliases of tied weights
-        included), and the non-persistent buffer names. ``user``: parameters as
-        the user holds them (their shards with sharded data parallel), else the
-        stages' own."""
-        infos = {p.name: p for p in split.captured.placeholders
-                 if p.kind in ("parameter", "buffer")}
-        params: dict[str, torch.Tensor] = {}
-        buffers: dict[str, torch.Tensor] = {}
-        for s in runtime.local_stages:
-            sig = split.stage_signatures[s]
-            for fqn in sig.parameters:
-                params[fqn] = split.captured.tensors[fqn]
-            for fqn in sig.buffers:
-                buffers[fqn] = split.captured.tensors[fqn]
-        # Tensors no stage reads live with stage 0 so checkpoints stay complete.
-        if 0 in runtime.local_stages:
-            used = {p.fqn for p in split.plan.parameters}
-            for fqn, p in self._mpmd_module.named_parameters(remove_duplicate=False):
-                if fqn not in used and not any(fqn in i.aliases for i in infos.values()):
-                    params.setdefault(fqn, p)
-            for fqn, b in self._mpmd_module.named_buffers(remove_duplicate=False):
-                if fqn not in used and not any(fqn in i.aliases for i in infos.values()):
-                    buffers.setdefault(fqn, b)
-        for table in (params, buffers):
-            for fqn in list(table):
-                info = infos.get(fqn)
-                for alias in info.aliases if info is not None else ():
-                    table[alias] = table[fqn]
-        if user and self._mpmd_shards is not None:
-            params = {fqn: self._mpmd_shards.shard_of(p) for fqn, p in params.items()}
-        non_persistent = {fqn for fqn, info in infos.items() if not info.persistent}
-        for fqn, b in self._mpmd_module.named_buffers(remove_duplicate=False):
-            mod, _, leaf = fqn.rpartition(".")
-            owner = self._mpmd_module.get_submodule(mod) if mod else self._mpmd_module
-            if leaf in owner._non_persistent_buffers_set:
-                non_persistent.add(fqn)
-        return params, buffers, non_persistent
-
-    def _adopt_local_tensors(self, runtime: RankRuntime, split: Any) -> None:
-        params, buffers, non_persistent = self._local_tensors(runtime, split)
-        self._modules = {}
-        self._parameters = {}
-        self._buffers = {}
-        self._non_persistent_buffers_set = set()
-        for fqn, p in params.items():
-            set_path(self, fqn, p, "parameter")
-        for fqn, b in buffers.items():
-            set_path(self, fqn, b, "buffer", persistent=fqn not in non_persistent)
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True,
                         assign: bool = False) -> Any:
@@ -383,7 +221,7 @@ class Pipeline(torch.nn.Module):
         captured, and with sharded data parallel: it would put new tensors in
         the module where the stages (and the user's optimizer) hold the old
         ones, and the load would be silently ignored."""
-        if assign and (self.is_captured or self._mpmd_shards is not None):
+        if assign and (self.is_captured or self.session.shards is not None):
             when = ("the pipeline has captured the model (its stages hold the parameters)"
                     if self.is_captured else
                     "data_parallel='shard' (the parameters are DTensor shards)")
@@ -396,9 +234,9 @@ class Pipeline(torch.nn.Module):
             model_keys = set(self._mpmd_module.state_dict().keys())
             state_dict = {k: v for k, v in state_dict.items()
                           if k in local or k not in model_keys}
-        if self._mpmd_shards is not None:
+        if self.session.shards is not None:
             params = dict(self.named_parameters(remove_duplicate=False))
-            state_dict = {k: self._mpmd_shards.shard_value(params[k], v) if k in params else v
+            state_dict = {k: self.session.shards.shard_value(params[k], v) if k in params else v
                           for k, v in state_dict.items()}
         return super().load_state_dict(state_dict, strict=strict, assign=assign)
 
@@ -406,14 +244,12 @@ class Pipeline(torch.nn.Module):
         """The split: plan summary, every stage's inputs and outputs, and per stage
         its compute cost, parameter bytes and bytes sent and received per
         microbatch (SplitModel.describe)."""
-        if self._mpmd_split is None:
+        if self.session.split is None:
             raise RuntimeError("the pipeline has not captured the model yet: call step() or the "
                                "pipeline once first")
-        return self._mpmd_split.describe()
+        return self.session.split.describe()
 
     # ------------------------------------------------------------ running
-    @pipeline_call("step")
-    @_holding_parameters
     def step(self, *args: Any, target: Any = None, microbatches: Any = None,
              targets: Any = None, **kwargs: Any) -> torch.Tensor:
         """Forward and backward of all microbatches per the schedule; accumulates
@@ -429,112 +265,12 @@ class Pipeline(torch.nn.Module):
         ``dynamic=True``) and of a count free to differ per call where the
         schedule (given by name) runs it. Every rank of a pipeline is given
         the same list; each derives every transfer's shape from it."""
-        # Local checks every rank makes alike, before any communication.
-        if not torch.is_grad_enabled():
-            raise RuntimeError("Pipeline.step() runs backward and needs grad mode, but it was "
-                               "called under torch.no_grad() or inference_mode(); use "
-                               "eval_step() for the loss without backward, or the pipeline "
-                               "call for outputs")
-        if microbatches is None:  # (use_cache=False, graph/hf.py: the plan's profile too)
-            kwargs = training_kwargs(self._mpmd_module, kwargs)
-        if self.config.plan == "auto":
-            self._plan_auto(args, kwargs, target, microbatches)
-        rt, inputs, targets = self._call_microbatches(args, kwargs, target, microbatches,
-                                                      targets)
-        rt.use_microbatches(inputs)  # (before building: the programs' sizes)
-        rt.prepare_programs(inputs, targets, self.config.loss_fn)
-        params = list(self.parameters())
-        # NOTE [Token-weighted losses] (training.py): gradients held before the
-        # step are kept aside while the loss may be token-weighted.
-        before = training.grads_before(params) if self._mpmd_weighted is not False else {}
-        # Scalar losses so far: gradients they accumulated could not be told
-        # from a pair's increment, were the loss to switch (refused below).
-        unsplittable = self._mpmd_weighted is False and any(p.grad is not None for p in params)
-        run_step(rt, STEP, self.calls, self.device, inputs=inputs, targets=targets,
-                 loss_fn=self.config.loss_fn)
-        try:
-            loss, tokens = training.step_loss(rt, self.device)
-        finally:
-            rt.runner.end_step()
-        if tokens is not None:
-            if unsplittable:
-                raise ValueError("loss_fn returned a (sum, count) pair after steps that "
-                                 "returned scalars, with gradients accumulated from them: "
-                                 "zero the gradients before switching losses")
-            training.scale_step_grads(params, before, self.dp_size / tokens)
-        self._mpmd_weighted = tokens is not None
-        self.last_token_count = tokens
+        loss = self.session.step(args, kwargs, target, microbatches, targets)
         if os.environ.get("MPMD_TRACE"):
             self.save_trace(os.environ["MPMD_TRACE"])
         return loss
 
     # ------------------------------------------------------------ plans
-    def _recompute_modules(self, args: tuple, kwargs: dict) -> list[str]:
-        """The submodules whose activations are recomputed (graph/recompute.py):
-        ``recompute=`` and the units of the stages the plan recomputes.
-
-        A plan from ``mpmd.plan`` carries its profile's units. One read from
-        JSON does not: its units are found again, with the outer ones in the
-        call order of one no-grad forward on ``args``/``kwargs`` (a microbatch),
-        as the profile found them (NOTE [Outer units] in planning/profile.py:
-        a final norm registered before the blocks runs after them). A model
-        still on the meta device cannot run: registration order then."""
-        fqns = list(self.config.recompute or ())
-        plan = self.config.plan
-        if plan is not None and plan != "auto" and any(plan.recompute):
-            from torch_mpmd.planning.calibrate import model_state_kept
-            from torch_mpmd.planning.profile import find_units
-            from torch_mpmd.planning.units import call_order
-
-            sheet = getattr(plan, "sheet", None)
-            if sheet is not None:
-                units = [u.name for u in sheet.units]
-            else:
-                order = None
-                if not self._mpmd_meta:
-                    with model_state_kept(self._mpmd_module):
-                        order = call_order(self._mpmd_module, tuple(args), dict(kwargs))
-                units = find_units(self._mpmd_module, order)
-            modules = [name for name, _ in self._mpmd_module.named_modules()]
-            fqns += stage_modules(units, plan.split_points, plan.recompute, modules)
-        return fqns
-
-    def _plan_auto(self, args: tuple, kwargs: dict, target: Any, microbatches: Any) -> None:
-        """plan="auto" at the first step: profile on this batch, search, and
-        take the plan as if given (collective over the pipeline group, and the
-        same plan on every rank of the job; torch_mpmd.planning.auto)."""
-        from torch_mpmd.planning.auto import plan as make_plan
-
-        if microbatches is not None:
-            raise ValueError("plan='auto' plans from a batch: the first step() takes the batch "
-                             "(its args and target=), not microbatches=[...]")
-        self._check_target(target)
-        c = self._mpmd_constraints
-        mesh = self.config.mesh
-        chosen = make_plan(self._mpmd_module, tuple(args), dict(kwargs),
-                           loss_fn=self.config.loss_fn, target=target,
-                           group=mesh if mesh is not None else self._mpmd_group,
-                           memory_limit=self.config.memory_limit,
-                           schedules=c.get("schedule"),
-                           num_microbatches=c.get("num_microbatches"),
-                           stages_per_rank=c.get("stages_per_rank"),
-                           compile=self.config.compile,
-                           # Fixed when the pipeline was built (its parameters are
-                           # shards, or not, since): NOTE [Plans in the config].
-                           data_parallel=self.config.data_parallel,
-                           # Every wait of the profile and search (NOTE [Named
-                           # waits] in lockstep.py): the capture's bound.
-                           timeout=(self.startup_timeout if self.startup_timeout is not None
-                                    else self.timeout),
-                           trials=self.config.plan_trials, trials_again=self.config.plan_again)
-        config = PipelineConfig.from_settings(self.config, plan=chosen)
-        config._check_schedule_at(self.pp_size)
-        self.config = config
-        self.num_microbatches = config.num_microbatches
-        if self.rank == 0:
-            _log.info("torch_mpmd: plan='auto' chose %s; %s", chosen.describe().splitlines()[0],
-                      chosen.planning_summary())
-
     def replan(self, last_n: int | None = None) -> tuple[Any, str]:
         """Re-run the plan search on the stage times the last ``last_n`` steps
         measured (``stage_times``; default all kept) and say whether another
@@ -549,7 +285,7 @@ class Pipeline(torch.nn.Module):
         every rank."""
         from torch_mpmd.planning.auto import replan_sentence, replan_sheet
 
-        rt = self._runtime()
+        rt = self.session.runtime
         times = dict(self.stage_times(last_n))
         if rt.pp_size > 1:
             times = self._gathered_stage_times(times)
@@ -590,7 +326,7 @@ class Pipeline(torch.nn.Module):
                 table[0, s, kinds.index(k)] = seconds
                 table[1, s, kinds.index(k)] = 1.0  # (a time of 0 is a time)
         timeout_s = self.timeout.total_seconds()
-        with Collectives(self._mpmd_group, timeout_s, "replan") as waits:
+        with Collectives(self.session.group, timeout_s, "replan") as waits:
             table = waits.all_reduce(table.to(waits.device), "the stage times").cpu()
         return {s: {k: float(table[0, s, i]) for i, k in enumerate(kinds) if table[1, s, i]}
                 for s in range(self.num_stages)}
@@ -674,7 +410,7 @@ class Pipeline(torch.nn.Module):
         every rank, on one clock (seconds from the earliest begin). Collective:
         call it on every rank."""
         positive_int("steps", steps)
-        rt = self._runtime()
+        rt = self.session.runtime
         history = list(self.calls.records)
         if not history:
             raise RuntimeError("no completed step: call step() or the pipeline first (a step that "
@@ -705,15 +441,13 @@ class Pipeline(torch.nn.Module):
         atomically, so writers of other pipelines never corrupt them)."""
         if self.rank != 0:
             return False
-        if self._mpmd_group is None or not dist.is_initialized():
+        if self.session.group is None or not dist.is_initialized():
             return True
-        if 0 in dist.get_process_group_ranks(self._mpmd_group):
+        if 0 in dist.get_process_group_ranks(self.session.group):
             return True
         # Another data-parallel replica holds global rank 0: it writes.
-        return not any(0 in ranks for ranks in self._mpmd_replicas or ())
+        return not any(0 in ranks for ranks in self.session.replicas or ())
 
-    @pipeline_call("forward")
-    @_holding_parameters
     def forward(self, *args: Any, output_rank: int | None = None, microbatches: Any = None,
                 **kwargs: Any) -> Any:
         """Forward only (no autograd state kept), in the schedule's forward order.
@@ -726,25 +460,8 @@ class Pipeline(torch.nn.Module):
         With a mesh, each replica delivers to its own rank ``output_rank``.
         ``microbatches=[(args, kwargs), ...]`` (as ``step`` takes them): the
         list of their outputs instead of one merged output."""
-        self._check_output_rank(output_rank)
-        rt, inputs, _ = self._call_microbatches(args, kwargs, None, microbatches, None,
-                                                loss=False)
-        self._forward_only(rt, inputs, [None] * len(inputs), eval_loss=False)
-        try:
-            outputs = []
-            for k in range(len(inputs)):
-                flat = deliver_outputs(rt, self._mpmd_split.ir, rt.runner.outputs.get(k),
-                                       output_rank, self.device, k)
-                if flat is not None:
-                    outputs.append(self._mpmd_split.captured.rebuild_output(flat, inputs[k]))
-        finally:
-            rt.runner.end_step()
-        if microbatches is not None:
-            return outputs or None
-        return merge_microbatches(outputs) if outputs else None
+        return self.session.forward(args, kwargs, output_rank, microbatches)
 
-    @pipeline_call("eval")
-    @_holding_parameters
     def eval_step(self, *args: Any, target: Any = None, microbatches: Any = None,
                   targets: Any = None, **kwargs: Any) -> torch.Tensor:
         """Forward and loss of every microbatch, in the schedule's forward order,
@@ -756,15 +473,7 @@ class Pipeline(torch.nn.Module):
         call ``pipe.eval()`` before (and ``pipe.train()`` after) to turn
         dropout off; each mode keeps its own capture. ``microbatches=`` and
         ``targets=``: as ``step`` takes them."""
-        with torch.no_grad():
-            rt, inputs, targets = self._call_microbatches(args, kwargs, target, microbatches,
-                                                          targets)
-            self._forward_only(rt, inputs, targets, eval_loss=True)
-            try:
-                loss, self.last_token_count = training.step_loss(rt, self.device)
-                return loss
-            finally:
-                rt.runner.end_step()
+        return self.session.eval_step(args, kwargs, target, microbatches, targets)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
                         foreach: bool | None = None,
@@ -776,110 +485,8 @@ class Pipeline(torch.nn.Module):
         when that is below 1. Returns the total norm (float32). Collective over
         the pipeline group: call it on every rank, after ``step`` (see
         training.py)."""
-        return training.clip_grad_norm_(self._runtime(), list(self.parameters()), max_norm,
+        return training.clip_grad_norm_(self.session.runtime, list(self.parameters()), max_norm,
                                         norm_type, foreach, error_if_nonfinite)
-
-    # ------------------------------------------------------------ forward-only runs
-    def _check_target(self, target: Any) -> None:
-        """The target as the loss contract needs it, before capture or any
-        communication: none without loss_fn, there for torch's losses (its
-        batch size is checked by check_target_batch, after the inputs')."""
-        loss_fn = self.config.loss_fn
-        if target is not None and loss_fn is None:
-            raise ValueError("target= was given, but the pipeline has loss_fn=None: the loss "
-                             "comes from the model's output and the target would be ignored; "
-                             "pass pipeline(loss_fn=...), or give the labels to the model as "
-                             "an argument (e.g. labels=y)")
-        if target is None and loss_fn is not None and needs_target(loss_fn):
-            raise ValueError(f"target is missing: pipeline(loss_fn="
-                             f"{callable_name(loss_fn)}) computes loss_fn(output, "
-                             "target) on each microbatch, but no "
-                             "target= was given; pass step(..., target=y)")
-
-    def _check_output_rank(self, output_rank: Any) -> None:
-        if output_rank is None:
-            return
-        if (not isinstance(output_rank, int) or isinstance(output_rank, bool) or
-                not 0 <= output_rank < self.pp_size):
-            raise ValueError(f"output_rank={output_rank!r} must be None (every rank) or a rank "
-                             f"of the pipeline group, 0 to {self.pp_size - 1}")
-
-    def _call_microbatches(self, args: tuple, kwargs: dict, target: Any, microbatches: Any,
-                           targets: Any, *, loss: bool = True
-                           ) -> tuple[RankRuntime, list[dict[str, Any]], list[Any]]:
-        """A call's runtime (capturing on first use), its microbatches' named
-        inputs and their targets: the batch split into ``num_microbatches``,
-        or the caller's ``microbatches`` list. Every check is local and alike
-        on every rank, before any communication. ``loss``: the call computes
-        the loss (targets are checked against ``loss_fn``)."""
-        if self.config.plan == "auto":
-            raise ValueError("plan='auto' chooses the plan at the first step(), from its batch: "
-                             "call step() before eval_step() or the forward call")
-        if microbatches is None:
-            if targets is not None:
-                raise ValueError("targets= goes with microbatches=[...]; for a batch, pass its "
-                                 "target as target=")
-            if loss:
-                self._check_target(target)
-                kwargs = training_kwargs(self._mpmd_module, kwargs)
-            # A sliced batch (x[:, :n]) laid out dense, as its microbatches'
-            # capture and programs expect (NOTE [Contiguous microbatches]).
-            args, kwargs = contiguous_inputs(args, kwargs)
-            target = contiguous_tree(target)
-            m = self.num_microbatches
-            args0, kwargs0 = first_microbatch(args, kwargs, m)
-            if target is not None:  # split alike, or it would broadcast silently
-                check_target_batch(args, kwargs, target)
-            split_targets = split_tree(target, m, "target") if target is not None else [None] * m
-            rt = self._ensure_built(args0, kwargs0)
-            return rt, self._mpmd_split.named_microbatches(args, kwargs, m), split_targets
-        mbs, split_targets = explicit_microbatches(microbatches, targets, args=args,
-                                                   kwargs=kwargs, target=target)
-        if loss:
-            mbs = [(a, training_kwargs(self._mpmd_module, k)) for a, k in mbs]
-            given = {t is not None for t in split_targets}
-            if len(given) > 1:
-                raise ValueError("targets= has a target for some microbatches and None for "
-                                 "others: give every microbatch its target, or none")
-            self._check_target(split_targets[0])
-        for i, ((a, k), t) in enumerate(zip(mbs, split_targets)):
-            if t is not None:
-                try:
-                    check_target_batch(a, k, t)
-                except ValueError as e:
-                    raise ValueError(f"microbatch {i}: {e}") from None
-        rt = self._ensure_built(*mbs[0])
-        inputs = []
-        for i, (a, k) in enumerate(mbs):
-            try:
-                inputs.append(self._mpmd_split.named_inputs(a, k))
-            except ValueError as e:
-                if i == 0:
-                    raise
-                hint = ("" if self._mpmd_split.sizes else "; microbatches of different shapes "
-                        "need pipeline(dynamic=True) (one capture for every size), or pad them "
-                        "to one shape")
-                raise ValueError(f"microbatch {i}: {e}{hint}") from None
-        why = microbatch_misfit(rt, self._mpmd_split, inputs, split_targets)
-        if why is not None:
-            raise ValueError(why)
-        return rt, inputs, split_targets
-
-    def _forward_only(self, rt: RankRuntime, inputs: list[dict[str, Any]], targets: list[Any],
-                      *, eval_loss: bool) -> None:
-        """Run the forward part of the schedule over the microbatches; the last
-        stage leaves its outputs (or with ``eval_loss`` its losses) in the
-        runner. The caller ends the runner's step."""
-        run_step(rt, EVAL if eval_loss else FORWARD, self.calls, self.device, inputs=inputs,
-                 targets=targets, loss_fn=self.config.loss_fn if eval_loss else None)
-
-
-def _default_device(module: torch.nn.Module) -> torch.device:
-    for t in module.parameters():
-        if t.device.type != "meta":
-            return t.device
-    return torch.device("cpu")
-
 
 def pipeline(module: torch.nn.Module, config: PipelineConfig | None = None,
              **settings: Any) -> Pipeline:
@@ -996,12 +603,12 @@ def pipeline(module: torch.nn.Module, config: PipelineConfig | None = None,
             config = dataclasses.replace(config, compile="inductor")
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"pipeline() takes an nn.Module, got {type(module).__name__}")
-    pipe = Pipeline(module, config, config.resolve())
+    constraints = None
     if config.plan == "auto":  # what the user fixed beside it: constraints of the search
         defaults = {"schedule": "1f1b"}
-        pipe._mpmd_constraints = {k: getattr(config, k) for k in PLAN_FIELDS
-                                  if k in settings or getattr(config, k) != defaults.get(k)}
-    return pipe
+        constraints = {k: getattr(config, k) for k in PLAN_FIELDS
+                       if k in settings or getattr(config, k) != defaults.get(k)}
+    return Pipeline(module, config, config.resolve(), constraints)
 
 
 pipeline.__signature__ = settings_signature(  # type: ignore[attr-defined]

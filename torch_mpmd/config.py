@@ -316,7 +316,7 @@ class PipelineConfig:
         grp = pp_group(group)
         pp = dist.get_world_size(grp) if grp is not None else 1
         if self.plan != "auto":  # (auto: checked when planned, at the first step)
-            self._check_schedule_at(pp)
+            self.check_schedule_at(pp)
         # A dp dimension of size 1 shards nothing: the stages run replicated.
         dp_mesh = (self.mesh["dp"] if self.data_parallel == "shard" and dp_group is not None
                    else None)
@@ -325,7 +325,9 @@ class PipelineConfig:
                         startup_timeout=(as_timeout(self.startup_timeout, "startup_timeout")
                                          if self.startup_timeout is not None else None))
 
-    def _check_schedule_at(self, pp: int) -> None:
+    def check_schedule_at(self, pp: int) -> None:
+        """The schedule's own constraints on ``pp`` pipeline ranks (stages per
+        rank, stage counts, microbatches): a ValueError naming the values."""
         schedule = self.schedule
         known_stages, source = self.num_stages, "num_stages"
         if self.split_points is not None:

@@ -34,9 +34,7 @@ from torch.distributed.tensor import DTensor
 
 from torch_mpmd.config import PLAN_FIELDS, PipelineConfig
 from torch_mpmd.compile.frame import FrameCall, FrameModule, frame_call
-from torch_mpmd.microbatch import explicit_microbatches, first_microbatch
-from torch_mpmd.runtime.outputs import deliver_outputs
-from torch_mpmd.runtime.step import BACKWARD, FORWARD_KEEPING_GRAPH, run_step
+from torch_mpmd.microbatch import explicit_microbatches
 
 __all__ = ["Door", "over_microbatches", "pipeline_of"]
 
@@ -125,14 +123,6 @@ def _output_examples(gm: torch.fx.GraphModule) -> list[Any]:
             else v for v in values]
 
 
-def _lockstep(pipe: Any, kind: str, fn: Any, *args: Any) -> Any:
-    """``fn(*args)`` as a call of ``pipe`` in lockstep with the other ranks
-    (lockstep.pipeline_call): a failure before its exchanges reaches them."""
-    from torch_mpmd.parallel.lockstep import pipeline_call
-
-    return pipeline_call(kind)(lambda _pipe, *a: fn(*a))(pipe, *args)
-
-
 def _mute_hooks(params: list[torch.Tensor]) -> list[tuple[dict, dict]]:
     """Empty the parameters' gradient-hook dicts in place (the engine holds the
     dicts themselves); returns what _unmute_hooks puts back."""
@@ -208,8 +198,8 @@ class _PipelinedForward(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, door: "Door", *params: torch.Tensor) -> Any:
         ctx.door = door
-        outputs = door._run_forward(keep_graph=True)
-        ctx.generation = door._generation
+        outputs = door.run_forward(keep_graph=True)
+        ctx.generation = door.generation
         ctx.num_params = len(params)
         ctx.mark_non_differentiable(*[o for o in outputs if not o.is_floating_point()])
         return tuple(outputs)
@@ -217,7 +207,7 @@ class _PipelinedForward(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> Any:
         door = ctx.door
-        if ctx.generation != door._generation:
+        if ctx.generation != door.generation:
             # The runner keeps one forward's state per (stage, microbatch): a later
             # forward replaced this one's. Every rank sees the same calls, so every
             # rank raises here, before any transfer.
@@ -225,8 +215,7 @@ class _PipelinedForward(torch.autograd.Function):
                 "torch.compile(backend='mpmd') keeps the pipeline state of the latest forward "
                 "only: call backward() on an output before the next forward with grad enabled "
                 "(run forwards you do not backpropagate under torch.no_grad())")
-        with door.pipeline.unparked():
-            _lockstep(door.pipeline, "backward", door._run_backward, grads)
+        door.run_backward(grads)
         return (None,) * (1 + ctx.num_params)
 
 
@@ -274,7 +263,7 @@ class Door:
         if known is None or self.trains or not known.trains:
             _DOORS[_door_key(self.call.fn)] = self
         self._anchor = torch.zeros((), requires_grad=True)  # a loss with no local parameter
-        self._generation = 0
+        self.generation = 0  # forwards with grad and backwards run: NOTE in backward
         self._pending: tuple[list, list] | None = None
 
     def _new_pipeline(self) -> Any:
@@ -386,7 +375,7 @@ class Door:
     def _plan_if_auto(self, args: tuple, kwargs: dict,
                       explicit: list[tuple[tuple, dict]] | None) -> None:
         """``options={"plan": "auto"}``: the first training call plans from its
-        batch (Pipeline._plan_auto: profile and search, collective), before the
+        batch (Session.plan_auto: profile and search, collective), before the
         pipeline is built; every later call runs that plan."""
         pipe = self.pipeline
         if pipe.config.plan != "auto":
@@ -394,7 +383,7 @@ class Door:
         if explicit is not None:
             raise ValueError("option plan='auto' plans from a batch: make the first training "
                              "call on the batch itself, then over_microbatches() may follow")
-        _lockstep(pipe, "step", pipe._plan_auto, args, kwargs, None, None)
+        pipe.session.plan_auto(args, kwargs)
 
     def _check_planned(self) -> None:
         """A call that is not a training step cannot be the one that plans."""
@@ -413,7 +402,7 @@ class Door:
 
     def _local_trainable(self, args: tuple, kwargs: dict) -> list[torch.Tensor]:
         pipe = self.pipeline
-        pipe._ensure_built(*first_microbatch(args, kwargs, pipe.num_microbatches))
+        pipe.session.build_for_batch(args, kwargs)
         return [p for p in pipe.parameters() if p.requires_grad]
 
     # ------------------------------------------------------------ training
@@ -437,9 +426,7 @@ class Door:
         for p in every:
             p.grad = None
         self._plan_if_auto(args, kwargs, explicit)
-        rt = pipe._ensure_built(*(explicit[0] if explicit is not None else
-                                  first_microbatch(args, kwargs, pipe.num_microbatches)))
-        rt.runner.hooks_run_later = True  # they run in _StepLoss.backward, once
+        pipe.session.defer_parameter_hooks()  # they run in _StepLoss.backward, once
         # The step itself may run under the autograd engine (inputs that require
         # grad): the parameters' hooks are silenced there, to run in backward.
         muted = _mute_hooks(every)
@@ -496,7 +483,7 @@ class Door:
             return []
         grads = [leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
                  for leaf in leaves]
-        rt = self.pipeline._runtime()
+        rt = self.pipeline.session.runtime
         if rt.pp_size > 1:
             flat = torch.cat([g.reshape(-1) for g in grads])
             rt.wait(rt.all_reduce(flat, rt.group),
@@ -508,36 +495,18 @@ class Door:
         return grads
 
     # ------------------------------------------------------------ forward part
-    def _run_forward(self, keep_graph: bool) -> list[torch.Tensor]:
+    def run_forward(self, keep_graph: bool) -> list[torch.Tensor]:
         """The forward part of the schedule over the pending call's
-        microbatches; ``keep_graph``: with the autograd state _run_backward needs."""
+        microbatches, merged as the graph returns them; ``keep_graph``: with
+        the state :meth:`run_backward` needs."""
         assert self._pending is not None
         args, kwargs = self._pending
         self._pending = None
-        pipe = self.pipeline
-        m = pipe.num_microbatches
+        session = self.pipeline.session
         if keep_graph:
-            rt = _lockstep(pipe, "forward", self._forward_keeping_graph, args, kwargs)
-        else:
-            rt, inputs, _ = pipe._call_microbatches(args, kwargs, None, None, None, loss=False)
-            pipe._forward_only(rt, inputs, [None] * m, eval_loss=False)
-        try:
-            per_mb = [deliver_outputs(rt, pipe.split.ir, rt.runner.outputs.get(k), None,
-                                      pipe.device, k) for k in range(m)]
-        finally:
-            if not keep_graph:
-                rt.runner.end_step()
-        return self._merge(per_mb)
-
-    def _forward_keeping_graph(self, args: tuple, kwargs: dict) -> Any:
-        pipe = self.pipeline
-        m = pipe.num_microbatches
-        rt = pipe._ensure_built(*first_microbatch(args, kwargs, m))
-        inputs = pipe.split.named_microbatches(args, kwargs, m)
-        rt.runner.end_step()  # a forward never backpropagated leaves state behind
-        self._generation += 1
-        run_step(rt, FORWARD_KEEPING_GRAPH, pipe.calls, pipe.device, inputs=inputs)
-        return rt
+            self.generation += 1
+            return self._merge(session.forward_keeping_graph(args, kwargs))
+        return self._merge(session.forward_flat(args, kwargs))
 
     def _merge(self, per_mb: list[tuple]) -> list[torch.Tensor]:
         """The graph's outputs from each microbatch's flat outputs: batched
@@ -562,8 +531,9 @@ class Door:
                 merged.append(torch.cat(parts))
         return merged
 
-    def _run_backward(self, grads: Sequence[torch.Tensor | None]) -> None:
-        rt = self.pipeline._runtime()
+    def run_backward(self, grads: Sequence[torch.Tensor | None]) -> None:
+        """The backward part of the schedule from the gradients of the graph's
+        outputs (each split into the microbatches' shares)."""
         m = self.pipeline.num_microbatches
         chunks = []
         for g in grads:
@@ -573,7 +543,5 @@ class Door:
                 chunks.append([g / m] * m)
             else:
                 chunks.append(list(g.chunk(m)))
-        rt.runner.output_grads = [[c[k] for c in chunks] for k in range(m)]
-        self._generation += 1  # a second backward through the same output is refused too
-        run_step(rt, BACKWARD, self.pipeline.calls, self.pipeline.device)
-        rt.runner.end_step()
+        self.generation += 1  # a second backward through the same output is refused too
+        self.pipeline.session.backward([[c[k] for c in chunks] for k in range(m)])

@@ -154,17 +154,27 @@ FORWARD_KEEPING_GRAPH = Part("forward", training=True, outputs_as_roots=True, co
 BACKWARD = Part("backward", training=True, begins=False, reduces=True)
 
 
+def defer_parameter_hooks(rt: "RankRuntime") -> None:
+    """The parameters' gradient hooks of ``rt``'s calls run after the call, by
+    the caller (the compile door runs them in its loss's backward): a hooked
+    parameter does not send a stage to the autograd runner."""
+    rt.runner.hooks_run_later = True
+
+
 _EXECUTORS = {"step": "executor", "forward": "forward_executor",
               "backward": "backward_executor"}
 
 
 def run_step(rt: "RankRuntime", part: Part, history: CallHistory, device: torch.device, *,
              inputs: Sequence[Mapping[str, Any]] = (), targets: Sequence[Any] = (),
-             loss_fn: Callable[..., Any] | None = None) -> None:
+             loss_fn: Callable[..., Any] | None = None,
+             output_grads: Sequence[Sequence[Any]] | None = None) -> None:
     """Run ``part`` of this rank's program for one call (module docstring).
 
     ``inputs``: the microbatches' named inputs (capture names); ``targets``
-    and ``loss_fn`` for the calls that compute the loss. Raises what the
+    and ``loss_fn`` for the calls that compute the loss; ``output_grads``
+    (BACKWARD after FORWARD_KEEPING_GRAPH): per microbatch, the gradient of
+    each of the last stage's flat outputs (None: none). Raises what the
     executor run raised (PipelineError, or this rank's own exception), after
     putting back the RNG state and forgetting the last record; the runner's
     state of a failed call is ended by RankRuntime.run. The caller ends the
@@ -179,6 +189,8 @@ def run_step(rt: "RankRuntime", part: Part, history: CallHistory, device: torch.
         rt.runner.begin_step(inputs, targets, loss_fn, rt.seed, history.step,
                              training=part.training, outputs_as_roots=part.outputs_as_roots,
                              eval_loss=part.eval_loss)
+    if output_grads is not None:
+        rt.runner.output_grads = [list(g) for g in output_grads]
     if part.reduces:
         rt.begin_reductions()
     try:
