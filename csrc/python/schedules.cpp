@@ -1,6 +1,6 @@
-// Schedule, generators, lowering passes, validation and text/CSV forms
-// (core/schedule.h, schedules/registry.h, lowering.h, validate.h,
-// schedule_io.h). Edges cross as (producer, consumer) tuples, programs as
+// Schedule, generators, the schedule table, lowering passes, validation and
+// text/CSV forms (core/schedule.h, schedules/registry.h, schedules/table.h,
+// lowering.h, validate.h, schedule_io.h). Edges cross as (producer, consumer) tuples, programs as
 // lists of Action.
 #include <string>
 #include <utility>
@@ -14,6 +14,7 @@
 #include "core/schedule.h"
 #include "core/schedule_io.h"
 #include "core/schedules/registry.h"
+#include "core/schedules/table.h"
 #include "core/validate.h"
 
 namespace py = pybind11;
@@ -91,6 +92,45 @@ void bindScheduleClass(py::module_& m) {
       .def("__copy__", [](const Schedule& s) { return Schedule(s); });
 }
 
+// One row of the schedule table as a dict (torch_mpmd.schedules.facts
+// turns it into ScheduleFacts): the columns, and what the row derives.
+py::dict factsDict(const ScheduleFacts& f) {
+  py::dict d;
+  d["name"] = std::string(f.name);
+  d["min_stages_per_rank"] = f.min_stages_per_rank;
+  d["max_stages_per_rank"] = f.max_stages_per_rank == 0 ? py::object(py::none()) : py::int_(f.max_stages_per_rank);
+  d["placement"] = f.placement == Placement::V ? "v" : "loop";
+  d["microbatches_per_rank"] = f.microbatches_per_rank;
+  d["splits_backward"] = f.splits_backward;
+  d["family"] = std::string(f.family());
+  d["same_at_one_stage"] =
+      f.same_at_one_stage.empty() ? py::object(py::none()) : py::str(std::string(f.same_at_one_stage));
+  d["default_stages_per_rank"] = f.defaultStagesPerRank();
+  d["typical_stages_per_rank"] = f.typicalStagesPerRank();
+  return d;
+}
+
+void bindTable(py::module_& m) {
+  m.def("schedule_table", [] {
+    py::list rows;
+    for (const ScheduleFacts& f : scheduleTable()) rows.append(factsDict(f));
+    return rows;
+  }, "Every row of the schedule table (core/schedules/table.h) as a dict, in its order.");
+  m.def("schedule_facts", [](const std::string& name) { return factsDict(scheduleFacts(name)); },
+        py::arg("name"), "One row; ScheduleError for an unknown name, listing the known ones.");
+  m.def("min_microbatches", [](const std::string& name, int num_ranks) {
+    return scheduleFacts(name).minMicrobatches(num_ranks);
+  }, py::arg("name"), py::arg("num_ranks"));
+  m.def("check_schedule_spec", [](const std::string& name, int num_ranks, int stages_per_rank, int num_microbatches) {
+    checkSpec(scheduleFacts(name), ScheduleSpec{num_ranks, stages_per_rank, num_microbatches});
+  }, py::arg("name"), py::kw_only(), py::arg("num_ranks"), py::arg("stages_per_rank"), py::arg("num_microbatches"),
+        "The table's checks of a generator's parameters (checkSpec); ScheduleError naming the values.");
+  m.def("default_schedule", [](int stages_per_rank) { return std::string(defaultSchedule(stages_per_rank)); },
+        py::arg("stages_per_rank") = 1);
+  m.attr("DEFAULT_SCHEDULE") = std::string(kDefaultSchedule);
+  m.attr("DEFAULT_MICROBATCHES") = kDefaultMicrobatches;
+}
+
 void bindFunctions(py::module_& m) {
   m.def("schedule_names", &scheduleNames);
   m.def("make_schedule", &makeNamed, py::arg("name"), py::kw_only(), py::arg("num_ranks"),
@@ -139,6 +179,7 @@ void bindFunctions(py::module_& m) {
 
 void bindSchedules(py::module_& m) {
   bindScheduleClass(m);
+  bindTable(m);
   bindFunctions(m);
 }
 

@@ -12,6 +12,11 @@ core; ``str(action)`` is the text form (``"2F0"``, ``"0SEND_F2->3"``) and
 only text a user wrote is parsed, by the core (``Action.parse``,
 ``Schedule.from_text``/``from_csv``/``from_actions``).
 
+What the code asks about a named schedule (the stages per rank it takes,
+its placement, its minimum microbatch count, whether it splits the
+backward) is one table in the core, read here: ``facts(name)``,
+``schedule_names()``, ``DEFAULT`` (what a user gets without naming one).
+
 Errors: ``ValueError`` (``ScheduleError``, ``ParseError``) for bad parameters
 or malformed text, naming the values or the token; ``DeadlockError`` (a
 ``RuntimeError``) when ranks wait on each other forever. CLI:
@@ -25,6 +30,7 @@ import operator
 from torch_mpmd import _C
 from torch_mpmd.schedules._schedule import Schedule
 from torch_mpmd.schedules._simulation import SimulationResult
+from torch_mpmd.schedules._table import DEFAULT, Default, ScheduleFacts, facts, schedule_names, table
 
 Action = _C.Action
 ActionKind = _C.ActionKind
@@ -35,27 +41,36 @@ ScheduleError = _C.ScheduleError
 __all__ = [
     "Action",
     "ActionKind",
+    "DEFAULT",
     "DeadlockError",
+    "Default",
     "ParseError",
     "Schedule",
     "ScheduleError",
+    "ScheduleFacts",
     "V_SCHEDULES",
     "default_stages_per_rank",
+    "facts",
     "SimulationResult",
     "get_schedule",
     "kind_name",
     "names",
+    "schedule_names",
+    "table",
 ]
 
 
-# V placements hold exactly two stages per rank (stage r and 2p-1-r on rank
-# r); every other schedule starts from one, the library default.
-V_SCHEDULES = ("zbv", "dualpipev")
+# The schedules on the V placement (two stages per rank: stage r and 2p-1-r
+# on rank r), from the table.
+V_SCHEDULES = tuple(row.name for row in table() if row.v_placement)
 
 
 def default_stages_per_rank(name: object) -> int:
-    """Stages per rank a schedule called ``name`` places when nothing else says."""
-    return 2 if isinstance(name, str) and name in V_SCHEDULES else 1
+    """Stages per rank a schedule called ``name`` places when nothing else says
+    (its table row's; 1 for a name the table does not hold)."""
+    if isinstance(name, str) and name in schedule_names():
+        return facts(name).default_stages_per_rank
+    return 1
 
 
 def kind_name(kind: ActionKind) -> str:
@@ -64,8 +79,8 @@ def kind_name(kind: ActionKind) -> str:
 
 
 def names() -> list[str]:
-    """Names ``get_schedule`` accepts, in the core's order."""
-    return list(_C.schedule_names())
+    """Names ``get_schedule`` accepts, in the core's order (``schedule_names()``)."""
+    return schedule_names()
 
 
 def _count(what: str, value: object) -> int:

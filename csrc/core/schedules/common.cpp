@@ -2,28 +2,7 @@
 
 #include <algorithm>
 
-#include <fmt/format.h>
-
-#include "../errors.h"
-
 namespace mpmd::schedules {
-
-void checkPositive(std::string_view name, const ScheduleSpec& spec) {
-  if (spec.num_ranks < 1 || spec.stages_per_rank < 1 || spec.num_microbatches < 1) {
-    throw ScheduleError(fmt::format(
-        "num_ranks={}, stages_per_rank={} and num_microbatches={} must all be >= 1 for {}",
-        spec.num_ranks, spec.stages_per_rank, spec.num_microbatches, name));
-  }
-}
-
-void requireStagesPerRank(std::string_view name, const ScheduleSpec& spec, int required,
-                          std::string_view hint) {
-  if (spec.stages_per_rank == required) return;
-  std::string message = fmt::format("stages_per_rank={} is not supported by {}: it needs exactly {}",
-                                    spec.stages_per_rank, name, required);
-  if (!hint.empty()) message += fmt::format(" ({})", hint);
-  throw ScheduleError(message);
-}
 
 std::vector<int> microbatchGroups(int num_ranks, int num_microbatches) {
   const int count = std::max(1, num_microbatches / num_ranks);

@@ -10,11 +10,7 @@
 
 namespace mpmd::schedules {
 
-// Parameter checks. Each throws ScheduleError naming the values and the
-// schedule, e.g. "num_microbatches=3 must be >= num_ranks=4 for zbv".
-void checkPositive(std::string_view name, const ScheduleSpec& spec);
-void requireStagesPerRank(std::string_view name, const ScheduleSpec& spec, int required,
-                          std::string_view hint = {});
+// Parameter checks: checkSpec (table.h), from the schedule's row.
 
 // Reserves room for `actions_per_rank` actions in every program.
 inline void reservePrograms(Schedule& s, size_t actions_per_rank) {

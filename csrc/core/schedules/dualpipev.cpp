@@ -18,10 +18,8 @@
 #include <cstddef>
 #include <deque>
 
-#include <fmt/format.h>
-
-#include "../errors.h"
 #include "common.h"
+#include "table.h"
 
 namespace mpmd {
 
@@ -105,13 +103,8 @@ void buildRank(Schedule& s, int r) {
 }  // namespace
 
 Schedule makeDualPipeV(const ScheduleSpec& spec) {
-  schedules::checkPositive("dualpipev", spec);
-  schedules::requireStagesPerRank("dualpipev", spec, 2, "its V placement puts 2 stages on each rank");
+  checkSpec(scheduleFacts("dualpipev"), spec);
   const int p = spec.num_ranks, m = spec.num_microbatches;
-  if (m < 2 * p) {
-    throw ScheduleError(fmt::format(
-        "num_microbatches={} must be >= 2 * num_ranks={} (= {}) for dualpipev", m, p, 2 * p));
-  }
   Schedule s = makeEmptySchedule("dualpipev", p, m, vPlacement(p));
   schedules::reservePrograms(s, 6 * static_cast<size_t>(m));  // at most F, I, W per (stage, mb)
   for (int r = 0; r < p; ++r) buildRank(s, r);

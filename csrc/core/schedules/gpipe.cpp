@@ -7,11 +7,12 @@
 #include <cstddef>
 
 #include "common.h"
+#include "table.h"
 
 namespace mpmd {
 
 Schedule makeGPipe(const ScheduleSpec& spec) {
-  schedules::checkPositive("gpipe", spec);
+  checkSpec(scheduleFacts("gpipe"), spec);
   const int p = spec.num_ranks, v = spec.stages_per_rank, m = spec.num_microbatches;
   Schedule s = makeEmptySchedule("gpipe", p, m, loopPlacement(p, v));
   schedules::reservePrograms(s, 2 * static_cast<size_t>(v) * m);

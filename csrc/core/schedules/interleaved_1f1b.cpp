@@ -12,11 +12,12 @@
 #include <cstddef>
 
 #include "common.h"
+#include "table.h"
 
 namespace mpmd {
 
 Schedule makeInterleaved1F1B(const ScheduleSpec& spec) {
-  schedules::checkPositive("interleaved_1f1b", spec);
+  checkSpec(scheduleFacts("interleaved_1f1b"), spec);
   const int p = spec.num_ranks, v = spec.stages_per_rank, m = spec.num_microbatches;
   Schedule s = makeEmptySchedule("interleaved_1f1b", p, m, loopPlacement(p, v));
   schedules::reservePrograms(s, 2 * static_cast<size_t>(v) * m);

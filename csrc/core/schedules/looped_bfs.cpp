@@ -4,11 +4,12 @@
 #include <cstddef>
 
 #include "common.h"
+#include "table.h"
 
 namespace mpmd {
 
 Schedule makeLoopedBFS(const ScheduleSpec& spec) {
-  schedules::checkPositive("looped_bfs", spec);
+  checkSpec(scheduleFacts("looped_bfs"), spec);
   const int p = spec.num_ranks, v = spec.stages_per_rank, m = spec.num_microbatches;
   Schedule s = makeEmptySchedule("looped_bfs", p, m, loopPlacement(p, v));
   schedules::reservePrograms(s, 2 * static_cast<size_t>(v) * m);

@@ -5,13 +5,12 @@
 #include <cstddef>
 
 #include "common.h"
+#include "table.h"
 
 namespace mpmd {
 
 Schedule make1F1B(const ScheduleSpec& spec) {
-  schedules::checkPositive("1f1b", spec);
-  schedules::requireStagesPerRank("1f1b", spec, 1,
-                                  "use interleaved_1f1b for several stages per rank");
+  checkSpec(scheduleFacts("1f1b"), spec);
   const int p = spec.num_ranks, m = spec.num_microbatches;
   Schedule s = makeEmptySchedule("1f1b", p, m, loopPlacement(p, 1));
   schedules::reservePrograms(s, 2 * static_cast<size_t>(m));

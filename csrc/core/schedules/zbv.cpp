@@ -9,22 +9,15 @@
 #include <algorithm>
 #include <cstddef>
 
-#include <fmt/format.h>
-
-#include "../errors.h"
 #include "common.h"
+#include "table.h"
 #include "greedy.h"
 
 namespace mpmd {
 
 Schedule makeZBV(const ScheduleSpec& spec) {
-  schedules::checkPositive("zbv", spec);
-  schedules::requireStagesPerRank("zbv", spec, 2, "its V placement puts 2 stages on each rank");
+  checkSpec(scheduleFacts("zbv"), spec);
   const int p = spec.num_ranks, m = spec.num_microbatches;
-  if (m < p) {
-    throw ScheduleError(
-        fmt::format("num_microbatches={} must be >= num_ranks={} for zbv", m, p));
-  }
   Schedule s = makeEmptySchedule("zbv", p, m, vPlacement(p));
   schedules::GreedyOptions options;
   options.activation_cap.assign(static_cast<size_t>(p), 2 * p);

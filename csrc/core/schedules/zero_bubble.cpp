@@ -7,13 +7,13 @@
 #include <cstddef>
 
 #include "common.h"
+#include "table.h"
 #include "greedy.h"
 
 namespace mpmd {
 
 Schedule makeZeroBubbleH1(const ScheduleSpec& spec) {
-  schedules::checkPositive("zero_bubble", spec);
-  schedules::requireStagesPerRank("zero_bubble", spec, 1, "use zbv for 2 stages per rank");
+  checkSpec(scheduleFacts("zero_bubble"), spec);
   const int p = spec.num_ranks, m = spec.num_microbatches;
   Schedule s = makeEmptySchedule("zero_bubble", p, m, loopPlacement(p, 1));
   schedules::GreedyOptions options;
