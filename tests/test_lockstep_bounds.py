@@ -1,8 +1,8 @@
 """The lockstep's bounds (issue 34): ranks of one pipeline given different
 microbatch contents raise naming the value (NOTE [Microbatch contents] in
-runtime/rank.py); a rank that stalls or dies in mpmd.plan's profiling is
+runtime/contents.py); a rank that stalls or dies in mpmd.plan's profiling is
 named within the timeout, and so is one that stalls materializing a meta
-model (NOTE [Named waits] in parallel/lockstep.py); with 4
+model (NOTE [Named waits] in parallel/named_waits.py); with 4
 ranks and rank 0 (the store's host) killed mid-step, every survivor names
 rank 0."""
 
@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from dist_harness import GridRun, run_ranks
-from torch_mpmd.runtime import rank as rank_module
-from torch_mpmd.runtime.rank import _device_digest, microbatch_contents
+from torch_mpmd.runtime import contents as contents_module
+from torch_mpmd.runtime.contents import _device_digest, microbatch_contents
 
 _GRID = GridRun(2, "lockstep_bounds_worker:grid", [dict(id="contents", kind="contents")],
                 task="bounds", timeout=300)
@@ -89,7 +89,7 @@ def test_the_content_digest_counts_non_tensor_values_and_reads_bytes_exactly():
 def test_the_on_device_path_reads_every_tensor_back_once_and_sees_a_change(monkeypatch):
     # Tensors off the CPU are reduced on their device; run that path on the
     # CPU (no tensor read in place) and compare with itself and a change.
-    monkeypatch.setattr(rank_module, "_READ_IN_PLACE", ())
+    monkeypatch.setattr(contents_module, "_READ_IN_PLACE", ())
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(4, 8, generator=g), torch.randint(0, 9, (4, 3), generator=g)
     mbs, targets = [{"x": x[:2]}, {"x": x[2:]}], [y[:2], y[2:]]

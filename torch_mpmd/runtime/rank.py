@@ -9,6 +9,10 @@ handshake (plan hashes), the exchanges that keep the ranks in step (NOTE
 REDUCE_GRAD posts (dp; tied weights: tied.py) and the broadcast of the loss
 and outputs from the last stage's rank. Every wait is bounded: by
 ``timeout``, or at a capture by ``startup_timeout``.
+
+Beside it in this package: the lowered schedule it runs (lowered.py), the
+start-up handshake (handshake.py), the digests of a call's microbatches
+(contents.py) and the call's loss in the end exchange (call_loss.py).
 """
 
 from __future__ import annotations
@@ -17,14 +21,11 @@ import atexit
 import datetime
 import gc
 import hashlib
-import struct
-import json
 import re
-import os
 import sys
 import weakref
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -40,244 +41,24 @@ from torch_mpmd.parallel.lockstep import PipelineError
 from torch_mpmd.programs.stage_programs import Compiler
 from torch_mpmd.graph.shapes import SymbolicShapes
 from torch_mpmd.runtime.runner import EdgeLayout
-from torch_mpmd.schedules import (V_SCHEDULES, Action, ActionKind, Schedule, get_schedule,
-                                  kind_name, names as schedule_names)
+from torch_mpmd.runtime import handshake
+from torch_mpmd.runtime.call_loss import (LOSS_KINDS, NO_LOSS, LossSummary, loss_summary,
+                                          pack_loss, unpack_loss)
+from torch_mpmd.runtime.contents import as_int64, microbatch_contents, microbatch_digest
+from torch_mpmd.runtime.lowered import (backward_only_text, forward_only_text, part,
+                                        resolve_schedule)
+from torch_mpmd.schedules import Action, ActionKind, Schedule, kind_name, names as schedule_names
 from torch_mpmd.graph.stage import SplitModel, StageSignature
 from torch_mpmd.parallel.tied import TiedGroup, TiedSums
 
-__all__ = ["PipelineError", "RankRuntime", "StagedModel", "resolve_schedule",
-           "forward_only_text", "backward_only_text", "loss_summary"]
+__all__ = ["PipelineError", "RankRuntime", "StagedModel", "CountExecutors",
+           "resolve_schedule", "forward_only_text", "backward_only_text", "loss_summary",
+           "LossSummary", "microbatch_contents"]
 
 
 # Default least wait for the other ranks' compiled (Inductor) program builds,
 # which can take minutes longer on one rank than another; startup_timeout= sets it.
 _COMPILED_BUILD_TIMEOUT_S = 1800.0
-_K = ActionKind
-# The kinds of each part of a step a call runs (kind_of): "forward" and "eval"
-# run the forward part, "backward" (the compile door) the rest, "step" all.
-_PART_KINDS = {
-    "forward": (_K.FORWARD, _K.SEND_F, _K.RECV_F),
-    "backward": (_K.FULL_BACKWARD, _K.BACKWARD_INPUT, _K.BACKWARD_WEIGHT, _K.SEND_B, _K.RECV_B,
-                 _K.REDUCE_GRAD),
-}
-_PART_KINDS["eval"] = _PART_KINDS["forward"]
-_SETTING_CHARS = 300  # of a setting's value, in the start-up mismatch error
-
-
-def _part(schedule: Schedule, part: str) -> Schedule:
-    """The forward or backward part of a lowered schedule (Schedule.part: a
-    subsequence of a valid program keeps every channel's order, NOTE [Channel
-    order], and forwards depend only on forwards, so it runs too)."""
-    return schedule.part(_PART_KINDS[part], name=f"{schedule.name}-{part}")
-
-
-LossSummary = tuple[float, float, bool]  # (value, count, token-weighted)
-
-
-def loss_summary(losses: Sequence[torch.Tensor]) -> LossSummary:
-    """The microbatches' losses as ``(value, count, weighted)``: the mean of
-    scalar losses (count 0, not weighted), or for token-weighted ``[sum,
-    count]`` losses the sum of their sums and of their counts (weighted)."""
-    # One kind per step (the runner's record_loss refuses a mix).
-    stacked = torch.stack(losses)
-    if stacked.dim() == 2:
-        total, count = stacked.double().sum(0).tolist()
-        return total, count, True
-    return float(stacked.float().mean()), 0.0, False
-
-
-def forward_only_text(schedule: Schedule) -> str:
-    """The forward part (F, SEND_F, RECV_F) of a lowered schedule, as text."""
-    return _part(schedule, "forward").to_text()
-
-
-def backward_only_text(schedule: Schedule) -> str:
-    """The backward part of a lowered schedule (see forward_only_text)."""
-    return _part(schedule, "backward").to_text()
-
-
-def resolve_schedule(schedule: Any, *, pp_size: int, num_stages: int, num_microbatches: int,
-                     edges: Sequence[tuple[int, int]], shard: bool = False,
-                     reshard_after_forward: bool = False) -> Schedule:
-    """The lowered, validated schedule for the plan: from a name, a Schedule, or
-    a text/CSV file. Errors name the values that do not fit. ``shard``: the
-    lowering places UNSHARD/RESHARD actions (sharded data parallel; a schedule
-    given lowered keeps its own, and stages without them gather lazily: NOTE
-    [Lazy gather] in sharding.py)."""
-    spr = num_stages // pp_size
-    if isinstance(schedule, str) and schedule in schedule_names():
-        if schedule in V_SCHEDULES and spr != 2:
-            raise ValueError(f"schedule {schedule!r} places 2 stages per rank (V shape); the "
-                             f"model has {num_stages} stages on pp_size={pp_size} ranks "
-                             f"({spr} per rank)")
-        sched = get_schedule(schedule, num_ranks=pp_size, num_microbatches=num_microbatches,
-                             stages_per_rank=spr)
-    elif isinstance(schedule, Schedule):
-        sched = schedule
-    elif isinstance(schedule, (str, os.PathLike)) and os.path.isfile(schedule):
-        path = os.fspath(schedule)
-        if path.endswith(".csv"):
-            sched = Schedule.from_csv(path)
-        else:
-            with open(path, encoding="utf-8") as f:
-                sched = Schedule.from_text(f.read())
-    else:
-        raise ValueError(f"schedule={schedule!r} is neither a schedule name "
-                         f"({', '.join(schedule_names())}), a Schedule, nor an existing "
-                         "text/CSV file")
-    if (sched.num_ranks, sched.num_stages, sched.num_microbatches) != (
-            pp_size, num_stages, num_microbatches):
-        raise ValueError(
-            f"schedule '{sched.name}' has {sched.num_ranks} ranks, {sched.num_stages} stages and "
-            f"{sched.num_microbatches} microbatches; the pipeline has pp_size={pp_size}, "
-            f"{num_stages} stages and num_microbatches={num_microbatches}")
-    if sched.is_lowered:
-        if sorted(sched.edges) != sorted(edges):
-            raise ValueError(f"lowered schedule '{sched.name}' has stage edges {sched.edges}, "
-                             f"the model's plan has {sorted(edges)}; pass it compute-only")
-    else:
-        sched = sched.with_edges(sorted(edges))
-        sched = (sched.lower(shard=True, reshard_after_forward=reshard_after_forward) if shard
-                 else sched.lower())
-    sched.validate()
-    return sched
-
-
-def _plan_digest(plan: Any, *, dynamic: bool) -> int:
-    """What the ranks compare of their partition plans: its hash, or for a
-    dynamic capture the plan without the transferred values' bytes, which
-    follow the sizes each rank captured with (data-parallel replicas capture
-    from their own first microbatch: the same plan at other sizes)."""
-    if not dynamic:
-        return _int64(plan.hash)
-    structure = (plan.num_stages, list(plan.node_stage),
-                 [(v.node, v.producer_stage, list(v.consumer_stages))
-                  for v in plan.cross_stage_values],
-                 [(p.fqn, list(p.stages)) for p in plan.parameters])
-    digest = hashlib.sha256(repr(structure).encode()).digest()
-    return _int64(int.from_bytes(digest[:8], "little"))
-
-
-def _microbatch_digest(count: int, sizes: Sequence[tuple[int, ...]],
-                       labels: Sequence[str] = ()) -> int:
-    """A digest of a call's microbatch count, sizes and value labels
-    (microbatch_contents; nonzero), which the ranks of one pipeline compare in
-    the call's begin exchange: ranks given different microbatches stop there,
-    before any transfer."""
-    h = hashlib.sha256(repr((count, [tuple(k) for k in sizes], list(labels))).encode()).digest()
-    return _int64(int.from_bytes(h[:8], "little")) or 1
-
-
-# NOTE [Microbatch contents]: the ranks of one pipeline must be given the same
-# microbatches, contents included (rank 0 reads the inputs, the last rank the
-# targets: different batches would train on rank 0's inputs with the last
-# rank's targets, silently). Each call's begin exchange therefore carries a
-# digest of every input and target value of every microbatch, exact (every
-# byte counts; a strided sample could miss a difference): a CPU tensor's
-# bytes go through BLAKE2b (read in place, no copy); a tensor on another
-# device is reduced there (_device_digest) and two int64 come to the host.
-# Non-tensor values count by their repr where it is a value's (numbers,
-# strings, None, containers of them), else by their type name (an object's
-# default repr holds its address, which differs by process). Measured in
-# BENCHMARKS.md ("The microbatch digest").
-_PLAIN = (int, float, complex, str, bytes, bool, type(None))
-_READ_IN_PLACE = ("cpu",)  # device types whose tensors' bytes BLAKE2b reads itself
-
-
-def _device_sums(flat: torch.Tensor) -> torch.Tensor:
-    """An exact digest of a 1-D uint8 tensor's bytes, computed on its device:
-    the bytes as 32-bit words (sign-extended to int64, so no bit of a word
-    reaches a product's top bit alone) times two position-derived odd
-    pseudo-random int64 sequences, each summed with int64 wraparound. A
-    change of any word changes each sum unless the changes cancel in both
-    (one word: never, an odd multiplier is invertible mod 2**64). Returns
-    the two sums (int64, on the device)."""
-    if flat.numel() % 4:
-        words = flat.to(torch.int64)
-    else:
-        words = flat.view(torch.int32).to(torch.int64)
-    i = torch.arange(words.numel(), dtype=torch.int64, device=flat.device)
-    sums = []
-    for mult, add in ((-7046029254386353131, 1442695040888963407),     # (splitmix-style
-                      (-4658895280553007687, -7723592293110705685)):  #  constants)
-        r = i * mult + add
-        r = r ^ ((r >> 31) & 0x1FFFFFFFF)  # logical shift: the top bits mix down
-        sums.append(((r | 1) * words).sum())
-    return torch.stack(sums)
-
-
-def _device_digest(flat: torch.Tensor) -> bytes:
-    """:func:`_device_sums` as bytes (one transfer to the host)."""
-    return struct.pack("<2q", *_device_sums(flat).tolist())
-
-
-def _value_parts(value: Any, parts: list[Any]) -> None:
-    """What the digest of ``value`` (a tensor, a plain value, or a list,
-    tuple or dict tree of them) reads, in order, into ``parts``: bytes, and
-    for a tensor off the CPU its two device sums, read back later, all of a
-    call's at once (NOTE [Microbatch contents])."""
-    if isinstance(value, torch.Tensor):
-        t = value.to_local() if hasattr(value, "to_local") else value  # a DTensor's shard
-        parts.append(repr((str(t.dtype), tuple(t.shape), str(t.layout))).encode())
-        if t.layout != torch.strided or t.device.type == "meta":
-            return  # (no bytes to read: sparse layouts, meta tensors count by their shape)
-        flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
-        parts.append(memoryview(flat.numpy()) if flat.device.type in _READ_IN_PLACE
-                     else _device_sums(flat))
-    elif isinstance(value, (list, tuple)):
-        parts.append(f"{type(value).__name__}[{len(value)}]".encode())
-        for v in value:
-            _value_parts(v, parts)
-    elif isinstance(value, dict):
-        parts.append(f"dict[{len(value)}]".encode())
-        for k, v in value.items():
-            parts.append(repr(k).encode() if isinstance(k, _PLAIN) else b"?")
-            _value_parts(v, parts)
-    elif isinstance(value, _PLAIN):
-        parts.append(repr(value).encode())
-    else:
-        parts.append(type(value).__qualname__.encode())
-
-
-def microbatch_contents(inputs: Sequence[Mapping[str, Any]], targets: Sequence[Any]
-                        ) -> tuple[int, list[str], list[int]]:
-    """(digest of everything, each value's label, each value's digest) for a
-    call's microbatches: per microbatch its named inputs, then its target
-    (NOTE [Microbatch contents]). The labels name the value in an error."""
-    labels, values = [], []
-    for mb, named in enumerate(inputs):
-        target = targets[mb] if mb < len(targets) else None
-        for label, value in [*((f"input {name!r}", v) for name, v in named.items()),
-                             ("target", target)]:
-            parts: list[Any] = []
-            _value_parts(value, parts)
-            labels.append(f"microbatch {mb}, {label}")
-            values.append(parts)
-    # The device sums: one transfer per device for the whole call.
-    on_device: dict[torch.device, list[torch.Tensor]] = {}
-    for parts in values:
-        for p in parts:
-            if isinstance(p, torch.Tensor):
-                on_device.setdefault(p.device, []).append(p)
-    host = {id(t): struct.pack("<2q", *pair)
-            for ts in on_device.values() for t, pair in zip(ts, torch.stack(ts).tolist())}
-    digests = []
-    whole = hashlib.blake2b(digest_size=8)
-    for parts in values:
-        h = hashlib.blake2b(digest_size=8)
-        for p in parts:
-            h.update(host[id(p)] if isinstance(p, torch.Tensor) else p)
-        d = h.digest()
-        whole.update(d)
-        digests.append(_int64(int.from_bytes(d, "little")))
-    return _int64(int.from_bytes(whole.digest(), "little")) or 1, labels, digests
-
-
-def _int64(x: int) -> int:
-    x &= 0xFFFFFFFFFFFFFFFF
-    return x - (1 << 64) if x >= 1 << 63 else x
-
-
 @dataclass
 class StagedModel:
     """The pieces of a split model a rank runtime needs (from a SplitModel, or
@@ -311,6 +92,20 @@ class StagedModel:
             example = shapes.concrete(shapes.hint_key())
         return cls(split.stages, split.stage_signatures, split.plan, example,
                    split.captured.tensors, split.captured.rebuild_output, shapes)
+
+
+@dataclass
+class CountExecutors:
+    """What a runtime runs with one microbatch count
+    (:meth:`RankRuntime.use_microbatch_count`): that count's lowered schedule,
+    its executors (the forward and backward parts' built on first use) and
+    every rank's program per kind of call."""
+
+    schedule: Schedule
+    step: Any = None                # runs the whole step
+    forward: Any = None             # the forward part (inference, the compile door)
+    backward: Any = None            # the backward part (the compile door)
+    programs: dict[str, list[list[Action]]] = field(default_factory=dict)  # by kind_of
 
 
 # NOTE [Release at exit]: the C++ executors and transports, and the runtime's
@@ -374,10 +169,13 @@ class RankRuntime:
         self.rank = dist.get_rank(group) if group is not None else 0
         num_stages = model.num_stages
         self.layout = EdgeLayout.build(model.signatures, model.example_values)
-        self.schedule = resolve_schedule(schedule, pp_size=self.pp_size, num_stages=num_stages,
-                                         num_microbatches=num_microbatches,
-                                         edges=self.layout.edges(), shard=shards is not None,
-                                         reshard_after_forward=reshard_after_forward)
+        # The schedule and executors of the microbatch count the calls run with
+        # now, and those of every count used so far (use_microbatch_count).
+        self._current = CountExecutors(resolve_schedule(
+            schedule, pp_size=self.pp_size, num_stages=num_stages,
+            num_microbatches=num_microbatches, edges=self.layout.edges(),
+            shard=shards is not None, reshard_after_forward=reshard_after_forward))
+        self._by_count: dict[int, CountExecutors] = {}
         self.stage_to_rank = list(self.schedule.stage_to_rank)
         self.local_stages = tuple(s for s in range(num_stages) if self.stage_to_rank[s] == self.rank)
         producers: list[list[int]] = [[] for _ in range(num_stages)]
@@ -401,9 +199,7 @@ class RankRuntime:
         self.transport = self._transport() if self.pp_size > 1 else None
         self.digest = 0  # of this capture's plan and settings: set by the handshake
         self.seed = self._handshake(settings, seed)
-        self.executor = self._executor(self.schedule.to_text())
-        self._forward_executor: Any = None
-        self._backward_executor: Any = None
+        self._current.step = self._executor(self.schedule.to_text())
         # A dynamic capture: the sizes the transfers are sized for now (see
         # use_microbatches); starts at the capture's own sizes.
         self._shape_key = model.shapes.hint_key() if model.shapes is not None else None
@@ -418,9 +214,6 @@ class RankRuntime:
         self._schedule_source = schedule
         self._shard = shards is not None
         self._reshard_after_forward = reshard_after_forward
-        # Per microbatch count: the schedule and its executors (use_microbatch_count).
-        self._by_count: dict[int, list[Any]] = {}
-        self._programs: dict[str, list[list[Action]]] = {}
         self.tied_groups = self._tied_groups()
         _LIVE.add(self)
         self.tied = self._tied_sums()
@@ -477,75 +270,15 @@ class RankRuntime:
         (api.py); the schedule's programs join them, by their hash."""
         programs = hashlib.sha256(self.schedule.to_text().encode()).hexdigest()[:16]
         self.settings = {**settings, "schedule programs (hash)": programs}
-        digest = hashlib.sha256(json.dumps(list(self.settings.items())).encode()).digest()
-        self.digest = _int64(int.from_bytes(digest[:8], "little")) or 1  # 0: not compared
-        mine = [_plan_digest(self.model.plan, dynamic=self.model.shapes is not None),
+        self.digest = handshake.settings_digest(self.settings)  # (0: not compared)
+        mine = [handshake.plan_digest(self.model.plan, dynamic=self.model.shapes is not None),
                 self.digest,
-                _int64(seed if seed is not None else torch.initial_seed())]
+                as_int64(seed if seed is not None else torch.initial_seed())]
         if self.ledger is None:
             return mine[2]
-        outcome = self.ledger.exchange("handshake", timeout_s=self.startup_timeout_s,
-                                       payload=mine)
-        self.ledger.raise_for(outcome, "the start-up comparison of plans", ended=False)
-        rows = [row[len(lockstep.FIELDS) - 3:] for row in outcome.rows]
-        self._compare(rows)
-        return rows[self.ledger.ranks.index(self.replicas[self.replica][0])][2]
-
-    def _compare(self, rows: list[list[int]]) -> None:
-        """PipelineError (on every rank) where the ranks' settings or plans
-        differ: the settings first (they explain a plan that differs), named
-        with their values on this rank and on the first peer whose differ,
-        else each rank's hash; ``rows``: (plan hash, settings digest, seed)
-        per rank of the ledger."""
-        ranks = self.ledger.ranks
-        cols = (("pipeline settings or schedule", 1), ("partition plan", 0))
-        for what, col in cols:
-            values = {r: row[col] & 0xFFFFFFFFFFFFFFFF for r, row in zip(ranks, rows)}
-            if len(set(values.values())) > 1:
-                # Every rank sees the same rows, so all take this branch together.
-                named = self._settings_difference() if col == 1 else ""
-                listing = ", ".join(f"{self.ledger.name(r)}: {v:016x}" for r, v in values.items())
-                problem = (f"the ranks' settings differ: {named}" if named else
-                           f"the ranks disagree on the {what} (hashes {listing})")
-                err = PipelineError(
-                    f"{self.ledger.name(self.ledger.me)}: {problem}; every rank must build the "
-                    "same model and call pipeline() with the same arguments and the same input "
-                    "shapes", rank=self.rank)
-                raise lockstep.settle(err)  # every rank raises it, in step
-
-    def _settings_difference(self) -> str:
-        """Each setting in which this rank differs from the first peer that
-        differs, with both values ('' if none does). Called by every rank
-        together once the settings digests disagree: one more exchange, of
-        every rank's settings (a rare error path), bounded by the start-up
-        timeout."""
-        me, theirs = self.ledger.me, self._gather_settings()
-        for rank, other in zip(self.ledger.ranks, theirs):
-            names = [k for k in {**self.settings, **other}
-                     if k not in self.settings or k not in other
-                     or self.settings[k][:_SETTING_CHARS] != other[k]]
-            if rank == me or not names:
-                continue
-            return "; ".join(
-                f"{k} is {self.settings.get(k, '(not set)')[:_SETTING_CHARS]} on "
-                f"{self.ledger.name(me)} (this rank) but {other.get(k, '(not set)')} on "
-                f"{self.ledger.name(rank)}" for k in names)
-        return ""
-
-    def _gather_settings(self) -> list[dict[str, str]]:
-        """Every ledger rank's settings (values cut to _SETTING_CHARS), by an
-        all_gather of their sizes, then of the JSON texts padded to the largest."""
-        mine = json.dumps([[k, v[:_SETTING_CHARS]] for k, v in self.settings.items()]).encode()
-        n, group, limit = len(self.ledger.ranks), self.ledger.group, self.startup_timeout_s
-        sizes = torch.zeros(n, 1, dtype=torch.int64)
-        self.wait(lockstep.all_gather(list(sizes.unbind(0)), torch.tensor([len(mine)]), group,
-                                      limit), "the exchange of settings sizes (all_gather)", limit)
-        padded = torch.zeros(int(sizes.max()), dtype=torch.uint8)
-        padded[:len(mine)] = torch.frombuffer(bytearray(mine), dtype=torch.uint8)
-        texts = torch.zeros(n, padded.numel(), dtype=torch.uint8)
-        self.wait(lockstep.all_gather(list(texts.unbind(0)), padded, group, limit),
-                  "the exchange of settings (all_gather)", limit)
-        return [dict(json.loads(bytes(texts[i, :int(sizes[i])].tolist()))) for i in range(n)]
+        return handshake.agree(self.ledger, self.settings, mine,
+                               seed_rank=self.replicas[self.replica][0], rank=self.rank,
+                               timeout_s=self.startup_timeout_s, wait=self.wait)
 
     def _tied_ranks(self) -> dict[tuple[int, ...], list[str]]:
         """Per set of pipeline ranks sharing trainable parameters, their FQNs."""
@@ -666,7 +399,7 @@ class RankRuntime:
         """Drop the executors and the transport (and with them the process-group
         references they hold), and with ``groups`` the runtime's own group
         references (NOTE [Release at exit]); the runtime cannot step afterwards."""
-        self.executor = self._forward_executor = self._backward_executor = None
+        self._current.step = self._current.forward = self._current.backward = None
         self.transport = None
         self._by_count = {}
         if groups:
@@ -729,7 +462,7 @@ class RankRuntime:
         of every input's and target's contents (NOTE [Microbatch contents])."""
         contents, labels, digests = microbatch_contents(inputs, targets)
         self._call_microbatches = (len(inputs),
-                                   _microbatch_digest(len(inputs), self._call_keys, labels),
+                                   microbatch_digest(len(inputs), self._call_keys, labels),
                                    contents)
         self._call_values = (labels, digests)
 
@@ -751,8 +484,7 @@ class RankRuntime:
         current = self.schedule.num_microbatches
         if m == current:
             return
-        self._by_count[current] = [self.schedule, self.executor, self._forward_executor,
-                                   self._backward_executor, self._programs]
+        self._by_count[current] = self._current
         cached = self._by_count.get(m)
         if cached is None:
             source = self._schedule_source
@@ -766,12 +498,10 @@ class RankRuntime:
                                      edges=self.layout.edges(), shard=self._shard,
                                      reshard_after_forward=self._reshard_after_forward)
             self._check_same_program_shape(sched, m)
-            cached = [sched, None, None, None, {}]
-            self._by_count[m] = cached
-        self.schedule, self.executor, self._forward_executor, self._backward_executor, \
-            self._programs = cached
-        if self.executor is None:
-            self.executor = cached[1] = self._executor(self.schedule.to_text())
+            cached = self._by_count[m] = CountExecutors(sched)
+        self._current = cached
+        if cached.step is None:
+            cached.step = self._executor(self.schedule.to_text())
 
     def _check_same_program_shape(self, sched: Schedule, m: int) -> None:
         """The schedule for ``m`` microbatches asks nothing of any rank that
@@ -795,44 +525,49 @@ class RankRuntime:
                                  "schedule runs alike")
 
     @property
+    def schedule(self) -> Schedule:
+        """The lowered schedule of the microbatch count the calls run with now."""
+        return self._current.schedule
+
+    @property
+    def executor(self) -> Any:
+        """Runs the whole schedule (a training step); None after release()."""
+        return self._current.step
+
+    @property
     def forward_executor(self) -> Any:
         """Runs the forward part of the schedule only (inference, compile path)."""
-        if self._forward_executor is None:
-            self._forward_executor = self._remember(3, self._executor(
-                forward_only_text(self.schedule), stateful=False))
-        return self._forward_executor
+        current = self._current
+        if current.forward is None:
+            current.forward = self._executor(forward_only_text(current.schedule),
+                                             stateful=False)
+        return current.forward
 
     @property
     def backward_executor(self) -> Any:
         """Runs the backward part only, after forward_executor (compile path)."""
-        if self._backward_executor is None:
-            self._backward_executor = self._remember(4, self._executor(
-                backward_only_text(self.schedule), stateful=False))
-        return self._backward_executor
-
-    def _remember(self, slot: int, executor: Any) -> Any:
-        """Keep a lazily built executor with its microbatch count's (use_microbatch_count)."""
-        cached = self._by_count.get(self.schedule.num_microbatches)
-        if cached is not None:
-            cached[slot] = executor
-        return executor
+        current = self._current
+        if current.backward is None:
+            current.backward = self._executor(backward_only_text(current.schedule),
+                                              stateful=False)
+        return current.backward
 
     def kind_of(self, executor: Any) -> str:
         """The call an executor of this runtime serves: "step", "forward",
         "eval" (a forward with the loss, by the runner's setting) or "backward"."""
-        if executor is self.executor:
+        if executor is self._current.step:
             return "step"
-        if executor is self._forward_executor:
+        if executor is self._current.forward:
             return "eval" if getattr(self.runner, "eval_loss", False) else "forward"
         return "backward"
 
     def programs(self, kind: str) -> list[list[Action]]:
         """Every rank's program (typed actions) for a kind of call (kind_of)."""
-        cached = self._programs.get(kind)
+        cached = self._current.programs.get(kind)
         if cached is None:
-            part = self.schedule if kind == "step" else _part(self.schedule, kind)
-            cached = part.actions
-            self._programs[kind] = cached
+            sched = self.schedule if kind == "step" else part(self.schedule, kind)
+            cached = sched.actions
+            self._current.programs[kind] = cached
         return cached
 
     def run(self, executor: Any) -> None:
@@ -878,39 +613,22 @@ class RankRuntime:
             if isinstance(self.dp, ShardedStages):
                 self.dp.reshard_all()  # what an executor without RESHARD left gathered
 
-    # NOTE [Loss in the end exchange]: the last stage's rank puts the call's
-    # loss in its end-exchange record, so the other ranks have it without the
-    # loss broadcast: the exchange costs a step one collective, not two
-    # (call_loss). The record's payload: the float32 bits of
-    # the mean of the microbatches' losses and the flag 1; for token-weighted
-    # losses (NOTE [Token-weighted losses] in training.py) the float32 bits of
-    # the sum of their sums, the flag 2 and the float64 bits of their count.
-    _LOSS_KINDS = ("step", "eval")
-
     def _loss_payload(self, kind: str) -> tuple[int, int, int]:
+        """This rank's payload of the call's end exchange: on the last stage's
+        rank the call's loss (NOTE [Loss in the end exchange] in call_loss.py)."""
         losses = self.runner.losses
         m = self.schedule.num_microbatches
-        if kind not in self._LOSS_KINDS or self.rank != self.last_rank or len(losses) != m:
-            return (0, 0, 0)
-        value, count, weighted = loss_summary([losses[k] for k in range(m)])
-        bits = struct.unpack("<i", struct.pack("<f", value))[0]
-        if weighted:
-            return (bits, 2, struct.unpack("<q", struct.pack("<d", count))[0])
-        return (bits, 1, 0)
+        if kind not in LOSS_KINDS or self.rank != self.last_rank or len(losses) != m:
+            return NO_LOSS
+        return pack_loss(loss_summary([losses[k] for k in range(m)]))
 
     def _loss_of(self, outcome: Any, kind: str) -> LossSummary | None:
         """The loss summary (:func:`loss_summary`) the last stage's rank put in
         the end exchange; None when it did not."""
-        if kind not in self._LOSS_KINDS:
+        if kind not in LOSS_KINDS:
             return None
         row = outcome.rows[self.ledger.ranks.index(self.replicas[self.replica][self.last_rank])]
-        p0 = len(lockstep.FIELDS) - 3
-        if row[p0 + 1] not in (1, 2):
-            return None
-        value = struct.unpack("<f", struct.pack("<i", int(row[p0])))[0]
-        if row[p0 + 1] == 2:
-            return value, struct.unpack("<d", struct.pack("<q", int(row[p0 + 2])))[0], True
-        return value, 0.0, False
+        return unpack_loss(lockstep.payload(row))
 
     def call_loss(self, device: torch.device) -> LossSummary:
         """The loss summary of the call just run (:func:`loss_summary` of the
