@@ -52,7 +52,7 @@ import functools
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -467,17 +467,27 @@ def ledger_for(replicas: Sequence[Sequence[int]] | None, group: Any,
     return ledger
 
 
+class LockstepParty(Protocol):
+    """What :func:`pipeline_call` reads of the object whose methods it guards
+    (the pipeline's session, torch_mpmd/session.py): its groups and bound."""
+
+    group: Any                                   # the pipeline group (None: one rank)
+    dp_group: Any                                # the data-parallel group, or None
+    replicas: Sequence[Sequence[int]] | None     # global ranks of each replica's pipeline
+    timeout: datetime.timedelta                  # bounds every wait of a call
+
+
 def pipeline_call(kind: str) -> Callable[[Callable], Callable]:
-    """Decorator of the Pipeline methods that communicate (``step``, ``forward``,
-    ``eval_step``): a call refuses to start on unusable groups, and a failure
-    of this rank's own code before the call's begin exchange is sent to the
-    other ranks (NOTE [Lockstep]). Reads the pipeline's ``_mpmd_group``,
-    ``_mpmd_dp_group``, ``_mpmd_replicas`` and ``timeout``."""
+    """Decorator of the methods of a :class:`LockstepParty` that communicate
+    (a step, a forward, an eval, the door's backward, planning): a call
+    refuses to start on unusable groups, and a failure of this rank's own
+    code before the call's begin exchange is sent to the other ranks (NOTE
+    [Lockstep]). A call inside another guarded call is part of it."""
 
     def wrap(fn: Callable) -> Callable:
         @functools.wraps(fn)
-        def call(self: Any, *args: Any, **kwargs: Any) -> Any:
-            ledger = ledger_for(self._mpmd_replicas, self._mpmd_group, self._mpmd_dp_group)
+        def call(self: LockstepParty, *args: Any, **kwargs: Any) -> Any:
+            ledger = ledger_for(self.replicas, self.group, self.dp_group)
             if ledger is None:
                 return fn(self, *args, **kwargs)
             ledger.check_usable(kind)
