@@ -319,7 +319,7 @@ class Door:
                                            for o in self.outputs):
             params = self._local_trainable(args, kwargs) or [self._anchor]
             return _PipelinedForward.apply(self, *params)
-        return tuple(self._run_forward(keep_graph=False))
+        return tuple(self.run_forward(keep_graph=False))
 
     def _frame_microbatches(self, flat: Sequence[Any], explicit: list[tuple[tuple, dict]]
                             ) -> list[tuple[tuple, dict]]:
