@@ -20,16 +20,10 @@ import argparse
 
 from torch_mpmd import schedules
 
-# stages_per_rank each schedule is shown with (V schedules need exactly 2).
-STAGES_PER_RANK = {
-    "gpipe": 1,
-    "1f1b": 1,
-    "interleaved_1f1b": 2,
-    "looped_bfs": 2,
-    "zero_bubble": 1,
-    "zbv": 2,
-    "dualpipev": 2,
-}
+# stages_per_rank each schedule is shown with: the fewest that show what it
+# is for (the schedule table's; V schedules need exactly 2).
+STAGES_PER_RANK = {name: schedules.facts(name).typical_stages_per_rank
+                   for name in schedules.schedule_names()}
 
 
 def main() -> None:

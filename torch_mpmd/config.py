@@ -34,13 +34,22 @@ from torch_mpmd.parallel.data_parallel import mesh_groups
 from torch_mpmd.parallel.sharding import DATA_PARALLEL_MODES
 from torch_mpmd.programs.loss import loss_label
 from torch_mpmd.programs.stage_programs import resolve_compiler
-from torch_mpmd.schedules import (V_SCHEDULES, Schedule, default_stages_per_rank, get_schedule,
-                                  names as schedule_names)
+from torch_mpmd.schedules import (DEFAULT, Schedule, default_stages_per_rank, facts,
+                                  get_schedule, schedule_names)
 
 __all__ = ["PipelineConfig", "Resolved", "BACKEND_OPTIONS", "check_stage_count",
            "positive_int", "as_timeout", "pp_group", "check_against_plan", "PLAN_FIELDS"]
 
 MAX_TIMEOUT_S = 1e7  # ~115 days; larger overflows the executor's clock arithmetic
+
+
+def _placed_stages(schedule: Any) -> int | None:
+    """The stages per rank a named schedule's placement fixes (the V
+    placement: 2), by the schedule table; None for any other."""
+    if isinstance(schedule, str) and schedule in schedule_names():
+        row = facts(schedule)
+        return row.fixed_stages_per_rank if row.v_placement else None
+    return None
 
 
 def _schedule_label(schedule: Any) -> str:
@@ -66,7 +75,7 @@ def _plan_label(plan: Any) -> str:
 # The settings a plan fixes, and their defaults (a default is filled from the plan).
 PLAN_FIELDS = ("schedule", "num_microbatches", "stages_per_rank", "split_points",
                "data_parallel")
-_PLAN_DEFAULTS = {"schedule": "1f1b", "num_microbatches": None, "stages_per_rank": None,
+_PLAN_DEFAULTS = {"schedule": DEFAULT.schedule, "num_microbatches": None, "stages_per_rank": None,
                   "split_points": None, "data_parallel": "replicate"}
 
 
@@ -124,7 +133,7 @@ class PipelineConfig:
 
     num_microbatches: int | None = _setting(None, shared=str)
     loss_fn: Callable[..., Any] | None = _setting(None, option=False, shared=loss_label)
-    schedule: str | Schedule = _setting("1f1b", shared=_schedule_label)
+    schedule: str | Schedule = _setting(DEFAULT.schedule, shared=_schedule_label)
     stages_per_rank: int | None = _setting(None)
     split_points: tuple[str, ...] | None = _setting(None)
     num_stages: int | None = _setting(None)
@@ -198,9 +207,9 @@ class PipelineConfig:
         if not isinstance(schedule, (str, Schedule)):
             raise ValueError(f"schedule={schedule!r} must be a name "
                              f"({', '.join(schedule_names())}), a Schedule, or a text/CSV file")
-        if isinstance(schedule, str) and schedule in V_SCHEDULES \
-                and self.stages_per_rank not in (None, 2):
-            raise ValueError(f"schedule {schedule!r} places 2 stages per rank; got "
+        placed = _placed_stages(schedule)
+        if placed is not None and self.stages_per_rank not in (None, placed):
+            raise ValueError(f"schedule {schedule!r} places {placed} stages per rank; got "
                              f"stages_per_rank={self.stages_per_rank}")
         if self.num_stages is not None and self.split_points is not None \
                 and self.num_stages != len(self.split_points) + 1:
@@ -336,11 +345,12 @@ class PipelineConfig:
         spr = self.stages_per_rank
         if known_stages is not None:
             spr = check_stage_count(known_stages, pp, self.stages_per_rank, source=source)
-        elif spr is None and isinstance(schedule, str) and schedule in V_SCHEDULES:
-            spr = 2
+        placed = _placed_stages(schedule)
+        if spr is None and placed is not None:
+            spr = placed
         if spr is not None and isinstance(schedule, str) and schedule in schedule_names():
-            if schedule in V_SCHEDULES and spr != 2:
-                raise ValueError(f"schedule {schedule!r} places 2 stages per rank; {source} "
+            if placed is not None and spr != placed:
+                raise ValueError(f"schedule {schedule!r} places {placed} stages per rank; {source} "
                                  f"give {known_stages} stages on pp_size={pp} ranks ({spr} per "
                                  "rank)")
             try:

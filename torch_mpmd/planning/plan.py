@@ -33,6 +33,7 @@ from typing import Any, Optional, Union
 
 from torch_mpmd import _C
 from torch_mpmd.planning.sheet import CostSheet, json_text, read_json
+from torch_mpmd.schedules import default_stages_per_rank
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -465,13 +466,14 @@ def evaluate_plan(
     """The simulated step and peak of one plan the caller fixes (no limit applied).
 
     ``split_points``: unit names where stages 1.. start (``None``: the
-    min-max split on F + I + W); ``stages_per_rank``: ``None`` takes 2 for
-    the V schedules, else 1; ``recompute``: per stage (``None``: none);
-    ``data_parallel``: "replicate" or "shard" over the sheet's ``dp_size``.
+    min-max split on F + I + W); ``stages_per_rank``: ``None`` takes the
+    schedule's default (the schedule table's: 2 for the V schedules, else
+    1); ``recompute``: per stage (``None``: none); ``data_parallel``:
+    "replicate" or "shard" over the sheet's ``dp_size``.
     """
     if not isinstance(sheet, CostSheet):
         raise ValueError(f"sheet must be a CostSheet, got {type(sheet).__name__}")
-    v = stages_per_rank if stages_per_rank is not None else (2 if schedule in ("zbv", "dualpipev") else 1)
+    v = stages_per_rank if stages_per_rank is not None else default_stages_per_rank(schedule)
     stages = sheet.pp_size * v
     if split_points is None:
         weights = [u.forward + u.backward_input + u.backward_weight for u in sheet.units]

@@ -48,6 +48,7 @@ from typing import Any, Callable
 
 from torch_mpmd.planning.plan import Candidate, Plan, Trial, evaluate_plan
 from torch_mpmd.planning.sheet import CostSheet
+from torch_mpmd.schedules import DEFAULT, facts, schedule_names
 
 __all__ = ["CLOSE", "DEFAULT_TRIALS", "EXTRA_STEPS", "MAX_TRIAL_STEPS", "PREDICTION_ERROR",
            "TRIAL_SECONDS", "TRIAL_STEPS",
@@ -74,9 +75,10 @@ _BLOCK = re.compile(r"^(.*)\.(\d+)(?:\..*)?$")
 
 
 def family(schedule: str) -> str:
-    """A schedule's family for the finalists' spread: whether it splits
-    backward into I and W (the zero-bubble kind) or runs it whole."""
-    return "split backward" if schedule in ("zero_bubble", "zbv", "dualpipev") else "whole backward"
+    """A schedule's family for the finalists' spread (the schedule table's):
+    whether it splits backward into I and W (the zero-bubble kind) or runs it
+    whole."""
+    return facts(schedule).family
 
 
 def _blocks(units: Sequence[str]) -> list[int]:
@@ -112,8 +114,10 @@ def default_contender(sheet: CostSheet, *, schedule: str | None = None,
     divisor of the batch at most 4p, the m >= 4p that 1F1B guides give), the
     blocks split evenly by count; None when it is not a valid plan here (a
     split the blocks cannot give, over ``memory_limit``)."""
-    name = schedule or "1f1b"
-    v = stages_per_rank or (2 if name in ("zbv", "dualpipev", "interleaved_1f1b") else 1)
+    name = schedule or DEFAULT.schedule
+    # The stages per rank the schedule is for (the table's: 2 for the V and
+    # the interleaved schedules); an unknown name fails below.
+    v = stages_per_rank or (facts(name).typical_stages_per_rank if name in schedule_names() else 1)
     m = num_microbatches
     if m is None:
         m = max(d for d in range(1, min(sheet.global_batch, 4 * sheet.pp_size) + 1)

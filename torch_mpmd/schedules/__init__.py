@@ -30,7 +30,8 @@ import operator
 from torch_mpmd import _C
 from torch_mpmd.schedules._schedule import Schedule
 from torch_mpmd.schedules._simulation import SimulationResult
-from torch_mpmd.schedules._table import DEFAULT, Default, ScheduleFacts, facts, schedule_names, table
+from torch_mpmd.schedules._table import (DEFAULT, Default, ScheduleFacts, facts, schedule_names,
+                                         table)
 
 Action = _C.Action
 ActionKind = _C.ActionKind

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import NoReturn, Optional, Sequence
 
-from torch_mpmd.schedules import (Schedule, SimulationResult, default_stages_per_rank,
+from torch_mpmd.schedules import (V_SCHEDULES, Schedule, SimulationResult, default_stages_per_rank,
                                   get_schedule, names)
 from torch_mpmd.schedules._simulation import COST_KEYS
 
@@ -61,7 +61,8 @@ def _build_parser() -> argparse.ArgumentParser:
     show.add_argument("--ranks", type=int, help="number of pipeline ranks")
     show.add_argument("--microbatches", type=int, help="number of microbatches")
     show.add_argument("--stages-per-rank", type=int, default=None,
-                      help="default 2 for the V schedules (zbv, dualpipev), else 1")
+                      help="default: the schedule's own (2 for the V schedules: "
+                           f"{', '.join(V_SCHEDULES)}), else 1")
     show.add_argument("--lowered", action="store_true", help="print the lowered program")
     show.add_argument("--shard", action="store_true",
                       help="lower for sharded data parallel (UNSHARD/RESHARD around each stage's "

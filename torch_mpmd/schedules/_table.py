@@ -43,7 +43,8 @@ class ScheduleFacts:
     @property
     def fixed_stages_per_rank(self) -> int | None:
         """The one stages-per-rank count it takes, or None when it takes several."""
-        return self.min_stages_per_rank if self.max_stages_per_rank == self.min_stages_per_rank else None
+        fixed = self.max_stages_per_rank == self.min_stages_per_rank
+        return self.min_stages_per_rank if fixed else None
 
     def takes_stages_per_rank(self, stages_per_rank: int) -> bool:
         return stages_per_rank >= self.min_stages_per_rank and (
