@@ -438,7 +438,8 @@ def _exchange_group(ranks: tuple[int, ...], timeout_s: float) -> Any:
     """The gloo group of the exchanges over ``ranks`` (NOTE [Lockstep]): made
     once (collective over ``ranks`` only; its rendezvous bounded by the
     timeout), again after a failure on it or a new default group. A rank that
-    left the job before arriving fails it at once (NOTE [Ranks that left])."""
+    left the job before arriving fails it at once (NOTE [Ranks that left] in
+    job_store.py)."""
     group = _EXCHANGE_GROUPS.get(ranks)
     if group is None or group not in dist.distributed_c10d._world.pg_map:
         await_arrivals(ranks, timeout_s)

@@ -704,7 +704,7 @@ class RankRuntime:
         return f"microbatch {mb} (inputs {shapes})" if shapes else f"microbatch {mb}"
 
     def _who_died_first(self, e: Any) -> str | None:
-        """NOTE [Who died first] (lockstep.py): a peer whose connection closed
+        """NOTE [Who died first] (job_store.py): a peer whose connection closed
         is recorded dead; then the earliest death the pipeline's ranks
         recorded, unless it is the peer this rank's own error names."""
         peer = getattr(e, "peer", -1)
@@ -726,7 +726,8 @@ class RankRuntime:
         return dist.get_global_rank(self.group, rank)
 
     def _break(self, reason: str) -> None:
-        """The groups cannot be used after this failure (NOTE [Abandoned groups])."""
+        """The groups cannot be used after this failure (NOTE [Abandoned groups]
+        in bounded.py)."""
         if self.ledger is not None:
             self.ledger.break_(reason)
         else:
@@ -745,13 +746,13 @@ class RankRuntime:
     def all_reduce(self, tensor: torch.Tensor, group: Any, op: Any = dist.ReduceOp.SUM) -> Any:
         """Start ``dist.all_reduce`` of ``tensor`` over ``group`` (async), its
         work bounded by the pipeline timeout (NOTE [Bounded collectives] in
-        lockstep.py); pass the result to :meth:`wait`."""
+        bounded.py); pass the result to :meth:`wait`."""
         return lockstep.all_reduce(tensor, group, self.timeout_s, op)
 
     def wait(self, work: Any, what: str, timeout_s: float | None = None) -> None:
         """Wait for a collective within the pipeline timeout (the process
         group's own timeout can be much longer): a dead or stalled peer is a
         PipelineError, not a hang, and leaves the groups unusable (NOTE
-        [Abandoned groups] in lockstep.py)."""
+        [Abandoned groups] in bounded.py)."""
         limit = timeout_s if timeout_s is not None else self.timeout_s
         lockstep.wait(work, what, limit, rank=self.rank, on_failure=self._break)
