@@ -25,7 +25,6 @@ import pathlib
 import re
 import sys
 
-import pytest
 
 from dist_harness import run_ranks
 
