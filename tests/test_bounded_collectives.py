@@ -25,7 +25,6 @@ import pathlib
 import re
 import sys
 
-
 from dist_harness import run_ranks
 
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "torch_mpmd"
