@@ -3,14 +3,17 @@
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from torch_mpmd import schedules
+from torch_mpmd import _C, schedules
 from torch_mpmd.schedules import Action, ActionKind, DeadlockError, Schedule, kind_name
 
-DOCUMENTED_NAMES = {"gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "zero_bubble", "zbv",
-                    "dualpipev"}
+ROOT = Path(__file__).resolve().parents[1]
+# Every schedule of the table (csrc/core/schedules/table.cpp): a new row joins
+# the grids below without an edit here.
+TABLE_NAMES = schedules.schedule_names()
 
 # Two ranks that each receive before they send: rank 0 waits for 1SEND_B0,
 # which comes after 1RECV_F0, which waits for 0SEND_F0, which comes after 0RECV_B0.
@@ -32,11 +35,72 @@ def test_contract_snippet_returns_makespan_and_per_rank_metrics():
     assert isinstance(s.to_csv(), str) and isinstance(s.to_text(), str)
 
 
-def test_names_are_the_documented_schedules():
-    assert set(schedules.names()) == DOCUMENTED_NAMES
+def test_names_are_the_tables_and_the_readme_documents_each():
+    assert schedules.names() == TABLE_NAMES == list(_C.schedule_names())
+    readme = (ROOT / "README.md").read_text()
+    assert [n for n in TABLE_NAMES if not re.search(rf"\b{re.escape(n)}\b", readme)] == []
 
 
-@pytest.mark.parametrize("name", sorted(DOCUMENTED_NAMES))
+def _generator_definitions() -> set[str]:
+    """The generators csrc/core/schedules defines (``Schedule makeX(const ScheduleSpec& spec)``)."""
+    found = set()
+    for path in (ROOT / "csrc" / "core" / "schedules").glob("*.cpp"):
+        found |= set(re.findall(r"^Schedule (make\w+)\(const ScheduleSpec& spec\) \{",
+                                path.read_text(), re.M))
+    return found
+
+
+def test_every_generator_has_a_table_row_and_every_row_a_generator():
+    table = (ROOT / "csrc" / "core" / "schedules" / "table.cpp").read_text()
+    rows = dict(re.findall(r'^\s*\{"(\w+)", (make\w+),', table, re.M))
+    assert sorted(rows) == sorted(TABLE_NAMES)
+    assert set(rows.values()) == _generator_definitions(), "a generator without a row, or a row without one"
+    for name in TABLE_NAMES:  # each row's generator makes the schedule of its name
+        f = schedules.facts(name)
+        s = make(name, p=2, m=f.min_microbatches(2), spr=f.typical_stages_per_rank)
+        assert s.name == name
+
+
+@pytest.mark.parametrize("name", TABLE_NAMES)
+def test_pythons_facts_are_the_cores_and_its_generators(name):
+    f = schedules.facts(name)
+    assert f == schedules.ScheduleFacts(**_C.schedule_facts(name))
+    for p in (1, 3):
+        v, least = f.typical_stages_per_rank, f.min_microbatches(p)
+        assert least == _C.min_microbatches(name, p)
+        s = make(name, p=p, m=least, spr=v)
+        assert s.splits_backward == f.splits_backward
+        assert f.family == ("split backward" if f.splits_backward else "whole backward")
+        placement = _C.v_placement(p) if f.v_placement else _C.loop_placement(p, v)
+        assert list(s.stage_to_rank) == placement
+        if least > 1:
+            with pytest.raises(ValueError, match=rf"num_microbatches={least - 1} must be >= .*"
+                                                 rf"num_ranks={p}.* for {name}"):
+                make(name, p=p, m=least - 1, spr=v)
+        if f.max_stages_per_rank is not None:
+            with pytest.raises(ValueError, match=rf"stages_per_rank={f.max_stages_per_rank + 1} "
+                                                 rf"is not supported by {name}"):
+                make(name, p=p, m=least, spr=f.max_stages_per_rank + 1)
+    assert f.default_stages_per_rank == schedules.default_stages_per_rank(name)
+    if f.same_at_one_stage:
+        assert make(name, p=3, m=5, spr=1).actions == make(f.same_at_one_stage, p=3, m=5).actions
+
+
+def test_the_default_is_pipelines_and_a_table_row():
+    from torch_mpmd.config import PipelineConfig
+
+    d = schedules.DEFAULT
+    assert d.schedule in TABLE_NAMES and PipelineConfig(num_microbatches=2).schedule == d.schedule
+    assert d.num_microbatches >= schedules.facts(d.schedule).min_microbatches(1)
+    assert d.schedule_for(None) == d.schedule == d.schedule_for(1)
+    several = schedules.facts(d.schedule_for(2))
+    assert several.same_at_one_stage == d.schedule and several.takes_stages_per_rank(2)
+    assert schedules.V_SCHEDULES == tuple(n for n in TABLE_NAMES if schedules.facts(n).v_placement)
+    with pytest.raises(ValueError, match="'nope'"):
+        schedules.facts("nope")
+
+
+@pytest.mark.parametrize("name", TABLE_NAMES)
 def test_every_named_schedule_constructs_and_simulates_for_a_valid_spec(name):
     errors = []
     for spr in (1, 2):

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from torch_mpmd.schedules import Schedule
+from torch_mpmd.schedules import Schedule, schedule_names
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -81,8 +81,7 @@ def test_v_schedules_default_to_two_stages_per_rank():
 def test_list_prints_every_schedule_name():
     out = cli("list")
     assert out.returncode == 0
-    assert out.stdout.split() == ["gpipe", "1f1b", "interleaved_1f1b", "looped_bfs",
-                                  "zero_bubble", "zbv", "dualpipev"]
+    assert out.stdout.split() == schedule_names() and "dualpipev" in out.stdout.split()
 
 
 def test_help_describes_show_options():

@@ -7,7 +7,9 @@
 
 #include <gtest/gtest.h>
 
+#include "core/errors.h"
 #include "core/planner.h"
+#include "core/planner_steps.h"
 
 namespace mpmd {
 namespace {
@@ -386,6 +388,61 @@ TEST(Planner, ConstraintsRestrictTheSearch) {
   options.microbatch_counts = {2};  // zbv needs m >= p
   EXPECT_NE(whatOf([&] { planPipeline(sheet, options); }).find("num_microbatches=2 must be >= num_ranks=4 for zbv"),
             std::string::npos);
+}
+
+// A simulator that fails for one schedule: DeadlockError naming it.
+planner::SimulateFn failingFor(const std::string& schedule) {
+  return [schedule](const Schedule& lowered, const CostModel& model) {
+    if (lowered.name == schedule) throw DeadlockError("test: " + schedule + " never finishes");
+    return planner::simulatedStep(lowered, model);
+  };
+}
+
+TEST(Planner, ACandidateWhoseSimulationFailsIsRejectedWithItsReason) {
+  const CostSheet sheet = sheetOf(14, 4, 16);
+  SearchOptions options;
+  options.schedules = {"1f1b", "zbv"};
+  const PlanResult r = planner::searchPlans(sheet, options, failingFor("zbv"));
+  for (const Plan& p : r.top) EXPECT_NE(p.schedule, "zbv");
+  bool named = false;
+  for (const Rejection& q : r.rejected) {
+    if (q.schedule != "zbv") continue;
+    named |= q.reason.find("simulation at m=") != std::string::npos &&
+             q.reason.find("test: zbv never finishes") != std::string::npos;
+  }
+  EXPECT_TRUE(named);
+  // Nothing fits the simulation at all: the error says so, with the reasons.
+  options.schedules = {"zbv"};
+  const std::string what = whatOf([&] { planner::searchPlans(sheet, options, failingFor("zbv")); });
+  EXPECT_NE(what.find("no plan that fits could be simulated"), std::string::npos) << what;
+  EXPECT_NE(what.find("test: zbv never finishes"), std::string::npos) << what;
+}
+
+// Over the limit, the winner is simulated without its recompute to show what
+// the limit cost; that simulation failing is a rejection too, saying both.
+TEST(Planner, AnOverLimitSimulationThatFailsIsRejectedWithItsReason) {
+  CostSheet sheet = sheetOf(14, 4, 16);
+  const PlanResult free = planPipeline(sheet);
+  sheet.memory_limit = maxOf(free.best.peak_bytes) * 0.9;
+  const PlanResult r = planner::searchPlans(sheet, {}, failingFor(free.best.schedule));
+  bool named = false;
+  for (const Rejection& q : r.rejected) {
+    named |= q.schedule == free.best.schedule && q.reason.find("over memory_limit") != std::string::npos &&
+             q.reason.find("never finishes") != std::string::npos;
+  }
+  EXPECT_TRUE(named);
+  EXPECT_NE(r.best.schedule, free.best.schedule);
+}
+
+TEST(Planner, TheSearchSkipsWhatTheScheduleTableCallsAnotherScheduleAtOneStage) {
+  planner::SearchSpace space;
+  space.default_stages = true;
+  EXPECT_FALSE(planner::triesTriple(space, "interleaved_1f1b", 1));
+  EXPECT_FALSE(planner::triesTriple(space, "looped_bfs", 1));
+  EXPECT_TRUE(planner::triesTriple(space, "interleaved_1f1b", 2));
+  EXPECT_TRUE(planner::triesTriple(space, "1f1b", 1));
+  space.default_stages = false;  // the caller asked for v = 1
+  EXPECT_TRUE(planner::triesTriple(space, "interleaved_1f1b", 1));
 }
 
 TEST(Planner, BadSheetsNameTheValue) {
