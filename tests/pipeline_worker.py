@@ -21,16 +21,16 @@ import torch.nn.functional as F
 
 import models
 import torch_mpmd as mpmd
+from torch_mpmd.schedules import facts, schedule_names
 from dist_harness import partial_result
 
 RTOL, ATOL = 1e-5, 1e-6
 COMPILED_TOL = (1e-4, 1e-5)  # Inductor fuses and reorders float arithmetic
 BATCH = 8
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "zero_bubble", "zbv",
-             "dualpipev")
-STAGES_PER_RANK = {"gpipe": 1, "1f1b": 1, "zero_bubble": 1, "interleaved_1f1b": 2,
-                   "looped_bfs": 2, "zbv": 2, "dualpipev": 2}
-V_SCHEDULES = ("zbv", "dualpipev")
+# The schedule table's schedules, each at the stages per rank it is for.
+SCHEDULES = tuple(schedule_names())
+STAGES_PER_RANK = {name: facts(name).typical_stages_per_rank for name in SCHEDULES}
+V_SCHEDULES = tuple(name for name in SCHEDULES if facts(name).v_placement)
 MICROBATCHES = (1, 2, 4, 8)
 # The GPT's capture costs twice the skip model's, on every rank: on 4 ranks it runs at
 # m=8 only (every schedule), while the skip model sweeps every m there. Keeps the suite
@@ -100,7 +100,7 @@ def grid_cases(p: int) -> list[dict[str, Any]]:
     for schedule in SCHEDULES:
         spr = STAGES_PER_RANK[schedule]
         for m in MICROBATCHES:
-            if (schedule == "zbv" and m < p) or (schedule == "dualpipev" and m < 2 * p):
+            if m < facts(schedule).min_microbatches(p):
                 continue
             for model in ("gpt", "skip"):
                 if model == "gpt" and m not in GPT_MICROBATCHES[p]:
