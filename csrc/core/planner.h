@@ -1,17 +1,18 @@
 // Planner: the pipeline plan with the lowest predicted step time under a
-// memory limit, from a cost sheet (issue 21, items 3 and 6).
+// memory limit, from a cost sheet. The search's steps: planner_steps.h.
 //
 // A CostSheet describes a model as an ordered list of units (a block, the
 // embedding, the head): per unit its forward, input-gradient (I) and
 // weight-gradient (W) times and its bytes. planPipeline searches, for the
 // sheet's pipeline size p:
 //   - schedule: every name of scheduleNames() the project builds for the
-//     (p, v, m) triple; makeSchedule's own checks decide validity (its
-//     ScheduleError and the simulator's DeadlockError reject a triple).
-//     interleaved_1f1b and looped_bfs with v = 1 are 1f1b and gpipe and are
-//     not tried twice;
-//   - stages per rank v in {1, 2, 4} (the schedule's checks reject the v it
-//     cannot take: zbv and dualpipev take exactly 2, 1f1b and zero_bubble 1);
+//     (p, v, m) triple; makeSchedule's own checks, from the schedule table
+//     (schedules/table.h), decide validity (its ScheduleError rejects a
+//     triple, a failed simulation the candidate, each with its reason).
+//     A schedule the table calls another at v = 1 (interleaved_1f1b is
+//     1f1b there) is not tried twice;
+//   - stages per rank v in {1, 2, 4} (the schedule's checks reject the v its
+//     table row does not take);
 //   - microbatch count m: the divisors of global_batch (a microbatch is at
 //     least one sample; the schedules reject m below what they need);
 //   - stage split: the exact min-max contiguous split of the units into p*v
@@ -20,7 +21,7 @@
 //     the round trip of its output over the link (activation forward,
 //     gradient back: 2 * (latency + bytes / bandwidth));
 //     then each finalist's split refined by a local search on the simulated
-//     makespan (NOTE [Split refinement] in planner.cpp);
+//     makespan (NOTE [Split refinement] in planner_split.cpp);
 //   - recompute per stage, none or full, chosen greedily (NOTE [Recompute
 //     choice]), never 2^S;
 //   - with dp_size > 1, the data-parallel mode: "replicate" or "shard"
@@ -43,7 +44,7 @@
 //
 // A stage's F, I and W are its units' sums, but for the first stage: the
 // model's inputs carry no gradient, so its I is nothing and its W the whole
-// backward (NOTE [The first stage's backward] in planner.cpp).
+// backward (NOTE [The first stage's backward] in planner_model.cpp).
 //
 // NOTE [Planner memory model]: the predicted peak of rank r is
 //   static:      sum over its stages of param_bytes * (1 + grad_bytes_per_param_byte
@@ -218,7 +219,8 @@ struct Rejection {
 struct PlanResult {
   Plan best;
   std::vector<Plan> top;                  // best first, at most top_k, distinct (schedule, v, m, dp mode)
-  std::vector<Rejection> rejected;        // invalid triples (one per schedule and v) and the
+  std::vector<Rejection> rejected;        // invalid triples (one per schedule and v), candidates
+                                          // whose simulation failed (one per reason), and the
                                           // fastest ones over the memory limit (at most top_k)
   int64_t candidates = 0;                 // (schedule, v, m, split, dp mode) looked at
   int64_t simulations = 0;                // of which simulated (NOTE [Planner pruning])
@@ -226,7 +228,8 @@ struct PlanResult {
 };
 
 // The search (see above). Throws std::invalid_argument for a bad sheet or
-// options, when no (schedule, v, m) is valid, and when nothing fits the
+// options, when no (schedule, v, m) is valid, when every candidate that fits
+// failed its simulation (naming the reasons), and when nothing fits the
 // memory limit: the message names the smallest predicted peak, the limit and
 // the plan that gave it. Deterministic: the same input gives the same result.
 PlanResult planPipeline(const CostSheet& sheet, const SearchOptions& options = {});

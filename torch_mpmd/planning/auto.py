@@ -347,7 +347,7 @@ def replan_sheet(times: Mapping[int, Mapping[str, float]], *, profile_sheet: Cos
             return f, t.get("I", 0.0), t.get("W", 0.0)
         # B alone; or the first stage, whose I computes nothing (the model's
         # inputs carry no gradient: NOTE [The first stage's backward] in
-        # csrc/core/planner.cpp), so its measured split says nothing of its
+        # csrc/core/planner_model.cpp), so its measured split says nothing of its
         # units' own, which another split may need.
         b = t["B"] if "B" in t else t.get("I", 0.0) + t.get("W", 0.0)
         return f, b * ratio_i, b * (1 - ratio_i)

@@ -423,7 +423,7 @@ def plan_from_sheet(
     ``dp_size`` > 1) restrict the search to the given values (one or a
     list); ``recompute=False`` never recomputes. ``top_k`` candidates are
     kept for ``describe()``. ``refine_split=False`` keeps the min-max splits
-    (NOTE [Split refinement] in csrc/core/planner.cpp: the finalists' splits
+    (NOTE [Split refinement] in csrc/core/planner_split.cpp: the finalists' splits
     moved where the simulated step is shorter).
     """
     if not isinstance(sheet, CostSheet):
