@@ -59,6 +59,8 @@ __all__ = ["PipelineError", "RankRuntime", "StagedModel", "CountExecutors",
 # Default least wait for the other ranks' compiled (Inductor) program builds,
 # which can take minutes longer on one rank than another; startup_timeout= sets it.
 _COMPILED_BUILD_TIMEOUT_S = 1800.0
+
+
 @dataclass
 class StagedModel:
     """The pieces of a split model a rank runtime needs (from a SplitModel, or
