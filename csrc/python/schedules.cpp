@@ -121,10 +121,6 @@ void bindTable(py::module_& m) {
   m.def("min_microbatches", [](const std::string& name, int num_ranks) {
     return scheduleFacts(name).minMicrobatches(num_ranks);
   }, py::arg("name"), py::arg("num_ranks"));
-  m.def("check_schedule_spec", [](const std::string& name, int num_ranks, int stages_per_rank, int num_microbatches) {
-    checkSpec(scheduleFacts(name), ScheduleSpec{num_ranks, stages_per_rank, num_microbatches});
-  }, py::arg("name"), py::kw_only(), py::arg("num_ranks"), py::arg("stages_per_rank"), py::arg("num_microbatches"),
-        "The table's checks of a generator's parameters (checkSpec); ScheduleError naming the values.");
   m.def("default_schedule", [](int stages_per_rank) { return std::string(defaultSchedule(stages_per_rank)); },
         py::arg("stages_per_rank") = 1);
   m.attr("DEFAULT_SCHEDULE") = std::string(kDefaultSchedule);
