@@ -239,6 +239,7 @@ def _log_launch(run: RunResult, target: str, how: str) -> None:
 
 POOL_VAR = "MPMD_TEST_POOL"            # "0": every launch starts fresh processes
 LAUNCH_LOG_VAR = "MPMD_TEST_LAUNCH_LOG"  # a file: one JSON line per launch
+PROFILE_VAR = "MPMD_TEST_PROFILE"  # a directory: each rank's cProfile stats of each call
 _POOLS: dict[tuple[Any, ...], "_WorkerGroup"] = {}
 _POOLS_LOCK = threading.Lock()
 MAX_POOLS = 3  # worker groups kept at once (each rank holds torch and its models)
@@ -568,7 +569,18 @@ def _init_group() -> None:
 def _call(target: str, workdir: Path) -> Any:
     module_name, func_name = target.split(":")
     args = json.loads((workdir / "args.json").read_text())
-    return getattr(importlib.import_module(module_name), func_name)(*args)
+    func = getattr(importlib.import_module(module_name), func_name)
+    profile_dir = os.environ.get(PROFILE_VAR)
+    if not profile_dir:
+        return func(*args)
+    import cProfile
+
+    profiler = cProfile.Profile()
+    try:
+        return profiler.runcall(func, *args)
+    finally:
+        profiler.dump_stats(os.path.join(profile_dir, f"{func_name}.{os.getpid()}."
+                                         f"{time.time():.0f}.rank{os.environ['RANK']}.pstats"))
 
 
 def _rank_main() -> None:

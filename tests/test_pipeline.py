@@ -79,7 +79,7 @@ def _start(p: int) -> None:
             t for t in EXTRA_TASKS if p == 2 and t[0] in _selected]
         _launches[p] = _pool.submit(run_ranks, p, "pipeline_worker:tasks", task_list,
                                     timeout=LAUNCH_TIMEOUT[p], init_process_group=p > 1,
-                                    check=False)
+                                    check=False, pooled=True)
 
 
 def launch(p: int):
