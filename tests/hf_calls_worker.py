@@ -2,8 +2,9 @@
 them (graph/hf.py). A tiny MoE causal LM (Mixtral, Qwen2-MoE) with
 ``output_router_logits=True``, trained with its own loss (cross entropy plus
 the load-balancing loss, ``loss_fn=None``) and without ``use_cache=False``,
-on 2 gloo ranks, against the same model in eager PyTorch on the same
-microbatches: the loss and every gradient."""
+on 2 gloo ranks, through ``pipeline()`` and through
+``torch.compile(backend="mpmd")``, against the same model in eager PyTorch
+on the same microbatches: the loss and every gradient."""
 
 from __future__ import annotations
 
@@ -54,5 +55,35 @@ def moe_aux_loss(case: dict[str, Any]) -> dict[str, Any]:
             "grads": {n: _diff(p.grad, ref_params[n].grad) for n, p in pipe.named_parameters()}}
 
 
+def moe_aux_loss_door(case: dict[str, Any]) -> dict[str, Any]:
+    """The same model and loss through the compile door: the compiled function
+    returns ``model(input_ids=ids, labels=ids).loss`` (the router's loss
+    included); ``loss.backward()`` fills this rank's parameters' gradients."""
+    model = _model(case["model"])
+    ref = copy.deepcopy(model)
+    options = dict(schedule=case["schedule"], num_microbatches=2,
+                   split_points=["model.layers.1"], timeout=60)
+
+    @torch.compile(backend="mpmd", options=options)
+    def train_loss(ids):
+        return model(input_ids=ids, labels=ids).loss
+
+    ids = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(1))
+    loss = train_loss(ids)  # its first forward installs the recorders, as eager's does
+    loss.backward()
+    outs = [ref(input_ids=c, labels=c, use_cache=False) for c in ids.chunk(2)]
+    want = sum(o.loss for o in outs) / 2
+    want.backward()
+    ref_params = dict(ref.named_parameters())
+    owned = {n for n, _ in mpmd.pipeline_of(train_loss).named_parameters(remove_duplicate=False)}
+    grads = {n: _diff(p.grad, ref_params[n].grad) for n, p in model.named_parameters()
+             if n in owned}
+    # A gradient on a parameter this rank does not hold is a failure too.
+    grads.update({n: float("inf") for n, p in model.named_parameters()
+                  if n not in owned and p.grad is not None})
+    return {"loss": _diff(loss.detach().reshape(()), want.detach()),
+            "aux": float(sum(o.aux_loss for o in outs)), "grads": grads}
+
+
 def grid(cases: list[dict[str, Any]]) -> dict[str, Any]:
-    return run_grid(cases, {"moe_aux_loss": moe_aux_loss})
+    return run_grid(cases, {"moe_aux_loss": moe_aux_loss, "moe_aux_loss_door": moe_aux_loss_door})

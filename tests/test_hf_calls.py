@@ -1,8 +1,8 @@
 """Hugging Face MoE models trained with their load-balancing loss
 (``output_router_logits=True``, recorded by transformers' output hooks:
 NOTE [Output recorders] in torch_mpmd/graph/hf.py) and without
-``use_cache=False`` train like eager PyTorch on 2 gloo ranks
-(tests/hf_calls_worker.py)."""
+``use_cache=False`` train like eager PyTorch on 2 gloo ranks, through
+``pipeline()`` and the compile door (tests/hf_calls_worker.py)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ CASES = [dict(id=f"{model}-{schedule}", kind="moe_aux_loss", model=model, schedu
          for model in ("Mixtral", "Qwen2Moe") for schedule in ("1f1b",)]
 CASES += [dict(id="Mixtral-zero_bubble", kind="moe_aux_loss", model="Mixtral",
                schedule="zero_bubble")]
+CASES += [dict(id=f"{model}-door", kind="moe_aux_loss_door", model=model, schedule="1f1b")
+          for model in ("Mixtral", "Qwen2Moe")]
 _GRID = GridRun(2, "hf_calls_worker:grid", CASES, task="hf_calls", timeout=600)
 
 

@@ -28,6 +28,7 @@ import torch.fx
 
 from torch_mpmd.config import BACKEND_OPTIONS, PipelineConfig, check_stage_count
 from torch_mpmd.graph.capture import CaptureError
+from torch_mpmd.graph.hf import recorders_install_while_tracing
 
 # BACKEND_OPTIONS: the keys ``options`` may hold (the config's fields but
 # ``loss_fn``, and ``reduction``); any other key is a ValueError naming it.
@@ -42,6 +43,8 @@ def _skip_logging_calls() -> None:
     from torch_mpmd.graph.capture import logging_functions
 
     torch._dynamo.config.ignore_logging_functions = logging_functions()
+    # Likewise transformers' lazy output recorders (NOTE [Recorders while tracing]).
+    recorders_install_while_tracing()
 
 
 _skip_logging_calls()

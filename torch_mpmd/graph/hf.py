@@ -18,7 +18,29 @@ from typing import Any
 
 import torch
 
-__all__ = ["install_output_recorders", "training_kwargs"]
+__all__ = ["install_output_recorders", "recorders_install_while_tracing", "training_kwargs"]
+
+
+def recorders_install_while_tracing() -> None:
+    """Let Dynamo install a Hugging Face model's output recorders while it
+    traces, instead of breaking the graph there.
+
+    NOTE [Recorders while tracing]: a function compiled with
+    ``torch.compile(backend="mpmd")`` is traced by Dynamo before the
+    backend sees any model, so the recorders cannot be installed ahead as
+    ``pipeline()`` installs them (NOTE [Output recorders]). Traced, the first
+    forward that asks for them reaches transformers'
+    ``maybe_install_capturing_hooks`` and its lock: a graph break, and the
+    frames after it are not the user's function. Marked as a constant result
+    (``torch._dynamo.assume_constant_result``), the install runs eagerly,
+    once, while Dynamo traces (it returns None and is idempotent; the hooks
+    it registers are then traced like any others), for every backend. The
+    function object is marked in place; eager calls are unchanged. No-op
+    without transformers (or a version without recorders)."""
+    recording = sys.modules.get("transformers.utils.output_capturing")
+    install = getattr(recording, "maybe_install_capturing_hooks", None)
+    if install is not None:
+        torch._dynamo.assume_constant_result(install)
 
 
 def install_output_recorders(module: torch.nn.Module, kwargs: Mapping[str, Any]) -> None:
