@@ -510,8 +510,8 @@ def pipeline(module: torch.nn.Module, config: PipelineConfig | None = None,
     parameters; after, only this rank's. An optimizer built before the first
     step holds them all but steps only this rank's: the others never get a
     ``.grad`` here, and torch's optimizers skip parameters without one (they
-    keep their initial values on this rank; ``checkpoint.save`` trims such an
-    optimizer to this rank's parameters).
+    keep their initial values on this rank; ``checkpoint.load`` trims such an
+    optimizer to this rank's parameters, ``checkpoint.save`` never changes it).
 
     Stages come from ``stage_boundary()`` markers, else ``split_points``, else
     ``pp_size * stages_per_rank`` (or ``num_stages``) stages balanced by cost;
