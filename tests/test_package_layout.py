@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import re
 
 import pytest
 
@@ -241,3 +242,67 @@ def test_the_public_trace_module_is_the_whole_face_of_runtime_trace():
 
     assert set(face.__all__) == set(inner.__all__)
     assert all(getattr(face, name) is getattr(inner, name) for name in inner.__all__)
+
+
+# ------------------------------------------------------------------ what comments cite
+REPO = PACKAGE.parent
+SOURCES = sorted([*PACKAGE.rglob("*.py"), *(REPO / "csrc").rglob("*.cpp"),
+                  *(REPO / "csrc").rglob("*.h")])
+# Headers and files of other projects that comments may name.
+EXTERNAL = ("torch/", "ATen/", "c10/", "fmt/", "pybind11/", "gtest/", "nccl")
+
+
+def _flat(path: pathlib.Path) -> str:
+    """The source as one line of words: comment markers, line breaks and C++
+    string-literal joins removed, so a citation broken over lines is whole."""
+    text = path.read_text()
+    text = re.sub(r'"\s*\n\s*"', "", text)              # "...abc " "def..." across lines
+    text = re.sub(r"\s*\n\s*(?:#|//+|\*)?\s*", " ", text)
+    return text
+
+
+def _note_definitions() -> dict[str, set[str]]:
+    defs: dict[str, set[str]] = {}
+    for path in SOURCES:
+        for m in re.finditer(r"NOTE \[([^\]]+)\]:", _flat(path)):
+            defs.setdefault(m.group(1), set()).add(str(path.relative_to(REPO)))
+    return defs
+
+
+def test_every_note_cited_is_defined_where_the_citation_says():
+    """``NOTE [Title]`` must be defined somewhere (``NOTE [Title]:``), and
+    ``NOTE [Title] in some/file.py`` in that file."""
+    defs = _note_definitions()
+    bad = []
+    for path in SOURCES:
+        for m in re.finditer(r"NOTE \[([^\]]+)\](?!:)(?:,? in ([\w/.]+\.(?:py|cpp|h)))?",
+                             _flat(path)):
+            title, where = m.group(1), m.group(2)
+            here = str(path.relative_to(REPO))
+            if title not in defs:
+                bad.append(f"{here}: NOTE [{title}] is defined nowhere")
+            elif where and not any(d.endswith(where) for d in defs[title]):
+                bad.append(f"{here}: NOTE [{title}] in {where}, but it is in "
+                           f"{', '.join(sorted(defs[title]))}")
+    assert not bad, "\n".join(bad)
+
+
+def test_every_file_a_comment_names_exists():
+    """Paths (``torch_mpmd/runtime/step.py``, ``csrc/core/action.h``) and file
+    names (``step.py``) in the package's sources name files of the repository."""
+    tracked = [str(p.relative_to(REPO)) for p in REPO.rglob("*")
+               if p.is_file() and ".git" not in p.parts]
+    names = {pathlib.PurePath(t).name for t in tracked}
+    bad = set()
+    for path in SOURCES:
+        for m in re.finditer(r"(?<![\w.])([\w/]*\w\.(?:py|cpp|h))\b", _flat(path)):
+            cited = m.group(1)
+            if cited.startswith(EXTERNAL) or cited.startswith("_"):
+                continue
+            if "/" in cited:
+                ok = any(t.endswith(cited) for t in tracked)
+            else:
+                ok = cited in names
+            if not ok:
+                bad.add(f"{path.relative_to(REPO)}: {cited}")
+    assert not bad, "\n".join(sorted(bad))

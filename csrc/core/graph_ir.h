@@ -1,5 +1,5 @@
 // Graph IR: the compact, torch-free picture of a captured model that the
-// partitioner works on. Built from an FX graph by torch_mpmd/fx_to_ir.py (the
+// partitioner works on. Built from an FX graph by torch_mpmd/graph/fx_to_ir.py (the
 // only module that knows FX); node ids are positions in FX order, which is a
 // topological order and, for compute nodes, the program order of forward().
 #pragma once

@@ -1,5 +1,5 @@
 // Graph IR and partitioner (core/graph_ir.h, core/partition.h). Python builds
-// a Graph node by node with Graph.add_node (torch_mpmd/fx_to_ir.py) and hands
+// a Graph node by node with Graph.add_node (torch_mpmd/graph/fx_to_ir.py) and hands
 // it to a partition_* function; the PartitionPlan comes back read-only.
 // std::invalid_argument from the core arrives as ValueError.
 #include "core/graph_ir.h"

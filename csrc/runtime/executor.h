@@ -40,7 +40,7 @@
 // tell the runner (a data-parallel collective pairs with the other replicas';
 // their errors are dropped, the first failure is the one reported). The peers complete
 // their step on stand-in values; the caller tells them afterwards that the
-// step failed (torch_mpmd/lockstep.py). The ExecutorError thrown at the end
+// step failed (torch_mpmd/parallel/lockstep.py). The ExecutorError thrown at the end
 // names the first failure and has drained() true: every channel is in step
 // and usable again. A transport failure (timeout, dead peer) or a transport
 // without stand-ins ends the run at once, as without drain.

@@ -2,7 +2,7 @@
 //
 // The executor calls one method per compute action of its program (and per
 // REDUCE_GRAD, UNSHARD and RESHARD); the
-// production implementation (torch_mpmd/runner.py, through the pybind layer)
+// production implementation (torch_mpmd/runtime/runner.py, through the pybind layer)
 // runs the stage's fx.GraphModule under autograd. Producers and consumers of a
 // stage are listed in ascending stage order (Schedule::producersOf/consumersOf)
 // and index the vectors below. Any exception thrown is reported by the

@@ -35,7 +35,7 @@ dtypes and layouts; the builtins of plain values) and refuses any other name
 before calling anything, naming the file (and key). Tensor data are read with
 ``torch.load(weights_only=True)``.
 
-NOTE [Checkpoint layout]
+NOTE [Checkpoint layout]:
 ------------------------
 
     path/latest                   "step_7.1\\n": the current checkpoint (atomic rename)

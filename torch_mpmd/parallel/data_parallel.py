@@ -187,7 +187,7 @@ class DataParallel:
         increments (averaged over dp), one flat buffer per dtype."""
         for params, flat in flat_increments(self.params.get(stage, []), self._before, self.size):
             # Its work ends within the timeout even if the step fails before
-            # waiting for it (NOTE [Bounded collectives] in lockstep.py).
+            # waiting for it (NOTE [Bounded collectives] in bounded.py).
             work = lockstep.all_reduce(flat, self.group, self.timeout.total_seconds())
             self._pending.append((work, flat, params))
 

@@ -164,7 +164,7 @@ def synchronize(tied_groups: Iterable[tuple[Any, list[torch.Tensor]]], dp_group:
     DTensors' meshes found among ``local``).
     Every broadcast is bounded by the ``runtime``'s timeout (a RankRuntime;
     without one, lockstep's default of 60 s) and waited for by its ``wait``
-    (NOTE [Bounded collectives] in lockstep.py); before a group's first
+    (NOTE [Bounded collectives] in bounded.py); before a group's first
     broadcast every rank of it arrives, so that one that stalled or died
     materializing is named (NOTE [Named waits])."""
     from torch_mpmd.parallel import lockstep

@@ -404,7 +404,7 @@ class ShardedStages:
         by_id: dict[int, torch.nn.Parameter] = {}
         elsewhere = set(reduced_elsewhere)
         # Every parameter the stages compute a gradient for: the module's
-        # requires_grad, fixed per capture (NOTE [Freezing] in api.py). A
+        # requires_grad, fixed per capture (NOTE [Freezing] in session.py). A
         # frozen shard is reduced too and left without gradient (add_grad), so
         # the user can freeze and unfreeze shards without a new capture.
         for s in list(stage_params) + list(reduce_order):  # the last REDUCE_GRAD wins

@@ -109,7 +109,7 @@ class TiedSums:
                 local = local_part(p)
                 total = flat[offset:offset + local.numel()].view(local.shape)
                 offset += local.numel()
-                if not p.requires_grad:  # frozen on the module (NOTE [Freezing] in api.py)
+                if not p.requires_grad:  # frozen on the module (NOTE [Freezing] in session.py)
                     continue
                 if self.shards is not None:
                     ShardedStages.add_grad(self.shards.of[id(p)], shard_rows(self.shards, p, total))

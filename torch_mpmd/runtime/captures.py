@@ -1,7 +1,7 @@
 """A pipeline's captures, kept per capture key so that a call reuses the one it fits.
 
 Stages bake in the input shapes and every module's train/eval mode (dropout,
-BatchNorm), and which parameters train (NOTE [Freezing] in api.py): each
+BatchNorm), and which parameters train (NOTE [Freezing] in session.py): each
 combination has its own capture, kept so that alternating (training and
 validation batches, freezing and unfreezing) does not capture again. With
 symbolic sizes (``dynamic=True``) a key holds one capture per class of sizes

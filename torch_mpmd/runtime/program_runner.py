@@ -1,6 +1,6 @@
 """ProgramRunner: the executor's StageRunner over functional stage programs.
 
-Training steps call each local stage's F, B, I and W programs (programs.py)
+Training steps call each local stage's F, B, I and W programs (programs/stage_programs.py)
 directly: no autograd engine, no graph kept between actions. What a forward
 saves for its backward, and the carry I hands to W, are returned to the C++
 executor, which holds them per (stage, microbatch) and frees them at their

@@ -107,7 +107,7 @@ const MethodNames& methodNames() {
 }
 
 // Forwards StageRunner calls to a Python object with methods forward,
-// backward, backward_weight and reduce_grad (torch_mpmd/runner.py). When one
+// backward, backward_weight and reduce_grad (torch_mpmd/runtime/runner.py). When one
 // raises, the Python exception is kept in the runner's `error` attribute (the
 // cause of the PipelineError, with its traceback) and its message goes on as
 // a C++ exception.
@@ -384,7 +384,7 @@ PYBIND11_MODULE(_runtime, m) {
         "destroying it: a gloo group's destructor waits for the collectives still running on "
         "its worker threads, up to the group's own timeout (30 min by default), and gloo has "
         "no abort. For a group left with such work after a failure (NOTE [Abandoned "
-        "groups] in torch_mpmd/lockstep.py).");
+        "groups] in torch_mpmd/parallel/bounded.py).");
 
   py::class_<PyExecutor>(m, "Executor")
       .def(py::init([](const std::string& schedule_text, int rank, py::object runner,
