@@ -1,4 +1,4 @@
-"""``mpmd.plan``: measure a model, search, and the same plan on every rank (issue 21, item 4).
+"""``mpmd.plan``: measure a model, search, and the same plan on every rank.
 
     plan = mpmd.plan(model, (x,), loss_fn=F.cross_entropy, target=y)   # collective
     print(plan.describe())

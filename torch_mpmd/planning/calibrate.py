@@ -1,4 +1,4 @@
-"""The runtime's own costs, measured on the real group (issue 21, item 1).
+"""The runtime's own costs, measured on the real group.
 
 A profile times the model's stage programs one by one; what the runtime adds
 around them (the executor's dispatch, posting and processing transfers, the
@@ -41,7 +41,7 @@ calibrations (steps vary by a few percent); the spans, summed over every
 action of every step, do not. (Those steps were timed between barriers that
 polled the store every 20 ms: NOTE [Calibration barriers].)
 
-Those barriers were the cause of issue 31's error growing with m (the
+Those barriers were why the predictions' error grew with m on a wide-head model (the
 wide-head GPT's sheet predicted zero_bubble m=2 at 1.13 of its measured
 step and m=16 at 1.48): the skew they left inside the run was priced per
 action, and the plans of many microbatches paid it once per action. With

@@ -1,4 +1,4 @@
-"""Profiles: a model's measured per-unit costs as a :class:`CostSheet` (issue 21, item 1).
+"""Profiles: a model's measured per-unit costs as a :class:`CostSheet`.
 
     sheet = profile(model, (x,), loss_fn=F.cross_entropy, target=y)   # x, y: one step's batch
     plan = plan_from_sheet(sheet)
@@ -79,7 +79,7 @@ measured in this process (tests check that a second call does not measure).
 NOTE [Relative profiles]: what the cache keeps is the units as measured,
 before any fit, and what it gives back is never used as seconds. A shared
 machine changes speed by the hour (the same step measured 215 ms in one
-launch and 330 ms in another, issue 31), so seconds from another launch,
+launch and 330 ms in another an hour later), so seconds from another launch,
 beside this launch's runtime constants, would price the runtime against
 programs of another speed. Every launch therefore measures its own link
 (the ping-pong), its dp group's all-reduce and its calibration run, and

@@ -5,7 +5,7 @@
     best = choose(trials)
 
 The simulator prices thousands of candidates from a profile; its error on a
-model it has not met (10-40% on a wide-head model, issue 31) is larger than
+model it has not met (10-40% on a wide-head model) is larger than
 the differences between the plans it ranks, so the plan it predicts best is
 often not the fastest, and one launch in three was slower than no plan. So
 ``mpmd.plan`` (and ``plan="auto"``) runs a few finalists for real, as the

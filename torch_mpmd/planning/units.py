@@ -1,4 +1,4 @@
-"""Finer units inside a unit that is too big (issue 21, item 1: graph-level cuts).
+"""Finer units inside a unit that is too big: graph-level cuts.
 
 A profile's units are the model's blocks and the parts before and after them
 (profile.find_units). When one unit alone takes more than a balanced stage
