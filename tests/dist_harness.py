@@ -139,9 +139,13 @@ def _spawn(world_size: int, base_env: dict[str, str], workdir: Path, *,
     which read calls from stdin."""
     procs: list[subprocess.Popen] = []
     files = []
+    zygote = None if serve else _zygote_for(base_env)
     try:
         for rank in range(world_size):
             rank_env = dict(base_env, RANK=str(rank), LOCAL_RANK=str(rank))
+            if zygote is not None:
+                procs.append(zygote.fork(rank_env, workdir, rank))
+                continue
             out = open(workdir / f"stdout{rank}.txt", "wb")
             err = open(workdir / f"stderr{rank}.txt", "wb")
             files += [out, err]
@@ -210,6 +214,105 @@ def _log_launch(run: RunResult, target: str, how: str) -> None:
                     world=run.world_size, how=how, elapsed=round(run.elapsed, 2))
         with open(path, "a") as f:
             f.write(json.dumps(line) + "\n")
+
+
+# ---------------------------------------------------------------- forked ranks
+
+# NOTE [Forked ranks]: a launch that needs fresh processes (one that kills,
+# stops or loses ranks) still need not pay for importing torch in each: its
+# ranks are forked from a zygote, one process per pytest session that
+# imported torch, torch.distributed, Dynamo and torch_mpmd and does nothing
+# else (no process group, no thread of its own, no compile). A forked rank
+# starts its own session, takes the launch's environment, files and working
+# directory, and runs as a rank started by ``python dist_harness.py`` would,
+# down to its exit code (an uncaught exception: its traceback and 1;
+# sys.exit(n): n; the exit handlers run first in both). The zygote reaps it
+# and writes its exit status where the parent polls for it. A launch whose
+# environment differs from the zygote's in what torch reads at import (torch,
+# OpenMP, MKL, Inductor variables, PYTHONPATH), or that sets
+# HARNESS_FINALIZE, starts its processes the ordinary way.
+
+_IMPORT_TIME_PREFIXES = ("TORCH", "ATEN", "OMP", "KMP", "MKL", "PYTHON", "CUDA", "LD_", "GLOO")
+_ZYGOTES: dict[tuple[tuple[str, str], ...], "_Zygote"] = {}
+_ZYGOTE_LOCK = threading.Lock()
+
+
+def _import_env(env: dict[str, str]) -> tuple[tuple[str, str], ...]:
+    return tuple(sorted((k, v) for k, v in env.items()
+                        if k.startswith(_IMPORT_TIME_PREFIXES) and k != "PYTHONUNBUFFERED"))
+
+
+class _Forked:
+    """A rank forked by the zygote, with the subprocess.Popen methods this module uses."""
+
+    def __init__(self, pid: int, status: Path) -> None:
+        self.pid, self.status, self.returncode = pid, status, None
+
+    def poll(self) -> int | None:
+        if self.returncode is None and self.status.exists():
+            text = self.status.read_text()
+            if text.endswith("\n"):
+                self.returncode = int(text)
+        return self.returncode
+
+    def wait(self) -> int:
+        deadline = time.monotonic() + 30
+        while self.poll() is None:
+            if time.monotonic() > deadline:  # the zygote itself is gone: nobody reaps
+                self.returncode = -signal.SIGKILL
+            time.sleep(0.005)
+        return self.returncode
+
+    def kill(self) -> None:
+        try:
+            os.kill(self.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+class _Zygote:
+    """The process ranks are forked from (NOTE [Forked ranks])."""
+
+    def __init__(self, env: dict[str, str]) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, str(Path(__file__).resolve()), "--zygote"], env=env,
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=str(TESTS_DIR),
+            start_new_session=True)
+        self.lock = threading.Lock()
+        ready = self.proc.stdout.readline()
+        if ready.strip() != b"ready":
+            raise RuntimeError(f"the zygote did not start: {ready!r}")
+
+    def fork(self, env: dict[str, str], workdir: Path, rank: int) -> _Forked:
+        status = workdir / f"exit{rank}.txt"
+        request = dict(env=env, cwd=str(workdir), status=str(status),
+                       stdout=str(workdir / f"stdout{rank}.txt"),
+                       stderr=str(workdir / f"stderr{rank}.txt"))
+        with self.lock:  # one request and its answer at a time
+            self.proc.stdin.write((json.dumps(request) + "\n").encode())
+            self.proc.stdin.flush()
+            return _Forked(int(self.proc.stdout.readline()), status)
+
+    def close(self) -> None:
+        _kill(self.proc)
+        self.proc.wait()
+
+
+def _zygote_for(env: dict[str, str]) -> _Zygote | None:
+    if os.environ.get(POOL_VAR, "1") == "0" or "HARNESS_FINALIZE" in env:
+        return None
+    key = _import_env(env)
+    with _ZYGOTE_LOCK:
+        zygote = _ZYGOTES.get(key)
+        if zygote is not None and zygote.proc.poll() is not None:
+            zygote = None
+        if zygote is None:
+            for old in _ZYGOTES.values():  # one at a time
+                old.close()
+            _ZYGOTES.clear()
+            zygote = _ZYGOTES[key] = _Zygote({k: v for k, v in env.items()
+                                              if not k.startswith("HARNESS_")})
+        return zygote
 
 
 # ---------------------------------------------------------------- worker groups
@@ -368,6 +471,10 @@ def close_worker_groups() -> None:
         _POOLS.clear()
     for g in groups:
         g.close()
+    with _ZYGOTE_LOCK:
+        for zygote in _ZYGOTES.values():
+            zygote.close()
+        _ZYGOTES.clear()
 
 
 atexit.register(close_worker_groups)
@@ -702,10 +809,90 @@ def _serve() -> None:
     _leave()  # the pytest session ended
 
 
+def _forked_rank(request: dict[str, Any]) -> None:
+    """In a child of the zygote: become the rank a fresh process would be
+    (NOTE [Forked ranks]); never returns."""
+    import random
+    import traceback
+
+    code = 1
+    try:
+        os.setsid()
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
+            os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), fd)
+        os.chdir(request["cwd"])
+        os.environ.clear()
+        os.environ.update(request["env"])
+        random.seed()  # a fresh process's own seed, not the zygote's
+        try:
+            _rank_main()
+            code = 0
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+            if not isinstance(e.code, (int, type(None))):
+                print(e.code, file=sys.stderr)
+        except BaseException:  # noqa: BLE001  (what the interpreter does with it)
+            traceback.print_exc()
+            code = 1
+        atexit._run_exitfuncs()
+    finally:
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
+
+
+def _zygote_main() -> None:
+    """Import what every rank imports, then fork a rank per request on stdin,
+    answer its pid, and write its exit status once it ends (NOTE [Forked ranks])."""
+    import selectors
+
+    import torch  # noqa: F401
+    import torch._dynamo  # noqa: F401
+    import torch._inductor.compile_fx  # noqa: F401
+    import torch.distributed  # noqa: F401
+    import torch_mpmd  # noqa: F401
+
+    children: dict[int, str] = {}
+    out = sys.stdout.buffer
+    out.write(b"ready\n")
+    out.flush()
+    selector = selectors.DefaultSelector()
+    selector.register(sys.stdin, selectors.EVENT_READ)
+    while True:
+        for pid, path in list(children.items()):
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                code = os.waitstatus_to_exitcode(status)
+                tmp = path + ".tmp"
+                with open(tmp, "w") as f:
+                    f.write(f"{code}\n")
+                os.replace(tmp, path)
+                del children[pid]
+        if not selector.select(timeout=0.005):
+            continue
+        line = sys.stdin.readline()
+        if not line:
+            break  # the pytest session ended
+        request = json.loads(line)
+        pid = os.fork()
+        if pid == 0:
+            _forked_rank(request)
+        children[pid] = request["status"]
+        out.write(f"{pid}\n".encode())
+        out.flush()
+    os._exit(0)
+
+
 if __name__ == "__main__":
     # Running this file as a script puts tests/ (its directory) first on sys.path,
     # ahead of anything else; the target's module is then importable by name.
     if sys.argv[1:] == ["--serve"]:
         _serve()
+    elif sys.argv[1:] == ["--zygote"]:
+        _zygote_main()
     else:
         _rank_main()
