@@ -334,7 +334,9 @@ def _zygote_for(env: dict[str, str]) -> _Zygote | None:
 # rank checks that its default group still works and that no torch_mpmd
 # ledger is left broken or mid-call; a call that failed, timed out or left a
 # rank unclean gets the group torn down (its ranks killed), and the next call
-# starts a new one: a failed case cannot poison the next.
+# starts a new one: a failed case cannot poison the next. So does a group
+# whose ranks grew past MAX_RANK_RSS or MAX_RANK_FDS, and the least recently
+# used one when more than MAX_POOLS would be kept.
 #
 # Calls that look at failures (check=False: ranks that die, hang, exit early
 # or are killed), calls without a process group, with the store in this
@@ -345,7 +347,11 @@ LAUNCH_LOG_VAR = "MPMD_TEST_LAUNCH_LOG"  # a file: one JSON line per launch
 PROFILE_VAR = "MPMD_TEST_PROFILE"  # a directory: each rank's cProfile stats of each call
 _POOLS: dict[tuple[Any, ...], "_WorkerGroup"] = {}
 _POOLS_LOCK = threading.Lock()
-MAX_POOLS = 3  # worker groups kept at once (each rank holds torch and its models)
+MAX_POOLS = 2  # worker groups kept at once (each rank holds torch and its models)
+# A group whose rank grew past these is replaced after its call: every call's
+# process groups (gloo sockets) and allocator growth stay with the process.
+MAX_RANK_RSS = 1536 << 20
+MAX_RANK_FDS = 4000
 
 
 class _WorkerGroup:
@@ -362,6 +368,19 @@ class _WorkerGroup:
 
     def alive(self) -> bool:
         return all(p.poll() is None for p in self.procs)
+
+    def worn(self) -> bool:
+        """Whether a rank holds more memory or file descriptors than a group should keep."""
+        for p in self.procs:
+            try:
+                status = Path(f"/proc/{p.pid}/status").read_text()
+                rss = int(status.split("VmRSS:")[1].split()[0]) << 10
+                fds = len(os.listdir(f"/proc/{p.pid}/fd"))
+            except (OSError, IndexError, ValueError):
+                continue  # not Linux: no limit
+            if rss > MAX_RANK_RSS or fds > MAX_RANK_FDS:
+                return True
+        return False
 
     def close(self) -> None:
         for p in self.procs:
@@ -451,6 +470,7 @@ def _pooled_call(world_size: int, target: str, workdir: Path, timeout: float,
             _POOLS[key] = _POOLS.pop(key)
     try:
         run, healthy = group.call(target, workdir, timeout, failure_grace)
+        healthy = healthy and not group.worn()
     except BaseException:
         healthy = False
         raise
