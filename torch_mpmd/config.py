@@ -334,6 +334,15 @@ class PipelineConfig:
                         startup_timeout=(as_timeout(self.startup_timeout, "startup_timeout")
                                          if self.startup_timeout is not None else None))
 
+    def schedule_at(self, stages_per_rank: int | None) -> str | Schedule:
+        """The schedule run at ``stages_per_rank`` (None: not known yet): the
+        one configured, except that the default schedule (``DEFAULT``: 1F1B)
+        at several stages per rank is the schedule that is it at one stage
+        per rank (interleaved 1F1B), as the schedule table says."""
+        if self.schedule == DEFAULT.schedule and stages_per_rank and stages_per_rank > 1:
+            return DEFAULT.schedule_for(stages_per_rank)
+        return self.schedule
+
     def check_schedule_at(self, pp: int) -> None:
         """The schedule's own constraints on ``pp`` pipeline ranks (stages per
         rank, stage counts, microbatches): a ValueError naming the values."""
@@ -345,6 +354,7 @@ class PipelineConfig:
         spr = self.stages_per_rank
         if known_stages is not None:
             spr = check_stage_count(known_stages, pp, self.stages_per_rank, source=source)
+        schedule = self.schedule_at(spr)
         placed = _placed_stages(schedule)
         if spr is None and placed is not None:
             spr = placed

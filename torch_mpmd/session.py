@@ -224,7 +224,9 @@ class Session:
                          self.captures.why_again(key, unfit))
         split = self._split(args0, kwargs0)
         config = self.config
-        runtime = RankRuntime(StagedModel.from_split(split), schedule=config.schedule,
+        # Markers may define several stages per rank: 1F1B then runs interleaved.
+        schedule = config.schedule_at(split.num_stages // self.pp_size)
+        runtime = RankRuntime(StagedModel.from_split(split), schedule=schedule,
                               num_microbatches=self.num_microbatches, group=self.group,
                               device=self.device, timeout=self.timeout,
                               lookahead=config.lookahead,

@@ -29,6 +29,7 @@ import torch.fx
 from torch_mpmd.config import BACKEND_OPTIONS, PipelineConfig, check_stage_count
 from torch_mpmd.graph.capture import CaptureError
 from torch_mpmd.graph.hf import recorders_install_while_tracing
+from torch_mpmd.schedules import DEFAULT
 
 # BACKEND_OPTIONS: the keys ``options`` may hold (the config's fields but
 # ``loss_fn``, and ``reduction``); any other key is a ValueError naming it.
@@ -65,10 +66,10 @@ def _check_options(options: Mapping[str, Any] | None) -> tuple[PipelineConfig, s
     if reduction not in ("mean", "sum"):
         raise ValueError(f"option reduction={reduction!r} must be 'mean' or 'sum'")
     if opts.get("plan") is None:  # (a plan, or "auto", fills the schedule and microbatches)
-        opts.setdefault("num_microbatches", 1)
-        # Without a schedule: interleaved 1F1B, which is 1F1B at one stage per rank
-        # and also runs the several stages per rank that markers may define.
-        opts.setdefault("schedule", "interleaved_1f1b")
+        # pipeline()'s default schedule (PipelineConfig.schedule_at: at several
+        # stages per rank, interleaved); the whole batch as one microbatch.
+        opts.setdefault("num_microbatches", DEFAULT.num_microbatches)
+        opts.setdefault("schedule", DEFAULT.schedule)
     config = PipelineConfig(**opts)
     config.resolve()
     return config, reduction
