@@ -519,7 +519,9 @@ def pipeline(module: torch.nn.Module, config: PipelineConfig | None = None,
     (cost units per byte; None: ``torch_mpmd._C.DEFAULT_BYTES_COST``, from a
     measured p2p rate) weighs the bytes crossing each cut of a balanced split
     against its compute (0: compute alone). ``schedule``: a
-    name (``torch_mpmd.schedules.names()``), a Schedule, or a text/CSV file.
+    name (``torch_mpmd.schedules.names()``), a Schedule, or a text/CSV file
+    (default ``"1f1b"``, which at several stages per rank runs
+    ``"interleaved_1f1b"``: ``PipelineConfig.schedule_at``).
     ``mesh``: a DeviceMesh with dimensions named from ("dp", "pp", "tp"), in
     any order, any of size 1 left out: the pipeline runs over "pp" and is
     replicated over "dp" (each replica steps on its own batch; gradients are
