@@ -221,8 +221,8 @@ def _log_launch(run: RunResult, target: str, how: str) -> None:
 # NOTE [Forked ranks]: a launch that needs fresh processes (one that kills,
 # stops or loses ranks) still need not pay for importing torch in each: its
 # ranks are forked from a zygote, one process per pytest session that
-# imported torch, torch.distributed, Dynamo and torch_mpmd and does nothing
-# else (no process group, no thread of its own, no compile). A forked rank
+# imported torch, torch.distributed, Dynamo, Inductor and torch_mpmd and does
+# nothing else (no process group, no compile, no work of its own). A forked rank
 # starts its own session, takes the launch's environment, files and working
 # directory, and runs as a rank started by ``python dist_harness.py`` would,
 # down to its exit code (an uncaught exception: its traceback and 1;
