@@ -1,7 +1,7 @@
 """Workers of tests/test_lockstep_bounds.py (run by dist_harness): ranks of one
 pipeline given microbatches of the same shapes but different contents
-(NOTE [Microbatch contents] in runtime/rank.py), and ranks that stall or die
-in mpmd.plan's profiling (NOTE [Named waits] in parallel/lockstep.py)."""
+(NOTE [Microbatch contents] in runtime/contents.py), and ranks that stall or die
+in mpmd.plan's profiling (NOTE [Named waits] in parallel/named_waits.py)."""
 
 from __future__ import annotations
 

@@ -71,7 +71,7 @@ def __dir__() -> list[str]:
 
 
 def _announce_exit() -> None:
-    """NOTE [Ranks that left] (lockstep.py): at exit, a process that runs
+    """NOTE [Ranks that left] in parallel/job_store.py: at exit, a process that runs
     torch.distributed tells the job's store it left (torch is not imported
     here for it: a process without it has nothing to tell)."""
     dist = sys.modules.get("torch.distributed")

@@ -317,7 +317,7 @@ class Pipeline(torch.nn.Module):
     def _gathered_stage_times(self, times: dict[int, dict[str, float]]
                               ) -> dict[int, dict[str, float]]:
         """Every stage's times, from the rank that holds it: one bounded
-        all_reduce over the pipeline group (NOTE [Named waits] in lockstep.py;
+        all_reduce over the pipeline group (NOTE [Named waits] in named_waits.py;
         a dead or stalled peer is a PipelineError naming it within timeout=)."""
         kinds = "FBIW"
         table = torch.zeros(2, self.num_stages, len(kinds), dtype=torch.float64)

@@ -618,7 +618,7 @@ class Session:
                            # shards, or not, since): NOTE [Plans in the config].
                            data_parallel=self.config.data_parallel,
                            # Every wait of the profile and search (NOTE [Named
-                           # waits] in lockstep.py): the capture's bound.
+                           # waits] in named_waits.py): the capture's bound.
                            timeout=(self.startup_timeout if self.startup_timeout is not None
                                     else self.timeout),
                            trials=self.config.plan_trials, trials_again=self.config.plan_again)

@@ -38,11 +38,12 @@ pipeline group (and dp group): a new group starts afresh.
 
 The rest of the ranks' bounded communication lives beside this module and is
 importable from it too: the collectives bounded by their own timeout and
-the abandoning of groups (NOTE [Bounded collectives], NOTE [Abandoned
-groups]: bounded.py), PipelineError and the text of failures (failures.py),
-the job's store as a witness of which rank died or left (NOTE [Who died
-first], NOTE [Ranks that left]: job_store.py), and the named waits of
-collectives outside a call (NOTE [Named waits]: named_waits.py).
+the abandoning of groups (bounded.py: NOTE [Bounded collectives] and NOTE
+[Abandoned groups] in bounded.py), PipelineError and the text of failures
+(failures.py), the job's store as a witness of which rank died or left
+(NOTE [Who died first] in job_store.py, NOTE [Ranks that left] in
+job_store.py), and the named waits of collectives outside a call (NOTE
+[Named waits] in named_waits.py).
 """
 
 from __future__ import annotations

@@ -70,7 +70,7 @@ def _dp_group(group: Any) -> Any:
 
 def _broadcast(value: Any, group: Any, timeout_s: float, what: str) -> Any:
     """``value`` (JSON) of ``group``'s first rank, bounded and named (NOTE
-    [Named waits] in lockstep.py)."""
+    [Named waits] in named_waits.py)."""
     if group is None or dist.get_world_size(group) < 2:
         return value
     from torch_mpmd.parallel import lockstep

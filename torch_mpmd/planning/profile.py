@@ -422,7 +422,7 @@ def _ping_pong(group: Any, device: torch.device, waits: lockstep.Collectives
                ) -> tuple[float, float]:
     """(latency s, bandwidth B/s) between pipeline ranks 0 and 1 of ``group``
     (collective over the group: the others arrive and return zeros). Every
-    message is bounded by ``waits`` (NOTE [Named waits] in lockstep.py)."""
+    message is bounded by ``waits`` (NOTE [Named waits] in named_waits.py)."""
     waits.arrive("the ping-pong between pipeline ranks 0 and 1")
     rank = dist.get_rank(group)
     if rank > 1:
@@ -577,7 +577,7 @@ def profile(model: torch.nn.Module, example_args: Any, example_kwargs: Mapping[s
     ``timeout`` (seconds or timedelta): how long a rank waits for the others
     at a collective, with no rank making progress (rank 0's measuring is
     progress); a rank that stalls or died raises PipelineError naming it
-    (NOTE [Named waits] in lockstep.py). ``calibrate=False``: a cached
+    (NOTE [Named waits] in named_waits.py). ``calibrate=False``: a cached
     profile is returned as cached, its times not fitted to this launch (for
     a caller that needs the units only). ``info`` (a dict, filled on
     rank 0): ``cache_path`` (the entry's Path, None without a cache) and
