@@ -1,6 +1,7 @@
 """Workers of tests/test_bounded_collectives.py (run by dist_harness): two gloo
 ranks of one pipeline, rank 1 killed (SIGKILL, or os._exit inside DCP) in one
-phase -- a checkpoint save, replan(), meta-device materialization -- while
+phase -- a checkpoint save, replan(), meta-device materialization, the
+groups of a mesh -- while
 rank 0 goes on with a short ``timeout=``; rank 0 returns what it raised. The
 save launch first checks that ``checkpoint.save`` leaves the optimizer as it
 was, before and after the first step, on both ranks.
@@ -102,9 +103,21 @@ def peer_dies(phase: str, directory: str, timeout: float) -> dict[str, Any]:
     - "save_in_dcp": rank 1 exits while DCP writes its data;
     - "replan": rank 1 is SIGKILLed after a step, before ``replan()``;
     - "meta_init": a meta-device model whose init_fn SIGKILLs rank 1, so rank 0
-      waits at the broadcast of the tied parameters.
+      waits at the broadcast of the tied parameters;
+    - "mesh_groups": rank 1 is SIGKILLed before ``pipeline()`` makes the
+      groups of a mesh (new_group waits out the default group's timeout).
     """
     rank = dist.get_rank()
+    if phase == "mesh_groups":
+        # A mesh without "pp" (each rank a one-rank pipeline) makes one group
+        # per replica: new_group, collective over the world.
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+        if rank == 1:
+            _die()
+        return _raised(lambda: mpmd.pipeline(models.MLP(d=8, depth=2), loss_fn=F.mse_loss,
+                                             num_microbatches=2, mesh=mesh, timeout=timeout))
     if phase == "meta_init":
         def init_fn(module: torch.nn.Module) -> None:
             if rank == 1:

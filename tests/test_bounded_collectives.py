@@ -239,3 +239,11 @@ def test_a_rank_killed_while_materializing_a_meta_model_is_named(tmp_path):
     assert re.search(r"^rank 0: materializing the meta model: waiting for the other ranks at "
                      r"the broadcast of the materialized tied parameters .*rank 1 "
                      r"(never arrived|died)", got["message"], re.S), got["message"]
+
+
+def test_a_rank_killed_before_a_meshs_groups_are_made_is_named(tmp_path):
+    # Before: new_group's rendezvous waited out the process group's timeout.
+    _, got = _killed_in("mesh_groups", tmp_path)
+    assert got["type"] == "PipelineError", got
+    assert re.search(r"^rank 0: the one-rank pipeline groups of a mesh without 'pp': .*"
+                     r"1 of the 2 ranks arrived", got["message"], re.S), got["message"]

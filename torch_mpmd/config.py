@@ -320,7 +320,7 @@ class PipelineConfig:
         constraints at that size): before any rank communicates."""
         group, dp_group, replicas = self.group, None, None
         if self.mesh is not None:
-            groups = mesh_groups(self.mesh)
+            groups = mesh_groups(self.mesh, as_timeout(self.timeout).total_seconds())
             group, dp_group, replicas = groups.pp, groups.dp, groups.replicas
         grp = pp_group(group)
         pp = dist.get_world_size(grp) if grp is not None else 1

@@ -16,7 +16,11 @@ once.
 
 NOTE [Groups over replicas]: ``dist.new_group`` is collective over the whole
 world, so a subgroup one replica needs (tied weights on some of its pipeline
-ranks) is created for every replica, in the same order on every rank.
+ranks) is created for every replica, in the same order on every rank. Its
+rendezvous waits as long as the default group's timeout (30 min by
+default) for a rank that never comes: every rank of the world first arrives
+within the pipeline's timeout (:func:`_world_arrived`), so a rank that died
+or stalled before is a PipelineError on the others, not a hang.
 """
 
 from __future__ import annotations
@@ -30,6 +34,8 @@ import torch
 import torch.distributed as dist
 
 from torch_mpmd.parallel import lockstep
+from torch_mpmd.parallel.failures import PipelineError
+from torch_mpmd.parallel.job_store import await_arrivals
 from torch_mpmd.parallel.sharding import local_grad, set_local_grad
 
 __all__ = ["DataParallel", "MESH_DIMS", "MeshGroups", "flat_increments", "local_part",
@@ -57,7 +63,20 @@ class MeshGroups:
     sizes: dict[str, int]
 
 
-def mesh_groups(mesh: Any) -> MeshGroups:
+def _world_arrived(timeout_s: float | None, what: str) -> None:
+    """Every rank of the world reached ``what`` (groups about to be made)
+    within ``timeout_s`` (None: no bound of ours); PipelineError otherwise,
+    naming a rank that left the job where the job's store knows one."""
+    if timeout_s is None or not (dist.is_available() and dist.is_initialized()):
+        return
+    try:
+        await_arrivals(tuple(range(dist.get_world_size())), timeout_s)
+    except RuntimeError as e:  # (RanksLeft names them; else how many arrived)
+        raise PipelineError(f"rank {dist.get_rank()}: {what}: {e}",
+                            rank=dist.get_rank()) from None
+
+
+def mesh_groups(mesh: Any, timeout_s: float | None = None) -> MeshGroups:
     """The groups and replicas of a DeviceMesh whose dims are named from
     ("dp", "pp", "tp"), in any order; any of them may be left out (size 1).
 
@@ -67,7 +86,8 @@ def mesh_groups(mesh: Any) -> MeshGroups:
     stage programs, whose DTensor collectives (inside the programs) pair up
     over "tp"; only "dp" replicas reduce gradients (DataParallel). A mesh
     without "pp" gives every rank a one-rank pipeline group (created on every
-    rank in rank order: ``new_group`` is collective)."""
+    rank in rank order: ``new_group`` is collective). ``timeout_s``: how long
+    the other ranks may take to arrive (NOTE [Groups over replicas])."""
     names = tuple(mesh.mesh_dim_names or ())
     unknown = [n for n in names if n not in MESH_DIMS]
     if not names or unknown:
@@ -89,6 +109,7 @@ def mesh_groups(mesh: Any) -> MeshGroups:
 
     pp = mesh.get_group("pp") if "pp" in names else None
     if pp is None:  # a one-rank pipeline per rank (see the NOTE)
+        _world_arrived(timeout_s, "the one-rank pipeline groups of a mesh without 'pp'")
         me = dist.get_rank()
         for replica in replicas:
             g = dist.new_group(replica)
@@ -98,9 +119,10 @@ def mesh_groups(mesh: Any) -> MeshGroups:
 
 
 def new_replica_group(pp_ranks: Sequence[int], replicas: Sequence[Sequence[int]],
-                      my_replica: int) -> Any:
+                      my_replica: int, timeout_s: float | None = None) -> Any:
     """The group of pipeline ranks ``pp_ranks`` in this rank's replica (NOTE
-    [Groups over replicas])."""
+    [Groups over replicas]; ``timeout_s``: the bound of the arrival)."""
+    _world_arrived(timeout_s, f"the groups of pipeline ranks {list(pp_ranks)} of every replica")
     mine = None
     for i, replica in enumerate(replicas):
         g = dist.new_group([replica[r] for r in pp_ranks])
@@ -110,11 +132,13 @@ def new_replica_group(pp_ranks: Sequence[int], replicas: Sequence[Sequence[int]]
 
 
 def new_tied_group(pp_ranks: Sequence[int], replicas: Sequence[Sequence[int]],
-                   my_replica: int, dp_size: int) -> tuple[Any, list[int]]:
+                   my_replica: int, dp_size: int,
+                   timeout_s: float | None = None) -> tuple[Any, list[int]]:
     """The group that sums tied gradients (tied.py): pipeline ranks
     ``pp_ranks`` of every dp replica at this rank's tp coordinate, and its
     global ranks. One is created per tp coordinate (NOTE [Groups over
     replicas]); replicas are in row-major (dp, tp) order (MeshGroups)."""
+    _world_arrived(timeout_s, f"the tied-weight groups of pipeline ranks {list(pp_ranks)}")
     tp = len(replicas) // dp_size
     mine: Any = None
     members: list[int] = []

@@ -8,7 +8,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from torch_mpmd.schedules import (V_SCHEDULES, ActionKind, Schedule, get_schedule,
+from torch_mpmd.schedules import (ActionKind, facts, Schedule, get_schedule,
                                   names as schedule_names)
 
 __all__ = ["resolve_schedule", "part", "forward_only_text", "backward_only_text", "PART_KINDS"]
@@ -51,10 +51,11 @@ def resolve_schedule(schedule: Any, *, pp_size: int, num_stages: int, num_microb
     [Lazy gather] in sharding.py)."""
     spr = num_stages // pp_size
     if isinstance(schedule, str) and schedule in schedule_names():
-        if schedule in V_SCHEDULES and spr != 2:
-            raise ValueError(f"schedule {schedule!r} places 2 stages per rank (V shape); the "
-                             f"model has {num_stages} stages on pp_size={pp_size} ranks "
-                             f"({spr} per rank)")
+        row = facts(schedule)
+        if row.v_placement and spr != row.fixed_stages_per_rank:
+            raise ValueError(f"schedule {schedule!r} places {row.fixed_stages_per_rank} stages "
+                             f"per rank (V shape); the model has {num_stages} stages on "
+                             f"pp_size={pp_size} ranks ({spr} per rank)")
         sched = get_schedule(schedule, num_ranks=pp_size, num_microbatches=num_microbatches,
                              stages_per_rank=spr)
     elif isinstance(schedule, Schedule):

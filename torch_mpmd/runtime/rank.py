@@ -246,8 +246,8 @@ class RankRuntime:
         up = down = self.group
         if backend == "nccl":  # NOTE [Direction groups] in csrc/runtime/c10d_transport.h
             every = list(range(self.pp_size))
-            up = new_replica_group(every, self.replicas, self.replica)
-            down = new_replica_group(every, self.replicas, self.replica)
+            up = new_replica_group(every, self.replicas, self.replica, self.startup_timeout_s)
+            down = new_replica_group(every, self.replicas, self.replica, self.startup_timeout_s)
         self._transport_groups = (up, down)
         return _runtime.C10dTransport(up.group_name, down.group_name, self.layout.specs(),
                                       str(self.device))
@@ -302,7 +302,7 @@ class RankRuntime:
             if len(ranks) == self.pp_size:
                 pg = self.group
             else:
-                pg = new_replica_group(ranks, self.replicas, self.replica)
+                pg = new_replica_group(ranks, self.replicas, self.replica, self.startup_timeout_s)
             if self.rank in ranks:
                 params = [self.user_param(self.model.tensors[f]) for f in sorted(by_ranks[ranks])]
                 groups.append((pg, params))
@@ -338,7 +338,8 @@ class RankRuntime:
                     posts[ranks] = max(mine, key=order.index)
         groups = []
         for ranks in sorted(by_ranks):
-            pg, members = new_tied_group(ranks, self.replicas, self.replica, dp_size)
+            pg, members = new_tied_group(ranks, self.replicas, self.replica, dp_size,
+                                         self.startup_timeout_s)
             if ranks in posts:
                 params = [self.model.tensors[f] for f in sorted(by_ranks[ranks])]
                 groups.append(TiedGroup(pg, members, params, posts[ranks], ranks))
