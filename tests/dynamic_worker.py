@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 import pipeline_worker
 import torch_mpmd as mpmd
+from torch_mpmd.schedules import facts
 from pipeline_worker import _compare_grads, _diff, _error_text, _rank_world
 
 M = 2
@@ -58,7 +59,8 @@ def run_case(case: dict[str, Any], group: Any, timeout: float) -> dict[str, Any]
     res: dict[str, Any] = dict(id=case["id"], rank=rank, error=None, steps={})
     counter = _Counter()
     try:
-        stages = world * (2 if case["schedule"] in ("zbv", "dualpipev") else 1)
+        stages = world * (facts(case["schedule"]).fixed_stages_per_rank
+                          if facts(case["schedule"]).v_placement else 1)
         model, splits, vocab = _model(case.get("model", "gpt"), stages)
         ref = copy.deepcopy(model)
         pipe = mpmd.pipeline(model, loss_fn=lm_loss, schedule=case["schedule"],

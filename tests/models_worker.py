@@ -19,9 +19,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import models
-import torch_mpmd as mpmd
 import pipeline_worker
+import torch_mpmd as mpmd
 from pipeline_worker import _compare_grads, _diff, _error_text, _rank_world
+from torch_mpmd.schedules import facts
 
 M = 4
 TOL = {False: (1e-5, 1e-6), "inductor": (1e-4, 1e-5)}
@@ -122,7 +123,8 @@ def run_case(case: dict[str, Any], group, timeout: float) -> dict[str, Any]:
         ref = copy.deepcopy(model)
         ref_loss = sum(loss_fn(ref(xs), ys) / M for xs, ys in zip(x.chunk(M), y.chunk(M)))
         ref_loss.backward()
-        stages = 4 if case["schedule"] in ("zbv", "dualpipev") else 2
+        stages = 2 * (facts(case["schedule"]).fixed_stages_per_rank
+                      if facts(case["schedule"]).v_placement else 1)
         pipe = mpmd.pipeline(model, loss_fn=loss_fn, schedule=case["schedule"],
                              num_microbatches=M, split_points=splits[stages],
                              group=group, timeout=timeout,

@@ -11,9 +11,10 @@ from __future__ import annotations
 import pytest
 
 from dist_harness import GridRun
+from torch_mpmd.schedules import facts, schedule_names
 
-SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("looped_bfs", 2),
-             ("zero_bubble", 1), ("zbv", 2), ("dualpipev", 2)]
+# Every schedule of the table, at the fewest stages per rank that show what it is for.
+SCHEDULES = [(s, facts(s).typical_stages_per_rank) for s in schedule_names()]
 CASES = ([dict(id=f"fx-{s}", kind="train", schedule=s, spr=spr,
                mixes=20 if s == "1f1b" else 3) for s, spr in SCHEDULES]
          + [dict(id="fx-token-zero_bubble", kind="train", schedule="zero_bubble", loss="token",
