@@ -143,8 +143,8 @@ def zygote_for(env: dict[str, str]) -> _Zygote | None:
 # test-side modules (tests/*.py) are imported afresh, Dynamo's caches are
 # reset. Kept on purpose: imported libraries and their in-memory caches
 # (Inductor's loaded kernels) and :func:`worker_cache`. After each call every
-# rank checks that its default group still works and that no torch_mpmd
-# ledger is left broken or mid-call; a call that failed, timed out or left a
+# rank checks that its default group still works, that no torch_mpmd
+# ledger is left broken or mid-call and that no other process group is left; a call that failed, timed out or left a
 # rank unclean gets the group torn down (its ranks killed), and the next call
 # starts a new one: a failed case cannot poison the next. So does a group
 # whose ranks grew past MAX_RANK_RSS or MAX_RANK_FDS, and the least recently
@@ -368,6 +368,16 @@ def _clean_after(seq: int, ok: bool) -> bool:
     ok = ok and all(getattr(ledger, "broken", None) is None
                     and getattr(ledger, "phase", "idle") == "idle"
                     for ledger in ledgers.values())
+    # A process group kept from one call makes a later call's groups differ
+    # from a fresh process's: torch names a group made with
+    # use_local_synchronization after its ranks and the number of live groups,
+    # and a later call's group was given a live group's name ("The specified
+    # group name has already been created"); destroying the groups instead
+    # reuses their names with the old rendezvous keys still in the store. So
+    # a call that leaves any group but the default one gets a new worker group.
+    from torch.distributed import distributed_c10d as c10d
+
+    ok = ok and len(c10d._world.pg_map) == 1
     votes = torch.tensor([int(ok), seq], dtype=torch.int64)
     try:
         dist.all_reduce(votes, async_op=True).wait(timeout=dt.timedelta(seconds=30))
