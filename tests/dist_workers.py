@@ -143,16 +143,17 @@ def zygote_for(env: dict[str, str]) -> _Zygote | None:
 # test-side modules (tests/*.py) are imported afresh, Dynamo's caches are
 # reset. Kept on purpose: imported libraries and their in-memory caches
 # (Inductor's loaded kernels) and :func:`worker_cache`. After each call every
-# rank checks that its default group still works, that no torch_mpmd
-# ledger is left broken or mid-call and that no other process group is left; a call that failed, timed out or left a
-# rank unclean gets the group torn down (its ranks killed), and the next call
-# starts a new one: a failed case cannot poison the next. So does a group
-# whose ranks grew past MAX_RANK_RSS or MAX_RANK_FDS, and the least recently
-# used one when more than MAX_POOLS would be kept.
+# rank checks that its default group still works, that no torch_mpmd ledger
+# is left broken or mid-call and that no other process group is left (see
+# _clean_after); a call that failed, timed out or left a rank unclean gets
+# the group torn down (its ranks killed), and the next call starts a new one:
+# a failed case cannot poison the next. So does a group whose ranks grew past
+# MAX_RANK_RSS or MAX_RANK_FDS, and the least recently used one when more
+# than MAX_POOLS would be kept.
 #
 # Calls that look at failures (check=False: ranks that die, hang, exit early
 # or are killed), calls without a process group, with the store in this
-# process, or MPMD_TEST_POOL=0 keep starting fresh processes.
+# process, or MPMD_TEST_POOL=0 get fresh processes (NOTE [Forked ranks]).
 
 _POOLS: dict[tuple[Any, ...], "_WorkerGroup"] = {}
 _POOLS_LOCK = threading.Lock()
