@@ -414,7 +414,7 @@ def test_a_plan_read_from_json_recomputes_the_units_of_its_stages_in_call_order(
         model = _LateNorm()
         ref = copy.deepcopy(model)
         pipe = mpmd.pipeline(model, loss_fn=loss, plan=Plan.from_json(plan.to_json()))
-        assert pipe._recompute_modules((x[:1],), {}) == want
+        assert pipe.session.recompute_modules((x[:1],), {}) == want
         got = pipe.step(x, target=x)
         want_loss = loss(ref(x), x)
         want_loss.backward()

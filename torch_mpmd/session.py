@@ -263,7 +263,7 @@ class Session:
         # Under grad mode whatever the caller's: which values carry gradients
         # across stages is read from the capture (the runner sets the mode).
         with torch.enable_grad(), checkpointed(self.module,
-                                               self._recompute_modules(args0, kwargs0)):
+                                               self.recompute_modules(args0, kwargs0)):
             split = split_model(self.module, *args0, split_points=config.split_points,
                                 num_stages=config.num_stages,
                                 default_num_stages=self.pp_size * spr,
@@ -559,7 +559,7 @@ class Session:
                                self.device, k)
 
     # ------------------------------------------------------------ plans
-    def _recompute_modules(self, args: tuple, kwargs: dict) -> list[str]:
+    def recompute_modules(self, args: tuple, kwargs: dict) -> list[str]:
         """The submodules whose activations are recomputed (graph/recompute.py):
         ``recompute=`` and the units of the stages the plan recomputes.
 
