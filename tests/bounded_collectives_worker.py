@@ -123,13 +123,7 @@ def peer_dies(phase: str, directory: str, timeout: float) -> dict[str, Any]:
             if rank == 1:
                 _die()
 
-        with torch.device("meta"):
-            model = models.CharGPT(vocab=32, d=16, n_layer=4, n_head=2, block_size=8)
-        pipe = mpmd.pipeline(model, loss_fn=lambda o, t: F.cross_entropy(o.flatten(0, 1),
-                                                                         t.flatten()),
-                             num_microbatches=2, split_points=["blocks.2"], init_fn=init_fn,
-                             timeout=timeout)
-        ids = torch.randint(0, 32, (8, 8))
+        pipe, ids = models.meta_gpt_pipeline(init_fn, timeout)
         return _raised(lambda: pipe.step(ids, target=ids))
 
     out: dict[str, Any] = {}

@@ -96,6 +96,19 @@ class CharGPT(nn.Module):
         return self.lm_head(self.ln_f(x))
 
 
+def meta_gpt_pipeline(init_fn, timeout: float):
+    """A CharGPT built on the meta device, pipelined over 2 ranks at
+    ``blocks.2`` with ``init_fn`` (its tied weight spans both ranks: the
+    materialized value is broadcast), and a batch for it."""
+    with torch.device("meta"):
+        model = CharGPT(vocab=32, d=16, n_layer=4, n_head=2, block_size=8)
+    pipe = mpmd.pipeline(model, loss_fn=lambda o, t: F.cross_entropy(o.flatten(0, 1),
+                                                                     t.flatten()),
+                         num_microbatches=2, split_points=["blocks.2"], init_fn=init_fn,
+                         timeout=timeout)
+    return pipe, torch.randint(0, 32, (8, 8))
+
+
 class ResBlock(nn.Module):
     def __init__(self, c: int) -> None:
         super().__init__()

@@ -502,17 +502,9 @@ class Session:
         merged over the microbatches (or their list with ``microbatches``), on
         ``output_rank`` (None: every rank)."""
         self.check_output_rank(output_rank)
-        rt, inputs, _ = self.microbatches(args, kwargs, None, microbatches, None, loss=False)
-        run_step(rt, FORWARD, self.calls, self.device, inputs=inputs,
-                 targets=[None] * len(inputs))
-        try:
-            outputs = []
-            for k in range(len(inputs)):
-                flat = self._delivered(rt, k, output_rank)
-                if flat is not None:
-                    outputs.append(self.split.captured.rebuild_output(flat, inputs[k]))
-        finally:
-            rt.runner.end_step()
+        inputs, flats = self._forward_outputs(args, kwargs, microbatches, output_rank)
+        outputs = [self.split.captured.rebuild_output(flat, inputs[k])
+                   for k, flat in enumerate(flats) if flat is not None]
         if microbatches is not None:
             return outputs or None
         return merge_microbatches(outputs) if outputs else None
@@ -522,11 +514,17 @@ class Session:
     def forward_flat(self, args: tuple, kwargs: dict) -> list[tuple]:
         """Forward only, per microbatch the last stage's flat outputs on every
         rank (the compile door merges them as its graph returns them)."""
-        rt, inputs, _ = self.microbatches(args, kwargs, None, None, None, loss=False)
+        return self._forward_outputs(args, kwargs, None, None)[1]
+
+    def _forward_outputs(self, args: tuple, kwargs: dict, microbatches: Any,
+                         output_rank: int | None) -> tuple[list[dict[str, Any]], list[Any]]:
+        """The forward part over a call's microbatches: their named inputs and,
+        per microbatch, its flat outputs on ``output_rank`` (None elsewhere)."""
+        rt, inputs, _ = self.microbatches(args, kwargs, None, microbatches, None, loss=False)
         run_step(rt, FORWARD, self.calls, self.device, inputs=inputs,
                  targets=[None] * len(inputs))
         try:
-            return [self._delivered(rt, k, None) for k in range(len(inputs))]
+            return inputs, [self._delivered(rt, k, output_rank) for k in range(len(inputs))]
         finally:
             rt.runner.end_step()
 
