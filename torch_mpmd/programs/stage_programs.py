@@ -65,11 +65,24 @@ def _inductor(gm: torch.fx.GraphModule, example_inputs: list) -> Callable[..., A
     # Inductor's own lowering of them needs its joint-graph passes, which a
     # program compiled on its own does not go through.
     fake_mode = torch._guards.detect_fake_mode(example_inputs)
+    inputs = example_inputs
+    if fake_mode is None:
+        # NOTE [Programs in Inductor's cache]: Inductor's FX graph cache keys a
+        # graph by the guards of its shape environment and bypasses graphs
+        # compiled without one ("No shape env"): every stage program was
+        # lowered again in every process, for every pipeline. Static sizes are
+        # traced as fakes of one environment of their own, so equal programs
+        # (another schedule's, another case's, a relaunch's) load from the cache.
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+        fake_mode = FakeTensorMode(shape_env=ShapeEnv())
+        inputs = [fake_mode.from_tensor(t, static_shapes=True) if isinstance(t, torch.Tensor)
+                  else t for t in example_inputs]
     with contextlib.ExitStack() as stack:
         stack.enter_context(config.patch(fallback_random=True))
-        if fake_mode is not None:  # symbolic sizes (a dynamic capture): a dynamic kernel
-            stack.enter_context(torch._guards.tracing(torch._guards.TracingContext(fake_mode)))
-        compiled = compile_fx_inner(gm, example_inputs)
+        stack.enter_context(torch._guards.tracing(torch._guards.TracingContext(fake_mode)))
+        compiled = compile_fx_inner(gm, inputs)
     # Inductor's code assumes the example inputs' strides; an input laid out
     # otherwise (a user's non-contiguous batch) is copied into that layout.
     # (Symbolic strides: the inputs are the runner's own contiguous tensors.)
