@@ -170,6 +170,10 @@ class FrameModule(torch.nn.Module):
     (non-persistent) buffers rather than inputs.
     """
 
+    # Its forward is the frame's own function and baked values, which the
+    # capture memo's key does not see (NOTE [Capture memo]): never kept.
+    _mpmd_capture_memo = False
+
     def __init__(self, call: FrameCall) -> None:
         super().__init__()
         roots = call.roots

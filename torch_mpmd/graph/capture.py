@@ -16,6 +16,7 @@ so parameters, buffers and the RNG are untouched.
 
 from __future__ import annotations
 
+import copy
 import inspect
 import logging
 import sys
@@ -31,6 +32,7 @@ import torch.fx
 import torch.utils._pytree as pytree
 
 import torch_mpmd.graph.markers  # noqa: F401  (registers the marker op before any capture)
+from torch_mpmd.graph import capture_memo
 from torch_mpmd.graph.hf import install_output_recorders
 from torch_mpmd.graph.state_guards import StateGuards, from_dynamo_guards
 
@@ -421,7 +423,23 @@ def capture(module: torch.nn.Module, args: Sequence[Any], kwargs: Mapping[str, A
     signature = _forward_signature(module)
     inputs = flatten_inputs(signature, args, kwargs)
     install_output_recorders(module, kwargs)
+    # NOTE [Capture memo]: the same model (or a copy) captured before.
+    memo_key = capture_memo.structure_key(module, inputs, dynamic)
+    kept = capture_memo.lookup(memo_key, lambda t: _guards_hold(t, module))
+    if kept is not None:
+        return _rebind(kept, module)
+    before = capture_memo.instance_state(module) if memo_key is not None else None
+    captured = _trace(module, signature, inputs, args, kwargs, dynamic)
+    if memo_key is not None and captured.state is not None:
+        capture_memo.store(memo_key, _template(captured), changed_model=not capture_memo.same_state(
+            before, capture_memo.instance_state(module)))
+    return captured
 
+
+def _trace(module: torch.nn.Module, signature: inspect.Signature | None,
+           inputs: dict[str, Any], args: Sequence[Any], kwargs: Mapping[str, Any],
+           dynamic: bool) -> CapturedGraph:
+    """The capture itself: Dynamo traces ``module(*args, **kwargs)``."""
     records: list = []
     dynamo_guards: list = []
     entry = _fresh_entry(module)
@@ -519,6 +537,65 @@ def capture(module: torch.nn.Module, args: Sequence[Any], kwargs: Mapping[str, A
     for m in getattr(module, "_mpmd_mirrors", ()):  # a FrameModule's root (frame.py)
         captured.module_ids.setdefault(id(m), "")
     _map_outputs(captured, module, result, fake_outputs, inputs)
+    return captured
+
+
+def _copy_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A new GraphModule over a copy of ``gm``'s graph (nodes' meta copied one
+    level deep: the fake values are shared) and ``gm``'s attributes."""
+    return torch.fx.GraphModule(gm, copy.deepcopy(gm.graph), class_name=type(gm).__name__)
+
+
+def _template(captured: CapturedGraph) -> CapturedGraph:
+    """What the capture memo keeps of a capture: its graph (copied before the
+    caller changes it) and meaning, none of the model's objects."""
+    kept = copy.copy(captured)
+    kept.gm = _copy_graph_module(captured.gm)
+    kept.tensors, kept.root, kept.module_ids, kept.module_fqns = {}, None, {}, []
+    kept.signature = None
+    assert captured.state is not None
+    # The guards without the captured model's frame (the template must not
+    # keep the model alive); a hit binds them to the new model.
+    kept.state = StateGuards(captured.state.guards, {"L": {}, "G": {}})
+    return kept
+
+
+def _guards_hold(template: CapturedGraph, module: torch.nn.Module) -> bool:
+    """Whether the Python values ``template``'s trace read are the same on ``module``."""
+    assert template.state is not None
+    state = StateGuards(template.state.guards, {"L": {"module": module}, "G": globals()})
+    return state.changed() is None
+
+
+def _attribute(module: torch.nn.Module, fqn: str) -> Any:
+    for part in fqn.split("."):
+        module = getattr(module, part)
+    return module
+
+
+def _rebind(template: CapturedGraph, module: torch.nn.Module) -> CapturedGraph:
+    """A kept capture as a capture of ``module``, a model of the same
+    structure and guarded values (NOTE [Capture memo])."""
+    _, tensors = _named_module_tensors(module)
+    for info in template.placeholders:
+        if info.kind in ("parameter", "buffer") and info.name not in tensors:
+            tensors[info.name] = _attribute(module, info.name)  # a plain tensor attribute
+    captured = copy.copy(template)
+    captured.gm = _copy_graph_module(template.gm)
+    captured.placeholders = list(template.placeholders)
+    captured.input_names = list(template.input_names)
+    captured.input_constants = dict(template.input_constants)
+    captured.input_aliases = dict(template.input_aliases)
+    captured.output_leaves = list(template.output_leaves)
+    captured.tensors = tensors
+    captured.root = module
+    captured.signature = _forward_signature(module)
+    captured.module_fqns = [name for name, _ in module.named_modules()]
+    captured.module_ids = {}
+    for name, m in module.named_modules(remove_duplicate=False):
+        captured.module_ids.setdefault(id(m), name)
+    captured.state = StateGuards(template.state.guards, {"L": {"module": module}, "G": globals()})
+    captured.__dict__.pop("_single_graph_output", None)
     return captured
 
 

@@ -1,0 +1,162 @@
+"""The capture memo (NOTE [Capture memo] in torch_mpmd/graph/capture_memo.py):
+a model captured again, or a copy of it, reuses the kept graph over its own
+tensors; anything its graph depends on that differs is a new capture. In one
+process: the captures are run as graphs against eager PyTorch."""
+
+from __future__ import annotations
+
+import copy
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+
+from torch_mpmd.graph import capture_memo
+from torch_mpmd.graph.capture import capture
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+from gpt_model import GPT, GPTConfig  # noqa: E402
+
+
+class Scaled(nn.Module):
+    """A guarded Python value (scale), a plain tensor attribute and a
+    submodule whose type decides the graph."""
+
+    def __init__(self, scale: float = 2.0, act: nn.Module | None = None) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.act = act if act is not None else nn.ReLU()
+        self.scale = scale
+        self.offset = torch.full((4,), 0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(self.lin(x)) * self.scale + self.offset
+
+
+class Counting(nn.Module):
+    """A forward that changes the model's Python state."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls = self.calls + 1
+        return self.lin(x)
+
+
+@pytest.fixture(autouse=True)
+def fresh_memo():
+    capture_memo.clear()
+    yield
+    capture_memo.clear()
+
+
+def _run(captured, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The captured graph run on ``module``'s tensors: its output."""
+    args = [x if info.kind == "input" else x.size(info.size_of[1]) if info.kind == "size"
+            else captured.tensors[info.name] for info in captured.placeholders]
+    with torch.no_grad():
+        out = captured.gm(*args)
+    return captured.rebuild_output(list(out), {"x": x})
+
+
+def _gpt(seed: int) -> GPT:
+    torch.manual_seed(seed)
+    return GPT(GPTConfig(vocab_size=32, block_size=8, n_layer=2, n_head=2, d_model=16))
+
+
+def test_a_copy_of_a_model_reuses_the_graph_over_its_own_tensors():
+    x = torch.randint(0, 32, (2, 8))
+    first, second = _gpt(0), _gpt(1)
+    a = capture(first, (x,), {})
+    b = capture(second, (x,), {})
+    assert capture_memo.stats()["hits"] == 1
+    assert b.root is second and b.gm is not a.gm
+    own = dict(second.named_parameters())
+    assert all(b.tensors[name] is t for name, t in own.items())
+    with torch.no_grad():
+        want = second(x)
+    assert torch.equal(_run(b, second, x), want)
+    # The caller may change its graph: a later hit gets the kept one.
+    for node in list(b.gm.graph.nodes):
+        node.meta["changed_by_caller"] = True
+    c = capture(copy.deepcopy(first), (x,), {})
+    assert not any("changed_by_caller" in n.meta for n in c.gm.graph.nodes)
+    assert capture_memo.stats()["hits"] == 2
+
+
+@pytest.mark.parametrize("change", [
+    "guarded value", "submodule type", "parameter shape", "eval mode", "hook", "patched forward",
+    "input shape", "grad mode", "tied weights", "plain tensor attribute shape", "dynamic"])
+def test_what_the_graph_depends_on_changed_is_a_new_capture(change):
+    x = torch.randn(3, 4)
+    base = Scaled()
+    capture(base, (x,), {})
+    model, args, grad = Scaled(), (x,), True
+    if change == "guarded value":
+        model.scale = 3.0
+    elif change == "submodule type":
+        model = Scaled(act=nn.GELU())
+    elif change == "parameter shape":
+        model.lin = nn.Linear(4, 4, bias=False)
+    elif change == "eval mode":
+        model.eval()
+    elif change == "hook":
+        model.lin.register_forward_hook(lambda m, i, o: o * 0)
+    elif change == "patched forward":
+        model.forward = lambda x: Scaled.forward(model, x) + 1
+    elif change == "input shape":
+        args = (torch.randn(5, 4),)
+    elif change == "grad mode":
+        grad = False
+    elif change == "tied weights":
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+        capture(model, (x,), {})
+        capture_memo.clear()
+        capture(copy.deepcopy(model), (x,), {})
+        model[1].weight = model[0].weight
+    elif change == "plain tensor attribute shape":
+        model.offset = torch.full((1,), 0.5)
+    dynamic = change == "dynamic"
+    with torch.set_grad_enabled(grad):
+        captured = capture(model, args, {}, dynamic=dynamic)
+    assert capture_memo.stats()["hits"] == 0, change
+    with torch.no_grad():
+        want = model(*args)
+    assert torch.equal(_run(captured, model, args[0]), want), change
+
+
+def test_the_same_guarded_values_hit_and_a_changed_one_is_kept_beside():
+    x = torch.randn(3, 4)
+    capture(Scaled(2.0), (x,), {})
+    capture(Scaled(3.0), (x,), {})
+    capture(Scaled(2.0), (x,), {})
+    capture(Scaled(3.0), (x,), {})
+    assert capture_memo.stats() == {"hits": 2, "misses": 2, "stored": 2, "not_kept": 0}
+
+
+def test_a_forward_that_changes_the_model_is_not_kept():
+    x = torch.randn(3, 4)
+    model = Counting()
+    capture(model, (x,), {})
+    assert model.calls == 1  # Dynamo replayed the side effect
+    capture(Counting(), (x,), {})
+    assert capture_memo.stats()["hits"] == 0 and capture_memo.stats()["not_kept"] == 2
+
+
+def test_the_memo_holds_no_object_of_the_model_and_can_be_turned_off(monkeypatch):
+    x = torch.randn(3, 4)
+    model = Scaled()
+    capture(model, (x,), {})
+    (template,) = capture_memo.kept()
+    assert template.root is None and template.tensors == {} and not template.module_ids
+    assert template.state.scope == {"L": {}, "G": {}}
+    own = {id(t) for t in [*model.parameters(), model.offset]}
+    assert not any(id(v) in own for v in vars(template.gm).values())
+    monkeypatch.setenv("MPMD_CAPTURE_MEMO", "0")
+    capture(Scaled(), (x,), {})
+    assert capture_memo.stats()["hits"] == 0 and len(capture_memo.kept()) == 1

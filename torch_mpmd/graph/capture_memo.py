@@ -1,0 +1,243 @@
+"""Captures kept for the process: a model captured again reuses its graph.
+
+NOTE [Capture memo]: a training job captures the same model many times over:
+``plan="auto"`` profiles it at several microbatch sizes and builds a
+pipeline per finalist it measures, ``replan()`` and ``mpmd.plan`` build
+again, and a user may build pipelines of fresh copies of one model (a
+reference, a sweep). Each capture is a Dynamo trace of the whole model,
+seconds each. The graph depends on the model's code, structure and Python
+state and on the call's inputs, not on the values of its parameters, so the
+process keeps each capture, keyed by:
+
+- :func:`structure_key`: every submodule's type, training flag, instance
+  attributes (their names: an attribute set on one instance only, such as a
+  patched ``forward``) and forward/backward hooks (the objects, kept alive); every
+  parameter, buffer and plain tensor attribute's type, shape, strides, dtype,
+  device and ``requires_grad`` (and a DTensor's placements and mesh); which
+  of them are one tensor (tied weights); the inputs' tensor metadata, their
+  dynamic marks and aliasing, and their non-tensor values; grad mode,
+  autocast, the default dtype and device, deterministic algorithms and
+  Dynamo's configuration;
+- and, for each capture under a key, the Python values its trace read
+  (NOTE [State guards]): a hit is a capture whose guarded values the new
+  model has too (``config.num_layers``, a temperature, which global function
+  a name refers to), checked by the same compiled expression as at every
+  pipeline call.
+
+A capture whose trace changed the model's Python state (an attribute set or
+replaced by forward) is not kept: its replay on a hit would be missing that
+effect. Nothing is kept while a tracing context or a torch function mode is
+active, for a model whose class opts out (``_mpmd_capture_memo = False``: the
+compile door's frame modules, whose forward is a frame's own function), or
+when ``MPMD_CAPTURE_MEMO=0``. A hit gives a new CapturedGraph over the new
+model's tensors (``capture._rebind``) with a copy of the graph, which the
+caller may change.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+__all__ = ["MAX_KEYS", "clear", "kept", "lookup", "store", "structure_key", "instance_state", "same_state",
+           "stats"]
+
+MAX_KEYS = 16  # least recently used keys are dropped beyond this
+_MAX_PER_KEY = 4  # captures of one key kept at once (different guarded values)
+
+_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
+               "_forward_hooks_with_kwargs", "_forward_pre_hooks_with_kwargs",
+               "_forward_hooks_always_called")
+_GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
+                 "_global_backward_pre_hooks", "_global_forward_hooks_always_called")
+
+_memo: collections.OrderedDict[tuple, list[Any]] = collections.OrderedDict()
+_stats = {"hits": 0, "misses": 0, "stored": 0, "not_kept": 0}
+
+
+def stats() -> dict[str, int]:
+    """Counts since the process started (or :func:`clear`): hits, misses,
+    captures stored and captures not kept (their trace changed the model)."""
+    return dict(_stats)
+
+
+def kept() -> list[Any]:
+    """Every kept capture (templates: no model objects), most recent key first."""
+    return [t for key in reversed(_memo) for t in _memo[key]]
+
+
+def clear() -> None:
+    """Forget every kept capture."""
+    _memo.clear()
+    for k in _stats:
+        _stats[k] = 0
+
+
+def _enabled() -> bool:
+    return os.environ.get("MPMD_CAPTURE_MEMO", "1") != "0"
+
+
+class _NotKeyable(Exception):
+    """A value the key cannot hold faithfully: the capture is not kept."""
+
+
+def _tensor_key(t: torch.Tensor) -> tuple:
+    kind = type(t)
+    extra: tuple = ()
+    if kind not in (torch.Tensor, torch.nn.Parameter):
+        from torch.distributed.tensor import DTensor
+
+        if not isinstance(t, DTensor):
+            raise _NotKeyable(f"a tensor of type {kind.__name__}")
+        extra = (tuple(map(str, t.placements)), _hashable(t.device_mesh))
+    return (kind, tuple(t.shape), t.stride(), t.dtype, str(t.device), t.requires_grad,
+            t.layout, *extra)
+
+
+def _hashable(value: Any) -> Any:
+    try:
+        hash(value)
+    except TypeError:
+        raise _NotKeyable(f"an unhashable {type(value).__name__}") from None
+    return value
+
+
+def _callables(hooks: Mapping[Any, Any]) -> tuple:
+    """Hooks by the objects themselves, not by id: the key keeps them alive,
+    so a dead hook's id reused by another cannot make two keys equal."""
+    return tuple(_hashable(h) for h in hooks.values())
+
+
+def _dims_marked(t: torch.Tensor) -> tuple:
+    return tuple(tuple(sorted(getattr(t, name, None) or ())) for name in (
+        "_dynamo_dynamic_indices", "_dynamo_weak_dynamic_indices", "_dynamo_static_indices"))
+
+
+def _plain_value(value: Any) -> tuple:
+    """A non-tensor input (or its stand-in) in the key: its type and value."""
+    if value is None or isinstance(value, (bool, int, float, str, bytes, torch.dtype,
+                                            torch.device)):
+        return (type(value), value)
+    raise _NotKeyable(f"a non-tensor input of type {type(value).__name__}")
+
+
+def _global_state() -> tuple:
+    state = [torch.is_grad_enabled(), torch.are_deterministic_algorithms_enabled(),
+             torch.get_default_dtype(), str(torch.get_default_device()),
+             torch._dynamo.config.get_hash()]
+    for device in ("cpu", "cuda"):
+        enabled = torch.is_autocast_enabled(device)
+        state.append((device, enabled, torch.get_autocast_dtype(device) if enabled else None))
+    return tuple(state)
+
+
+def _modes_active() -> bool:
+    from torch.overrides import _get_current_function_mode_stack
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    return bool(_get_current_function_mode_stack()) or _get_current_dispatch_mode() is not None
+
+
+def structure_key(module: torch.nn.Module, inputs: Mapping[str, Any], dynamic: bool
+                  ) -> tuple | None:
+    """What a capture of ``module`` with these flattened ``inputs`` depends
+    on besides the Python values its trace reads (see the module docstring);
+    None when such a capture must not be kept or looked up."""
+    if (not _enabled() or not getattr(type(module), "_mpmd_capture_memo", True)
+            or torch._guards.TracingContext.try_get() is not None or _modes_active()):
+        return None
+    seen: dict[int, int] = {}  # id(tensor) -> its first position: tied tensors
+
+    def tensor(t: torch.Tensor) -> tuple:
+        first = seen.setdefault(id(t), len(seen))
+        return (first, _tensor_key(t))
+
+    try:
+        modules = []
+        for name, m in module.named_modules(remove_duplicate=False):
+            attrs = vars(m)
+            hooks = tuple(_callables(attrs[d]) if d in attrs else None for d in _HOOK_DICTS)
+            params = tuple((k, None if p is None else tensor(p))
+                           for k, p in m._parameters.items())
+            buffers = tuple((k, None if b is None else tensor(b),
+                             k in m._non_persistent_buffers_set)
+                            for k, b in m._buffers.items())
+            plain = tuple((k, tensor(v)) for k, v in attrs.items()
+                          if isinstance(v, torch.Tensor))
+            modules.append((name, type(m), m.training, tuple(sorted(attrs)), hooks, params,
+                            buffers, plain))
+        named = []
+        for name, value in inputs.items():
+            if isinstance(value, torch.Tensor):
+                named.append((name, tensor(value), _dims_marked(value)))
+            else:
+                named.append((name, _plain_value(value)))
+    except _NotKeyable:
+        return None
+    from torch.nn.modules import module as module_globals
+
+    try:
+        global_hooks = tuple(_callables(getattr(module_globals, g, {})) for g in _GLOBAL_HOOKS)
+    except _NotKeyable:
+        return None
+    return (tuple(modules), tuple(named), dynamic, global_hooks, _global_state())
+
+
+def instance_state(module: torch.nn.Module) -> list:
+    """The model's Python state as a capture could change it: every
+    submodule's attributes (the objects, kept alive so that an id cannot be
+    reused) and a container's length. Compare with :func:`same_state`."""
+    return [(name, [(k, v, len(v) if isinstance(v, (list, dict, set)) else -1)
+                    for k, v in vars(m).items()])
+            for name, m in module.named_modules(remove_duplicate=False)]
+
+
+def same_state(before: list, after: list) -> bool:
+    """Whether two :func:`instance_state` snapshots hold the same objects:
+    the capture between them set nothing."""
+    if len(before) != len(after):
+        return False
+    for (name_a, attrs_a), (name_b, attrs_b) in zip(before, after):
+        if name_a != name_b or len(attrs_a) != len(attrs_b):
+            return False
+        for (ka, va, la), (kb, vb, lb) in zip(attrs_a, attrs_b):
+            if ka != kb or va is not vb or la != lb:
+                return False
+    return True
+
+
+def lookup(key: tuple | None, matches: Any) -> Any:
+    """The kept capture under ``key`` for which ``matches(capture)`` holds
+    (its guarded values hold for the new model), or None."""
+    if key is None:
+        return None
+    kept = _memo.get(key)
+    if kept:
+        _memo.move_to_end(key)
+        for template in kept:
+            if matches(template):
+                _stats["hits"] += 1
+                return template
+    _stats["misses"] += 1
+    return None
+
+
+def store(key: tuple | None, template: Any, changed_model: bool) -> None:
+    """Keep ``template`` (a CapturedGraph holding no model tensors) under
+    ``key``, unless its trace ``changed_model``."""
+    if key is None:
+        return
+    if changed_model:
+        _stats["not_kept"] += 1
+        return
+    kept = _memo.setdefault(key, [])
+    kept.insert(0, template)
+    del kept[_MAX_PER_KEY:]
+    _memo.move_to_end(key)
+    _stats["stored"] += 1
+    while len(_memo) > MAX_KEYS:
+        _memo.popitem(last=False)
