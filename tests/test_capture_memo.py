@@ -6,7 +6,9 @@ process: the captures are run as graphs against eager PyTorch."""
 from __future__ import annotations
 
 import copy
+import gc
 import sys
+import weakref
 from pathlib import Path
 
 import pytest
@@ -146,6 +148,19 @@ def test_a_forward_that_changes_the_model_is_not_kept():
     assert model.calls == 1  # Dynamo replayed the side effect
     capture(Counting(), (x,), {})
     assert capture_memo.stats()["hits"] == 0 and capture_memo.stats()["not_kept"] == 2
+
+
+@pytest.mark.parametrize("memo", ["1", "0"])
+def test_a_captured_model_is_freed_with_its_last_reference(monkeypatch, memo):
+    # Neither the memo nor Dynamo (which keeps every backend it is given until
+    # torch._dynamo.reset()) may keep a captured model, or its tensors, alive.
+    monkeypatch.setenv("MPMD_CAPTURE_MEMO", memo)
+    model = Scaled()
+    alive = weakref.ref(model)
+    capture(model, (torch.randn(3, 4),), {})
+    del model
+    gc.collect()
+    assert alive() is None
 
 
 def test_the_memo_holds_no_object_of_the_model_and_can_be_turned_off(monkeypatch):

@@ -445,11 +445,17 @@ def _trace(module: torch.nn.Module, signature: inspect.Signature | None,
     entry = _fresh_entry(module)
     state: list[StateGuards] = []
 
+    # What the backend reaches, dropped when the capture returns: Dynamo keeps
+    # every backend it was given (until torch._dynamo.reset()), and a backend
+    # reaching the model kept each captured model and its tensors alive (the
+    # finalists of plan trials, every copy a user captured).
+    reach = {"scope": {"L": {"module": module}, "G": entry.__globals__},
+             "records": records, "guards": dynamo_guards, "state": state}
+
     def backend(gm: torch.fx.GraphModule, example_inputs: list) -> Any:
-        replay = _record(records, gm, example_inputs, dynamo_guards)
+        replay = _record(reach["records"], gm, example_inputs, reach["guards"])
         # Read the guarded values now, before the traced code's side effects run.
-        state.append(from_dynamo_guards(dynamo_guards, {"L": {"module": module},
-                                                         "G": entry.__globals__}))
+        reach["state"].append(from_dynamo_guards(reach["guards"], reach["scope"]))
         return replay
 
     symbolic = _mark_dynamic(inputs, dynamic)
@@ -468,6 +474,7 @@ def _trace(module: torch.nn.Module, signature: inspect.Signature | None,
         raise _graph_break_error(module, e) from None
     finally:
         torch._dynamo.eval_frame.reset_code(entry.__code__)
+        reach.clear()
     if len(records) != 2:
         raise CaptureError(
             f"expected Dynamo to produce one graph for {type(module).__name__}.forward, got "
