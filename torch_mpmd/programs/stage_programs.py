@@ -29,6 +29,7 @@ import contextlib
 import logging
 import math
 import operator
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -56,6 +57,23 @@ class ProgramsUnsupported(RuntimeError):
 # ------------------------------------------------------------------ compilers
 
 
+_CPU_CAPABILITY_VARIABLES = ("ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "DNNL_MAX_CPU_ISA")
+
+
+def _cache_key_tag() -> str:
+    """The user's cache key tag, plus the CPU vector ISA Inductor generates
+    code for and the variables that cap ATen's, MKL's and oneDNN's: Inductor's
+    FX graph cache does not key programs by them, and a program compiled
+    under one capability and loaded under another crashed a rank (a segfault,
+    a nan loss). Programs made under another setting are compiled again."""
+    from torch._inductor import cpu_vec_isa
+
+    parts = [torch.compiler.config.cache_key_tag, f"isa={cpu_vec_isa.pick_vec_isa()}"]
+    parts += [f"{name}={os.environ[name]}" for name in _CPU_CAPABILITY_VARIABLES
+              if name in os.environ]
+    return ";".join(parts)
+
+
 def _inductor(gm: torch.fx.GraphModule, example_inputs: list) -> Callable[..., Any]:
     from torch._inductor.compile_fx import compile_fx_inner
 
@@ -81,6 +99,7 @@ def _inductor(gm: torch.fx.GraphModule, example_inputs: list) -> Callable[..., A
                   else t for t in example_inputs]
     with contextlib.ExitStack() as stack:
         stack.enter_context(config.patch(fallback_random=True))
+        stack.enter_context(torch.compiler.config.patch(cache_key_tag=_cache_key_tag()))
         stack.enter_context(torch._guards.tracing(torch._guards.TracingContext(fake_mode)))
         compiled = compile_fx_inner(gm, inputs)
     # Inductor's code assumes the example inputs' strides; an input laid out
