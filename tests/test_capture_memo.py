@@ -32,9 +32,11 @@ class Scaled(nn.Module):
         self.act = act if act is not None else nn.ReLU()
         self.scale = scale
         self.offset = torch.full((4,), 0.5)
+        self.options: dict[str, float] = {}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.act(self.lin(x)) * self.scale + self.offset
+        # A key the dict lacks: Dynamo guards its absence (not a value guard).
+        return self.act(self.lin(x)) * self.scale * self.options.get("gain", 1.0) + self.offset
 
 
 class Counting(nn.Module):
@@ -93,7 +95,8 @@ def test_a_copy_of_a_model_reuses_the_graph_over_its_own_tensors():
 
 @pytest.mark.parametrize("change", [
     "guarded value", "submodule type", "parameter shape", "eval mode", "hook", "patched forward",
-    "input shape", "grad mode", "tied weights", "plain tensor attribute shape", "dynamic"])
+    "input shape", "grad mode", "tied weights", "plain tensor attribute shape", "dynamic",
+    "dict key"])
 def test_what_the_graph_depends_on_changed_is_a_new_capture(change):
     x = torch.randn(3, 4)
     base = Scaled()
@@ -121,6 +124,8 @@ def test_what_the_graph_depends_on_changed_is_a_new_capture(change):
         capture_memo.clear()
         capture(copy.deepcopy(model), (x,), {})
         model[1].weight = model[0].weight
+    elif change == "dict key":
+        model.options["gain"] = 3.0
     elif change == "plain tensor attribute shape":
         model.offset = torch.full((1,), 0.5)
     dynamic = change == "dynamic"

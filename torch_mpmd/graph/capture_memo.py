@@ -10,8 +10,11 @@ state and on the call's inputs, not on the values of its parameters, so the
 process keeps each capture, keyed by:
 
 - :func:`structure_key`: every submodule's type, training flag, instance
-  attributes (their names: an attribute set on one instance only, such as a
-  patched ``forward``) and forward/backward hooks (the objects, kept alive); every
+  attributes by value (plain data, containers and objects such as a
+  config, recursively; functions and other objects by identity: an
+  attribute set on one instance only, such as a patched ``forward``, or a
+  dict with another key) and forward/backward hooks (the objects, kept
+  alive); every
   parameter, buffer and plain tensor attribute's type, shape, strides, dtype,
   device and ``requires_grad`` (and a DTensor's placements and mesh); which
   of them are one tensor (tied weights); the inputs' tensor metadata, their
@@ -37,7 +40,9 @@ caller may change.
 from __future__ import annotations
 
 import collections
+import enum
 import os
+import types
 from collections.abc import Mapping
 from typing import Any
 
@@ -54,6 +59,13 @@ _HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_back
                "_forward_hooks_always_called")
 _GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
                  "_global_backward_pre_hooks", "_global_forward_hooks_always_called")
+
+# A module's attributes the key holds by structure (above), not by value.
+_STRUCTURE_ATTRS = frozenset({"_parameters", "_buffers", "_modules", "training",
+                              "_non_persistent_buffers_set", *_HOOK_DICTS})
+_PLAIN_TYPES = (bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.Size,
+                torch.memory_format, torch.layout, enum.Enum)
+_MAX_DEPTH = 8
 
 _memo: collections.OrderedDict[tuple, list[Any]] = collections.OrderedDict()
 _stats = {"hits": 0, "misses": 0, "stored": 0, "not_kept": 0}
@@ -156,6 +168,42 @@ def structure_key(module: torch.nn.Module, inputs: Mapping[str, Any], dynamic: b
         first = seen.setdefault(id(t), len(seen))
         return (first, _tensor_key(t))
 
+    summaries: dict[int, Any] = {}  # id(object) -> its fingerprint (a shared config)
+
+    def fingerprint(value: Any, depth: int = 0, within: frozenset = frozenset()) -> Any:
+        """A model attribute's value as the key holds it: plain data by value
+        (containers and objects' attributes recursively: a dict's keys too,
+        which the state guards do not check), tensors by metadata, anything
+        else (functions, modules in containers, deep or cyclic objects) as
+        the object itself, kept alive, compared by identity."""
+        if value is None or isinstance(value, _PLAIN_TYPES):
+            return (type(value), value)
+        if isinstance(value, torch.Tensor):
+            return tensor(value)
+        key = id(value)
+        if key in summaries:
+            return summaries[key]
+        if depth >= _MAX_DEPTH or key in within or isinstance(
+                value, (torch.nn.Module, type, types.FunctionType, types.MethodType,
+                        types.ModuleType, types.BuiltinFunctionType)):
+            out: Any = ("object", _hashable(value))
+        else:
+            inner = within | {key}
+            if isinstance(value, (tuple, list)):
+                out = (type(value), tuple(fingerprint(v, depth + 1, inner) for v in value))
+            elif isinstance(value, (set, frozenset)):
+                out = (type(value), frozenset(fingerprint(v, depth + 1, inner) for v in value))
+            elif isinstance(value, dict):
+                out = (type(value), tuple((fingerprint(k, depth + 1, inner),
+                                           fingerprint(v, depth + 1, inner))
+                                          for k, v in value.items()))
+            elif hasattr(value, "__dict__") and not callable(value):
+                out = (type(value), fingerprint(vars(value), depth + 1, inner))
+            else:
+                out = ("object", _hashable(value))
+        summaries[key] = out
+        return out
+
     try:
         modules = []
         for name, m in module.named_modules(remove_duplicate=False):
@@ -166,10 +214,9 @@ def structure_key(module: torch.nn.Module, inputs: Mapping[str, Any], dynamic: b
             buffers = tuple((k, None if b is None else tensor(b),
                              k in m._non_persistent_buffers_set)
                             for k, b in m._buffers.items())
-            plain = tuple((k, tensor(v)) for k, v in attrs.items()
-                          if isinstance(v, torch.Tensor))
-            modules.append((name, type(m), m.training, tuple(sorted(attrs)), hooks, params,
-                            buffers, plain))
+            state = tuple((k, fingerprint(v)) for k, v in attrs.items()
+                          if k not in _STRUCTURE_ATTRS)
+            modules.append((name, type(m), m.training, hooks, params, buffers, state))
         named = []
         for name, value in inputs.items():
             if isinstance(value, torch.Tensor):
