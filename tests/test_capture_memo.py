@@ -180,3 +180,30 @@ def test_the_memo_holds_no_object_of_the_model_and_can_be_turned_off(monkeypatch
     monkeypatch.setenv("MPMD_CAPTURE_MEMO", "0")
     capture(Scaled(), (x,), {})
     assert capture_memo.stats()["hits"] == 0 and len(capture_memo.kept()) == 1
+
+
+class _Unequal:
+    """A user object whose comparison raises (as numpy arrays' and some
+    symbolic types' do), with no attributes to compare instead: the key holds
+    it by identity."""
+
+    __slots__ = ()
+
+    def __hash__(self) -> int:
+        return 0
+
+    def __eq__(self, other: object) -> bool:
+        raise RuntimeError("no comparison")
+
+
+def test_a_model_holding_an_object_that_cannot_be_compared_still_captures():
+    x = torch.randn(3, 4)
+    outs = []
+    for _ in range(2):
+        model = Scaled()
+        model.tag = _Unequal()
+        captured = capture(model, (x,), {})
+        with torch.no_grad():
+            outs.append(torch.equal(_run(captured, model, x), model(x)))
+    assert outs == [True, True]
+    assert capture_memo.stats()["hits"] == 0

@@ -158,7 +158,17 @@ def structure_key(module: torch.nn.Module, inputs: Mapping[str, Any], dynamic: b
                   ) -> tuple | None:
     """What a capture of ``module`` with these flattened ``inputs`` depends
     on besides the Python values its trace reads (see the module docstring);
-    None when such a capture must not be kept or looked up."""
+    None when such a capture must not be kept or looked up (also when a
+    user's object in the model fails to be read: the capture goes on without
+    the memo)."""
+    try:
+        return _structure_key(module, inputs, dynamic)
+    except Exception:  # noqa: BLE001  (a user object's __eq__/__hash__/__dict__ raising)
+        return None
+
+
+def _structure_key(module: torch.nn.Module, inputs: Mapping[str, Any], dynamic: bool
+                   ) -> tuple | None:
     if (not _enabled() or not getattr(type(module), "_mpmd_capture_memo", True)
             or torch._guards.TracingContext.try_get() is not None or _modes_active()):
         return None
@@ -262,7 +272,10 @@ def lookup(key: tuple | None, matches: Any) -> Any:
     (its guarded values hold for the new model), or None."""
     if key is None:
         return None
-    kept = _memo.get(key)
+    try:
+        kept = _memo.get(key)
+    except Exception:  # noqa: BLE001  (an object in the key whose __eq__ raises)
+        kept = None
     if kept:
         _memo.move_to_end(key)
         for template in kept:
@@ -281,7 +294,10 @@ def store(key: tuple | None, template: Any, changed_model: bool) -> None:
     if changed_model:
         _stats["not_kept"] += 1
         return
-    kept = _memo.setdefault(key, [])
+    try:
+        kept = _memo.setdefault(key, [])
+    except Exception:  # noqa: BLE001  (an object in the key whose __eq__ raises)
+        return
     kept.insert(0, template)
     del kept[_MAX_PER_KEY:]
     _memo.move_to_end(key)
