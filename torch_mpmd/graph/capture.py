@@ -428,11 +428,10 @@ def capture(module: torch.nn.Module, args: Sequence[Any], kwargs: Mapping[str, A
     kept = capture_memo.lookup(memo_key, lambda t: _guards_hold(t, module))
     if kept is not None:
         return _rebind(kept, module)
-    before = capture_memo.instance_state(module) if memo_key is not None else None
     captured = _trace(module, signature, inputs, args, kwargs, dynamic)
     if memo_key is not None and captured.state is not None:
-        capture_memo.store(memo_key, _template(captured), changed_model=not capture_memo.same_state(
-            before, capture_memo.instance_state(module)))
+        capture_memo.store(memo_key, _template(captured),
+                           key_after=capture_memo.structure_key(module, inputs, dynamic))
     return captured
 
 

@@ -14,11 +14,11 @@ process keeps each capture, keyed by:
   config, recursively; functions and other objects by identity: an
   attribute set on one instance only, such as a patched ``forward``, or a
   dict with another key) and forward/backward hooks (the objects, kept
-  alive); every
-  parameter, buffer and plain tensor attribute's type, shape, strides, dtype,
-  device and ``requires_grad`` (and a DTensor's placements and mesh); which
-  of them are one tensor (tied weights); the inputs' tensor metadata, their
-  dynamic marks and aliasing, and their non-tensor values; grad mode,
+  alive); every parameter, buffer and plain tensor attribute's type, shape,
+  strides, dtype, device and ``requires_grad`` (and a DTensor's placements
+  and mesh); which of them are one tensor (tied weights); the inputs'
+  tensor metadata, their dynamic marks and aliasing, and their non-tensor
+  values; grad mode,
   autocast, the default dtype and device, deterministic algorithms and
   Dynamo's configuration;
 - and, for each capture under a key, the Python values its trace read
@@ -27,8 +27,8 @@ process keeps each capture, keyed by:
   a name refers to), checked by the same compiled expression as at every
   pipeline call.
 
-A capture whose trace changed the model's Python state (an attribute set or
-replaced by forward) is not kept: its replay on a hit would be missing that
+A capture whose trace changed the model's Python state (the key after it
+differs: an attribute set or replaced by forward) is not kept: its replay on a hit would be missing that
 effect. Nothing is kept while a tracing context or a torch function mode is
 active, for a model whose class opts out (``_mpmd_capture_memo = False``: the
 compile door's frame modules, whose forward is a frame's own function), or
@@ -48,8 +48,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["MAX_KEYS", "clear", "kept", "lookup", "store", "structure_key", "instance_state", "same_state",
-           "stats"]
+__all__ = ["MAX_KEYS", "clear", "kept", "lookup", "stats", "store", "structure_key"]
 
 MAX_KEYS = 16  # least recently used keys are dropped beyond this
 _MAX_PER_KEY = 4  # captures of one key kept at once (different guarded values)
@@ -129,14 +128,6 @@ def _dims_marked(t: torch.Tensor) -> tuple:
         "_dynamo_dynamic_indices", "_dynamo_weak_dynamic_indices", "_dynamo_static_indices"))
 
 
-def _plain_value(value: Any) -> tuple:
-    """A non-tensor input (or its stand-in) in the key: its type and value."""
-    if value is None or isinstance(value, (bool, int, float, str, bytes, torch.dtype,
-                                            torch.device)):
-        return (type(value), value)
-    raise _NotKeyable(f"a non-tensor input of type {type(value).__name__}")
-
-
 def _global_state() -> tuple:
     state = [torch.is_grad_enabled(), torch.are_deterministic_algorithms_enabled(),
              torch.get_default_dtype(), str(torch.get_default_device()),
@@ -163,7 +154,7 @@ def structure_key(module: torch.nn.Module, inputs: Mapping[str, Any], dynamic: b
     the memo)."""
     try:
         return _structure_key(module, inputs, dynamic)
-    except Exception:  # noqa: BLE001  (a user object's __eq__/__hash__/__dict__ raising)
+    except Exception:  # noqa: BLE001  (_NotKeyable, or a user object's __hash__/__dict__ raising)
         return None
 
 
@@ -214,57 +205,22 @@ def _structure_key(module: torch.nn.Module, inputs: Mapping[str, Any], dynamic: 
         summaries[key] = out
         return out
 
-    try:
-        modules = []
-        for name, m in module.named_modules(remove_duplicate=False):
-            attrs = vars(m)
-            hooks = tuple(_callables(attrs[d]) if d in attrs else None for d in _HOOK_DICTS)
-            params = tuple((k, None if p is None else tensor(p))
-                           for k, p in m._parameters.items())
-            buffers = tuple((k, None if b is None else tensor(b),
-                             k in m._non_persistent_buffers_set)
-                            for k, b in m._buffers.items())
-            state = tuple((k, fingerprint(v)) for k, v in attrs.items()
-                          if k not in _STRUCTURE_ATTRS)
-            modules.append((name, type(m), m.training, hooks, params, buffers, state))
-        named = []
-        for name, value in inputs.items():
-            if isinstance(value, torch.Tensor):
-                named.append((name, tensor(value), _dims_marked(value)))
-            else:
-                named.append((name, _plain_value(value)))
-    except _NotKeyable:
-        return None
+    modules = []
+    for name, m in module.named_modules(remove_duplicate=False):
+        attrs = vars(m)
+        hooks = tuple(_callables(attrs[d]) if d in attrs else None for d in _HOOK_DICTS)
+        params = tuple((k, None if p is None else tensor(p)) for k, p in m._parameters.items())
+        buffers = tuple((k, None if b is None else tensor(b), k in m._non_persistent_buffers_set)
+                        for k, b in m._buffers.items())
+        state = tuple((k, fingerprint(v)) for k, v in attrs.items() if k not in _STRUCTURE_ATTRS)
+        modules.append((name, type(m), m.training, hooks, params, buffers, state))
+    named = tuple((name, fingerprint(value), _dims_marked(value))
+                  if isinstance(value, torch.Tensor) else (name, fingerprint(value))
+                  for name, value in inputs.items())
     from torch.nn.modules import module as module_globals
 
-    try:
-        global_hooks = tuple(_callables(getattr(module_globals, g, {})) for g in _GLOBAL_HOOKS)
-    except _NotKeyable:
-        return None
-    return (tuple(modules), tuple(named), dynamic, global_hooks, _global_state())
-
-
-def instance_state(module: torch.nn.Module) -> list:
-    """The model's Python state as a capture could change it: every
-    submodule's attributes (the objects, kept alive so that an id cannot be
-    reused) and a container's length. Compare with :func:`same_state`."""
-    return [(name, [(k, v, len(v) if isinstance(v, (list, dict, set)) else -1)
-                    for k, v in vars(m).items()])
-            for name, m in module.named_modules(remove_duplicate=False)]
-
-
-def same_state(before: list, after: list) -> bool:
-    """Whether two :func:`instance_state` snapshots hold the same objects:
-    the capture between them set nothing."""
-    if len(before) != len(after):
-        return False
-    for (name_a, attrs_a), (name_b, attrs_b) in zip(before, after):
-        if name_a != name_b or len(attrs_a) != len(attrs_b):
-            return False
-        for (ka, va, la), (kb, vb, lb) in zip(attrs_a, attrs_b):
-            if ka != kb or va is not vb or la != lb:
-                return False
-    return True
+    global_hooks = tuple(_callables(getattr(module_globals, g, {})) for g in _GLOBAL_HOOKS)
+    return (tuple(modules), named, dynamic, global_hooks, _global_state())
 
 
 def lookup(key: tuple | None, matches: Any) -> Any:
@@ -286,15 +242,16 @@ def lookup(key: tuple | None, matches: Any) -> Any:
     return None
 
 
-def store(key: tuple | None, template: Any, changed_model: bool) -> None:
+def store(key: tuple | None, template: Any, key_after: tuple | None) -> None:
     """Keep ``template`` (a CapturedGraph holding no model tensors) under
-    ``key``, unless its trace ``changed_model``."""
+    ``key``, the model's key before its capture, unless ``key_after``, its
+    key after, differs: the trace changed the model's state."""
     if key is None:
         return
-    if changed_model:
-        _stats["not_kept"] += 1
-        return
     try:
+        if key_after != key:
+            _stats["not_kept"] += 1
+            return
         kept = _memo.setdefault(key, [])
     except Exception:  # noqa: BLE001  (an object in the key whose __eq__ raises)
         return
