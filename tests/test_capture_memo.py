@@ -173,7 +173,9 @@ def test_the_memo_holds_no_object_of_the_model_and_can_be_turned_off(monkeypatch
     model = Scaled()
     capture(model, (x,), {})
     (template,) = capture_memo.kept()
-    assert template.root is None and template.tensors == {} and not template.module_ids
+    assert template.root is None and template.tensors == {}
+    # Ids only (what the graph's module keys meant when traced), no modules.
+    assert all(type(k) is int and type(v) is str for k, v in template.module_ids.items())
     assert template.state.scope == {"L": {}, "G": {}}
     own = {id(t) for t in [*model.parameters(), model.offset]}
     assert not any(id(v) in own for v in vars(template.gm).values())
@@ -207,3 +209,37 @@ def test_a_model_holding_an_object_that_cannot_be_compared_still_captures():
             outs.append(torch.equal(_run(captured, model, x), model(x)))
     assert outs == [True, True]
     assert capture_memo.stats()["hits"] == 0
+
+
+class Stack(nn.Module):
+    """Blocks of one type in a list: which block an op belongs to is known
+    only from the graph's module keys (Dynamo's, made of module ids)."""
+
+    def __init__(self, blocks: list[nn.Module] | None = None) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(blocks or [nn.Linear(4, 4) for _ in range(2)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = torch.relu(block(x))
+        return x
+
+
+def test_a_hit_names_each_op_by_the_module_that_computes_it_whatever_ids_are_reused():
+    # A hit's graph carries the traced model's module ids. The new model's ids
+    # can equal some of them, for other modules: here deterministically (its
+    # blocks are the first model's, swapped; as a freed model's memory would be
+    # reused by chance). The ops must still belong to blocks.0 then blocks.1.
+    from torch_mpmd.graph.fx_to_ir import to_ir
+
+    x = torch.randn(3, 4)
+    first = Stack()
+    a = capture(first, (x,), {})
+    swapped = Stack([first.blocks[1], first.blocks[0]])
+    b = capture(swapped, (x,), {})
+    assert capture_memo.stats()["hits"] == 1
+    order = [m for m in to_ir(b.gm, b.placeholders, b.module_ids).module_fqns if m]
+    assert order == [m for m in to_ir(a.gm, a.placeholders, a.module_ids).module_fqns if m]
+    assert order[0].startswith("blocks.0") and order[-1].startswith("blocks.1"), order
+    with torch.no_grad():
+        assert torch.equal(_run(b, swapped, x), swapped(x))

@@ -95,7 +95,10 @@ class CapturedGraph:
     placeholders: list[PlaceholderInfo]   # aligned with the graph's placeholder nodes
     tensors: dict[str, torch.Tensor]      # parameter/buffer FQN -> the module's own tensor
     module_fqns: list[str]                # every submodule FQN ("" = root), for messages
-    module_ids: dict[int, str] = field(default_factory=dict)  # id(submodule) -> FQN
+    # id(submodule) -> FQN, for the ids the graph's nn_module_stack keys carry:
+    # those of the model that was traced (after a capture memo hit, another
+    # model, perhaps freed and its ids reused: never the new model's ids).
+    module_ids: dict[int, str] = field(default_factory=dict)
     input_names: list[str] = field(default_factory=list)      # tensor inputs, call order
     input_constants: dict[str, Any] = field(default_factory=dict)  # non-tensor inputs
     output_spec: pytree.TreeSpec | None = None
@@ -557,7 +560,9 @@ def _template(captured: CapturedGraph) -> CapturedGraph:
     caller changes it) and meaning, none of the model's objects."""
     kept = copy.copy(captured)
     kept.gm = _copy_graph_module(captured.gm)
-    kept.tensors, kept.root, kept.module_ids, kept.module_fqns = {}, None, {}, []
+    # module_ids stays: plain ids and names, what the graph's module keys mean.
+    kept.tensors, kept.root, kept.module_fqns = {}, None, []
+    kept.module_ids = dict(captured.module_ids)
     kept.signature = None
     assert captured.state is not None
     # The guards without the captured model's frame (the template must not
@@ -597,9 +602,10 @@ def _rebind(template: CapturedGraph, module: torch.nn.Module) -> CapturedGraph:
     captured.root = module
     captured.signature = _forward_signature(module)
     captured.module_fqns = [name for name, _ in module.named_modules()]
-    captured.module_ids = {}
-    for name, m in module.named_modules(remove_duplicate=False):
-        captured.module_ids.setdefault(id(m), name)
+    # The graph's nn_module_stack keys hold the traced model's module ids:
+    # they keep meaning what they meant then (the new model's ids could
+    # equal some of them, for other modules: a freed model's memory reused).
+    captured.module_ids = dict(template.module_ids)
     captured.state = StateGuards(template.state.guards, {"L": {"module": module}, "G": globals()})
     captured.__dict__.pop("_single_graph_output", None)
     return captured
