@@ -140,12 +140,12 @@ def _spawn(world_size: int, base_env: dict[str, str], workdir: Path, *,
     which read calls from stdin."""
     procs: list[subprocess.Popen] = []
     files = []
-    zygote = None if serve else _workers().zygote_for(base_env)
+    zygote = _workers().zygote_for(base_env)
     try:
         for rank in range(world_size):
             rank_env = dict(base_env, RANK=str(rank), LOCAL_RANK=str(rank))
             if zygote is not None:
-                procs.append(zygote.fork(rank_env, workdir, rank))
+                procs.append(zygote.fork(rank_env, workdir, rank, serve=serve))
                 continue
             out = open(workdir / f"stdout{rank}.txt", "wb")
             err = open(workdir / f"stderr{rank}.txt", "wb")

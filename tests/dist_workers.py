@@ -26,13 +26,16 @@ import dist_harness as H
 
 # ---------------------------------------------------------------- forked ranks
 
-# NOTE [Forked ranks]: a launch that needs fresh processes (one that kills,
-# stops or loses ranks) still need not pay for importing torch in each: its
-# ranks are forked from a zygote, one process per pytest session that
-# imported torch, torch.distributed, Dynamo, Inductor and torch_mpmd and does
-# nothing else (no process group, no compile, no work of its own). A forked rank
+# NOTE [Forked ranks]: neither a worker group's ranks nor a launch that needs
+# fresh processes (one that kills, stops or loses ranks) pay for importing
+# torch in each (seconds of CPU per rank, and a pipeline call leaves process
+# groups that retire its worker group): their ranks are forked from a
+# zygote, one process per pytest session that imported torch,
+# torch.distributed, Dynamo, Inductor and torch_mpmd and does nothing else
+# (no process group, no compile, no work of its own). A forked rank
 # starts its own session, takes the launch's environment, files and working
-# directory, and runs as a rank started by ``python dist_harness.py`` would,
+# directory (a worker group's rank: a FIFO for its calls as stdin), and runs
+# as a rank started by ``python dist_harness.py`` (``--serve``) would,
 # down to its exit code (an uncaught exception: its traceback and 1;
 # sys.exit(n): n; the exit handlers run first in both). The zygote reaps it
 # and writes its exit status where the parent polls for it. A launch whose
@@ -51,16 +54,23 @@ def _import_env(env: dict[str, str]) -> tuple[tuple[str, str], ...]:
 
 
 class _Forked:
-    """A rank forked by the zygote, with the subprocess.Popen methods this module uses."""
+    """A rank forked by the zygote, with the subprocess.Popen methods this
+    module uses (``stdin``: a worker group rank's, else None)."""
 
-    def __init__(self, pid: int, status: Path) -> None:
-        self.pid, self.status, self.returncode = pid, status, None
+    def __init__(self, pid: int, status: Path, zygote: subprocess.Popen,
+                 stdin: Any = None) -> None:
+        self.pid, self.status, self.returncode, self.stdin = pid, status, None, stdin
+        self.zygote = zygote
 
     def poll(self) -> int | None:
-        if self.returncode is None and self.status.exists():
-            text = self.status.read_text()
-            if text.endswith("\n"):
-                self.returncode = int(text)
+        if self.returncode is None:
+            zygote_gone = self.zygote.poll() is not None  # before reading the status
+            if self.status.exists() and self.status.read_text().endswith("\n"):
+                self.returncode = int(self.status.read_text())
+            elif zygote_gone and not _exists(self.pid):
+                # Its zygote was replaced (closed) before it ended: nobody
+                # reaped it or wrote its status (a worker group's rank).
+                self.returncode = -signal.SIGKILL
         return self.returncode
 
     def wait(self) -> int:
@@ -78,6 +88,21 @@ class _Forked:
             pass
 
 
+def _exists(pid: int) -> bool:
+    """Whether process ``pid`` is still running (a zombie, ended but not
+    reaped, is not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True  # not Linux: no way to tell a zombie
+
+
 class _Zygote:
     """The process ranks are forked from (NOTE [Forked ranks])."""
 
@@ -91,15 +116,33 @@ class _Zygote:
         if ready.strip() != b"ready":
             raise RuntimeError(f"the zygote did not start: {ready!r}")
 
-    def fork(self, env: dict[str, str], workdir: Path, rank: int) -> _Forked:
+    def fork(self, env: dict[str, str], workdir: Path, rank: int, *,
+             serve: bool = False) -> _Forked:
+        """Fork a rank; ``serve``: a worker group's, reading its calls from a
+        FIFO in ``workdir`` (the returned rank's ``stdin``)."""
         status = workdir / f"exit{rank}.txt"
         request = dict(env=env, cwd=str(workdir), status=str(status),
                        stdout=str(workdir / f"stdout{rank}.txt"),
-                       stderr=str(workdir / f"stderr{rank}.txt"))
-        with self.lock:  # one request and its answer at a time
-            self.proc.stdin.write((json.dumps(request) + "\n").encode())
-            self.proc.stdin.flush()
-            return _Forked(int(self.proc.stdout.readline()), status)
+                       stderr=str(workdir / f"stderr{rank}.txt"), stdin=None)
+        stdin = None
+        if serve:
+            fifo = workdir / f"stdin{rank}"
+            os.mkfifo(fifo)
+            # Read-write: opening never blocks (a rank that dies before
+            # opening its end cannot hang us); the rank sees the end of its
+            # input once this end is closed.
+            stdin = os.fdopen(os.open(fifo, os.O_RDWR), "wb")
+            request["stdin"] = str(fifo)
+        try:
+            with self.lock:  # one request and its answer at a time
+                self.proc.stdin.write((json.dumps(request) + "\n").encode())
+                self.proc.stdin.flush()
+                pid = int(self.proc.stdout.readline())
+        except BaseException:
+            if stdin is not None:
+                stdin.close()
+            raise
+        return _Forked(pid, status, self.proc, stdin)
 
     def close(self) -> None:
         H._kill(self.proc)
@@ -421,8 +464,9 @@ def _forked_rank(request: dict[str, Any]) -> None:
     code = 1
     try:
         os.setsid()
-        null = os.open(os.devnull, os.O_RDONLY)
-        os.dup2(null, 0)
+        os.dup2(os.open(request["stdin"] or os.devnull, os.O_RDONLY), 0)
+        # The zygote's sys.stdin may hold buffered requests of other ranks.
+        sys.stdin = open(0, closefd=False)  # noqa: SIM115  (the process's stdin)
         for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
             os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), fd)
         os.chdir(request["cwd"])
@@ -430,7 +474,10 @@ def _forked_rank(request: dict[str, Any]) -> None:
         os.environ.update(request["env"])
         random.seed()  # a fresh process's own seed, not the zygote's
         try:
-            H._rank_main()
+            if request["stdin"] is not None:
+                serve()  # a worker group's rank: ends with os._exit(0)
+            else:
+                H._rank_main()
             code = 0
         except SystemExit as e:
             code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
