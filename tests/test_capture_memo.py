@@ -243,3 +243,42 @@ def test_a_hit_names_each_op_by_the_module_that_computes_it_whatever_ids_are_reu
     assert order[0].startswith("blocks.0") and order[-1].startswith("blocks.1"), order
     with torch.no_grad():
         assert torch.equal(_run(b, swapped, x), swapped(x))
+
+
+def test_the_compile_door_reuses_the_capture_of_a_frame_defined_again_and_not_of_one_that_differs():
+    # A training function defined again (a new closure over a copy of the
+    # model) is the same frame: its FrameModule's capture is kept. A closure
+    # value the loss reads (scale) is part of the graph: another one captures.
+    import torch.nn.functional as F
+
+    x = torch.randint(0, 32, (4, 8))
+    y = torch.randint(0, 32, (4, 8))
+
+    def door_step(model: nn.Module, scale: float) -> tuple[torch.Tensor, nn.Module]:
+        @torch.compile(backend="mpmd", options={"schedule": "gpipe", "num_microbatches": 2})
+        def train_loss(x, y):
+            return F.cross_entropy(model(x).flatten(0, 1), y.flatten()) * scale
+
+        loss = train_loss(x, y)
+        loss.backward()
+        torch._dynamo.reset()
+        return loss.detach()
+
+    def eager(model: nn.Module, scale: float) -> nn.Module:
+        ref = copy.deepcopy(model)
+        for mb in range(2):  # the pipeline's loss: the mean over its 2 microbatches
+            rows = slice(2 * mb, 2 * mb + 2)
+            (F.cross_entropy(ref(x[rows]).flatten(0, 1), y[rows].flatten()) * scale / 2
+             ).backward()
+        return ref
+
+    for seed, scale, hits in ((0, 1.0, 0), (1, 1.0, 1), (2, 0.5, 1)):
+        model = _gpt(seed)
+        ref = eager(model, scale)
+        door_step(model, scale)
+        assert capture_memo.stats()["hits"] == hits, (seed, scale, capture_memo.stats())
+        want = dict(ref.named_parameters())
+        for name, p in model.named_parameters():
+            assert p.grad is not None, name
+            torch.testing.assert_close(p.grad, want[name].grad, rtol=1e-5, atol=1e-6,
+                                       msg=lambda m, name=name: f"{name} ({seed}): {m}")

@@ -170,10 +170,6 @@ class FrameModule(torch.nn.Module):
     (non-persistent) buffers rather than inputs.
     """
 
-    # Its forward is the frame's own function and baked values, which the
-    # capture memo's key does not see (NOTE [Capture memo]): never kept.
-    _mpmd_capture_memo = False
-
     def __init__(self, call: FrameCall) -> None:
         super().__init__()
         roots = call.roots
@@ -210,6 +206,35 @@ class FrameModule(torch.nn.Module):
 
     def _get_name(self) -> str:
         return f"FrameModule[{self._mpmd_call.name}]"
+
+    def mpmd_capture_state(self) -> tuple[Any, dict[str, torch.nn.Module]]:
+        """What the capture memo keys this module's capture by besides its
+        tree (capture_memo.CAPTURE_STATE): the frame's code, its closure's
+        values and the call's non-tensor arguments, with the roots named
+        rather than held (a copy of the model in a new frame, as a training
+        function defined again, is the same capture); and the roots, whose
+        own attributes the key reads as any module's."""
+        call = self._mpmd_call
+        names = {id(m): name for name, m in call.roots.items()}
+
+        def ref(value: Any) -> Any:
+            if isinstance(value, torch.nn.Module) and id(value) in names:
+                return ("root", names[id(value)])
+            return value
+
+        fn = call.fn
+        cells = []
+        for cell in getattr(fn, "__closure__", None) or ():
+            try:
+                cells.append(ref(cell.cell_contents))
+            except ValueError:  # an empty cell
+                cells.append(("empty cell",))
+        state = (call.name, getattr(fn, "__code__", fn), getattr(fn, "__module__", None),
+                 getattr(fn, "__defaults__", None), tuple(cells),
+                 tuple(sorted(((str(k), ref(v)) for k, v in call.baked.items()))),
+                 call.template, tuple(sorted(call.leaf_inputs.items())),
+                 tuple(sorted(call.tensors.items())), tuple(sorted(call.root_inputs)))
+        return state, dict(call.roots)
 
 
 def _free_signature(call: FrameCall) -> inspect.Signature | None:

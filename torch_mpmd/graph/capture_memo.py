@@ -28,13 +28,15 @@ process keeps each capture, keyed by:
   pipeline call.
 
 A capture whose trace changed the model's Python state (the key after it
-differs: an attribute set or replaced by forward) is not kept: its replay on a hit would be missing that
-effect. Nothing is kept while a tracing context or a torch function mode is
-active, for a model whose class opts out (``_mpmd_capture_memo = False``: the
-compile door's frame modules, whose forward is a frame's own function), or
-when ``MPMD_CAPTURE_MEMO=0``. A hit gives a new CapturedGraph over the new
-model's tensors (``capture._rebind``) with a copy of the graph, which the
-caller may change.
+differs: an attribute set or replaced by forward) is not kept: its replay on
+a hit would be missing that effect. Nothing is kept while a tracing context
+or a torch function mode is active, for a model whose class opts out
+(``_mpmd_capture_memo = False``), or when ``MPMD_CAPTURE_MEMO=0``. The
+compile door's frame modules (their forward is a frame's own function) say
+what stands for their attributes (CAPTURE_STATE): a training function
+defined again over a copy of the model is the same capture. A hit gives a
+new CapturedGraph over the new model's tensors (``capture._rebind``) with a
+copy of the graph, which the caller may change.
 """
 
 from __future__ import annotations
@@ -48,7 +50,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["MAX_KEYS", "clear", "kept", "lookup", "stats", "store", "structure_key"]
+__all__ = ["CAPTURE_STATE", "MAX_KEYS", "clear", "kept", "lookup", "stats", "store",
+           "structure_key"]
 
 MAX_KEYS = 16  # least recently used keys are dropped beyond this
 _MAX_PER_KEY = 4  # captures of one key kept at once (different guarded values)
@@ -145,6 +148,15 @@ def _modes_active() -> bool:
     return bool(_get_current_function_mode_stack()) or _get_current_dispatch_mode() is not None
 
 
+# A module class whose instance attributes the key cannot hold by value (the
+# compile door's FrameModule: a frame's function and its closure) defines
+# ``mpmd_capture_state(self) -> (state, modules)``: ``state`` stands for its
+# own attributes in the key (fingerprinted by value as attributes are), and
+# ``modules`` ({name: module}) are trees its forward reaches that its own tree
+# does not list (a root it mirrors), walked as its tree is.
+CAPTURE_STATE = "mpmd_capture_state"
+
+
 def structure_key(module: torch.nn.Module, inputs: Mapping[str, Any], dynamic: bool
                   ) -> tuple | None:
     """What a capture of ``module`` with these flattened ``inputs`` depends
@@ -206,14 +218,23 @@ def _structure_key(module: torch.nn.Module, inputs: Mapping[str, Any], dynamic: 
         return out
 
     modules = []
-    for name, m in module.named_modules(remove_duplicate=False):
-        attrs = vars(m)
-        hooks = tuple(_callables(attrs[d]) if d in attrs else None for d in _HOOK_DICTS)
-        params = tuple((k, None if p is None else tensor(p)) for k, p in m._parameters.items())
-        buffers = tuple((k, None if b is None else tensor(b), k in m._non_persistent_buffers_set)
-                        for k, b in m._buffers.items())
-        state = tuple((k, fingerprint(v)) for k, v in attrs.items() if k not in _STRUCTURE_ATTRS)
-        modules.append((name, type(m), m.training, hooks, params, buffers, state))
+    trees = [("", module)]
+    own_state = getattr(type(module), CAPTURE_STATE, None)
+    if own_state is not None:  # see CAPTURE_STATE
+        state, more = own_state(module)
+        trees += [(f"<{name}>", m) for name, m in more.items()]
+        modules.append(("<state>", fingerprint(state)))
+    for prefix, tree in trees:
+        for name, m in tree.named_modules(remove_duplicate=False):
+            attrs = vars(m)
+            hooks = tuple(_callables(attrs[d]) if d in attrs else None for d in _HOOK_DICTS)
+            params = tuple((k, None if p is None else tensor(p)) for k, p in m._parameters.items())
+            buffers = tuple((k, None if b is None else tensor(b),
+                             k in m._non_persistent_buffers_set) for k, b in m._buffers.items())
+            state = (None if m is module and own_state is not None else
+                     tuple((k, fingerprint(v)) for k, v in attrs.items()
+                           if k not in _STRUCTURE_ATTRS))
+            modules.append((prefix + name, type(m), m.training, hooks, params, buffers, state))
     named = tuple((name, fingerprint(value), _dims_marked(value))
                   if isinstance(value, torch.Tensor) else (name, fingerprint(value))
                   for name, value in inputs.items())

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import builtins
 import re
+import types
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,8 +33,11 @@ import torch
 __all__ = ["StateGuards", "from_dynamo_guards", "readable"]
 
 # Guards on a value (compared by equality) and on an object (by identity).
+# A closure (a function made by running a ``def`` again) is guarded as Dynamo
+# guards it, by its code: the cells it reads have guards of their own.
 _VALUE_KINDS = frozenset({"CONSTANT_MATCH", "EQUALS_MATCH"})
 _IDENTITY_KINDS = frozenset({"ID_MATCH", "BUILTIN_MATCH", "FUNCTION_MATCH", "CLOSURE_MATCH"})
+_CLOSURE_KIND = "CLOSURE_MATCH"
 _TYPE_KINDS = frozenset({"TYPE_MATCH"})
 _LENGTH_KINDS = frozenset({"SEQUENCE_LENGTH"})
 # Sources the capture key already holds (the call's inputs) or that never
@@ -52,8 +56,8 @@ def _scope_globals() -> dict[str, Any]:
 @dataclass
 class _Guard:
     name: str       # Dynamo's source expression, e.g. "L['module']._modules['head'].scale"
-    kind: str       # "value", "identity", "type" or "length"
-    seen: Any       # what the capture saw (an object for identity guards, kept alive)
+    kind: str       # "value", "identity", "code" (a closure's), "type" or "length"
+    seen: Any       # what the capture saw (an object for identity and code guards, kept alive)
 
 
 @dataclass
@@ -77,6 +81,8 @@ class StateGuards:
                 parts.append(f"({g.name})")
             elif g.kind == "identity":
                 parts.append(f"id({g.name})")
+            elif g.kind == "code":
+                parts.append(f"id(getattr({g.name}, '__code__', None))")
             elif g.kind == "type":
                 parts.append(f"id(type({g.name}))")
             else:
@@ -89,7 +95,7 @@ class StateGuards:
     def _summary(g: _Guard) -> Any:
         if g.kind == "value":
             return g.seen
-        if g.kind == "identity":
+        if g.kind in ("identity", "code"):
             return id(g.seen)
         if g.kind == "type":
             return id(g.seen)  # (seen is the type)
@@ -135,6 +141,9 @@ class StateGuards:
                 return f"{readable(g.name)}: {_short(g.seen)} -> {_short(value)}"
             if g.kind == "identity" and value is not g.seen:
                 return f"{readable(g.name)}: {_short(g.seen)} -> {_short(value)} (another object)"
+            if g.kind == "code" and getattr(value, "__code__", None) is not g.seen:
+                return (f"{readable(g.name)}: a function of {_short(g.seen)} -> "
+                        f"{_short(value)} (other code)")
             if g.kind == "type" and type(value) is not g.seen:
                 return (f"{readable(g.name)}: a {g.seen.__name__} -> a "
                         f"{type(value).__name__}")
@@ -221,6 +230,8 @@ def from_dynamo_guards(guards: Iterable[Any], scope: Mapping[str, Any]) -> State
             continue  # tensors: see the module docstring; modules: their own attributes are guarded
         if kind == "value" and not _plain(value):
             continue
+        if kind == "identity" and kind_name == _CLOSURE_KIND and type(value) is types.FunctionType:
+            kind, value = "code", value.__code__
         seen = type(value) if kind == "type" else len(value) if kind == "length" else value
         kept[(name, kind)] = _Guard(name, kind, seen)
     return StateGuards(list(kept.values()), scope)
