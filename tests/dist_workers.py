@@ -31,8 +31,9 @@ import dist_harness as H
 # torch in each (seconds of CPU per rank, and a pipeline call leaves process
 # groups that retire its worker group): their ranks are forked from a
 # zygote, one process per pytest session that imported torch,
-# torch.distributed, Dynamo, Inductor and torch_mpmd and does nothing else
-# (no process group, no compile, no work of its own). A forked rank
+# torch.distributed, Dynamo, Inductor, torch_mpmd and transformers (when
+# installed) and does nothing else (no process group, no compile, no work of
+# its own). A forked rank
 # starts its own session, takes the launch's environment, files and working
 # directory (a worker group's rank: a FIFO for its calls as stdin), and runs
 # as a rank started by ``python dist_harness.py`` (``--serve``) would,
@@ -506,6 +507,10 @@ def zygote_main() -> None:
     import torch.distributed  # noqa: F401
     import torch_mpmd  # noqa: F401
 
+    try:  # 2.3 s per rank that builds a Hugging Face model, paid here once
+        import transformers.modeling_utils  # noqa: F401
+    except ImportError:
+        pass
     children: dict[int, str] = {}
     out = sys.stdout.buffer
     out.write(b"ready\n")
