@@ -66,8 +66,9 @@ class _Forked:
     def poll(self) -> int | None:
         if self.returncode is None:
             zygote_gone = self.zygote.poll() is not None  # before reading the status
-            if self.status.exists() and self.status.read_text().endswith("\n"):
-                self.returncode = int(self.status.read_text())
+            text = self.status.read_text() if self.status.exists() else ""
+            if text.endswith("\n"):  # written whole (os.replace)
+                self.returncode = int(text)
             elif zygote_gone and not _exists(self.pid):
                 # Its zygote was replaced (closed) before it ended: nobody
                 # reaped it or wrote its status (a worker group's rank).

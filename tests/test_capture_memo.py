@@ -254,15 +254,13 @@ def test_the_compile_door_reuses_the_capture_of_a_frame_defined_again_and_not_of
     x = torch.randint(0, 32, (4, 8))
     y = torch.randint(0, 32, (4, 8))
 
-    def door_step(model: nn.Module, scale: float) -> tuple[torch.Tensor, nn.Module]:
+    def door_step(model: nn.Module, scale: float) -> None:
         @torch.compile(backend="mpmd", options={"schedule": "gpipe", "num_microbatches": 2})
         def train_loss(x, y):
             return F.cross_entropy(model(x).flatten(0, 1), y.flatten()) * scale
 
-        loss = train_loss(x, y)
-        loss.backward()
+        train_loss(x, y).backward()
         torch._dynamo.reset()
-        return loss.detach()
 
     def eager(model: nn.Module, scale: float) -> nn.Module:
         ref = copy.deepcopy(model)
@@ -282,3 +280,27 @@ def test_the_compile_door_reuses_the_capture_of_a_frame_defined_again_and_not_of
             assert p.grad is not None, name
             torch.testing.assert_close(p.grad, want[name].grad, rtol=1e-5, atol=1e-6,
                                        msg=lambda m, name=name: f"{name} ({seed}): {m}")
+
+
+def _scaled_by(k: float):
+    def act(x: torch.Tensor) -> torch.Tensor:
+        return x * k
+    return act
+
+
+def test_a_closure_is_guarded_by_its_code_and_the_cells_it_reads():
+    # As Dynamo guards a closure: the same def run again is the same state
+    # (its cell, guarded on its own, holds the same value); another cell value
+    # or another function's code is a change, named.
+    x = torch.randn(3, 4)
+    model = nn.Linear(4, 4)
+    model.act = _scaled_by(2.0)
+    model.forward = lambda x: model.act(nn.Linear.forward(model, x))
+    captured = capture(model, (x,), {})
+    model.act = _scaled_by(2.0)
+    assert captured.state.changed() is None
+    model.act = _scaled_by(3.0)
+    assert "2.0 -> 3.0" in captured.state.changed()
+    model.act = lambda x: x * 2.0
+    assert captured.state.changed().endswith("(other code)"), captured.state.changed()
+
