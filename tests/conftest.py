@@ -22,6 +22,12 @@ os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(
 # and cost 3x the compile (a cold stage program: 30 s with the pool, 9.5 s
 # without; a warm one 6 s and 2.3 s, under load). The kernels are the same.
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+# The capture store (NOTE [Capture store]): one folder for this run, shared by
+# pytest and every rank it starts, so a model is traced once per run and
+# every later capture of it (another rank, another case) loads it. Not the
+# user's default folder: each run starts empty, as on a fresh machine.
+_CAPTURES = tempfile.TemporaryDirectory(prefix="mpmd_captures_")
+os.environ.setdefault("MPMD_CAPTURE_CACHE", _CAPTURES.name)
 
 
 @pytest.fixture(autouse=True)

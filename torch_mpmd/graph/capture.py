@@ -32,7 +32,7 @@ import torch.fx
 import torch.utils._pytree as pytree
 
 import torch_mpmd.graph.markers  # noqa: F401  (registers the marker op before any capture)
-from torch_mpmd.graph import capture_memo
+from torch_mpmd.graph import capture_memo, capture_store
 from torch_mpmd.graph.hf import install_output_recorders
 from torch_mpmd.graph.state_guards import StateGuards, from_dynamo_guards
 
@@ -111,6 +111,8 @@ class CapturedGraph:
     input_aliases: dict[str, str] = field(default_factory=dict)
     # The Python values the graph was traced with (NOTE [State guards]).
     state: StateGuards | None = None
+    # The source files of the code Dynamo traced (NOTE [Capture store]).
+    traced_files: tuple[str, ...] = ()
 
     def rebuild_output(self, graph_outputs: Sequence[Any], inputs: Mapping[str, Any]) -> Any:
         """The model's return value from the graph's flat outputs."""
@@ -431,10 +433,24 @@ def capture(module: torch.nn.Module, args: Sequence[Any], kwargs: Mapping[str, A
     kept = capture_memo.lookup(memo_key, lambda t: _guards_hold(t, module))
     if kept is not None:
         return _rebind(kept, module)
-    captured = _trace(module, signature, inputs, args, kwargs, dynamic)
-    if memo_key is not None and captured.state is not None:
-        capture_memo.store(memo_key, _template(captured),
-                           key_after=capture_memo.structure_key(module, inputs, dynamic))
+    # NOTE [Capture store]: another process's capture (a rank beside this
+    # one, the last launch), or this trace kept for them.
+    stem = capture_store.disk_key(memo_key)
+    with capture_store.claim(stem):
+        kept = capture_store.load(stem, module, globals())
+        if kept is not None:
+            capture_memo.store(memo_key, kept, key_after=memo_key)
+            return _rebind(kept, module)
+        captured = _trace(module, signature, inputs, args, kwargs, dynamic)
+        saved = False
+        if memo_key is not None and captured.state is not None:
+            template = _template(captured)
+            key_after = capture_memo.structure_key(module, inputs, dynamic)
+            capture_memo.store(memo_key, template, key_after=key_after)
+            if key_after == memo_key:
+                saved = capture_store.save(stem, template, captured.traced_files)
+        if not saved:
+            capture_store.mark_unsaved(stem)
     return captured
 
 
@@ -451,11 +467,14 @@ def _trace(module: torch.nn.Module, signature: inspect.Signature | None,
     # every backend it was given (until torch._dynamo.reset()), and a backend
     # reaching the model kept each captured model and its tensors alive (the
     # finalists of plan trials, every copy a user captured).
+    files: list[str] = []
     reach = {"scope": {"L": {"module": module}, "G": entry.__globals__},
-             "records": records, "guards": dynamo_guards, "state": state}
+             "records": records, "guards": dynamo_guards, "state": state, "files": files}
 
     def backend(gm: torch.fx.GraphModule, example_inputs: list) -> Any:
         replay = _record(reach["records"], gm, example_inputs, reach["guards"])
+        reach["files"].extend(c.co_filename
+                              for c in torch._guards.TracingContext.get_traced_code() or ())
         # Read the guarded values now, before the traced code's side effects run.
         reach["state"].append(from_dynamo_guards(reach["guards"], reach["scope"]))
         return replay
@@ -544,6 +563,7 @@ def _trace(module: torch.nn.Module, signature: inspect.Signature | None,
         grad_enabled=torch.is_grad_enabled(),
         input_aliases=input_aliases,
         state=state[0].readable() if state else None,
+        traced_files=tuple(sorted(set(files))),
     )
     # First FQN per module id (named_modules(remove_duplicate=False) lists aliases later).
     captured.module_ids = {}

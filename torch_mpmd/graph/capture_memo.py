@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import collections
 import enum
+import hashlib
 import os
 import types
 from collections.abc import Mapping
@@ -131,10 +132,31 @@ def _dims_marked(t: torch.Tensor) -> tuple:
         "_dynamo_dynamic_indices", "_dynamo_weak_dynamic_indices", "_dynamo_static_indices"))
 
 
+_config_digests: dict[bytes, str] = {}
+
+
+def _dynamo_config() -> str:
+    """Dynamo's configuration, as a digest that is the same in every process
+    (its own ``get_hash()`` hashes the repr of sets, which string hashing
+    orders differently per process: the capture store needs one across)."""
+    own = torch._dynamo.config.get_hash()
+    digest = _config_digests.get(own)
+    if digest is None:
+        config = torch._dynamo.config
+        try:
+            values = config._get_dict(ignored_keys=list(config._compile_ignored_keys),
+                                      readonly_values=True)
+            text = repr(sorted((k, sorted(map(repr, v)) if isinstance(v, (set, frozenset))
+                                else v) for k, v in values.items()))
+        except Exception:  # noqa: BLE001  (another torch: per process only)
+            text = f"{os.getpid()}:{own.hex()}"
+        digest = _config_digests[own] = hashlib.sha256(text.encode()).hexdigest()
+    return digest
+
+
 def _global_state() -> tuple:
     state = [torch.is_grad_enabled(), torch.are_deterministic_algorithms_enabled(),
-             torch.get_default_dtype(), str(torch.get_default_device()),
-             torch._dynamo.config.get_hash()]
+             torch.get_default_dtype(), str(torch.get_default_device()), _dynamo_config()]
     for device in ("cpu", "cuda"):
         enabled = torch.is_autocast_enabled(device)
         state.append((device, enabled, torch.get_autocast_dtype(device) if enabled else None))

@@ -23,14 +23,17 @@ from __future__ import annotations
 
 import builtins
 import re
+import sys
 import types
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-__all__ = ["StateGuards", "from_dynamo_guards", "readable"]
+from torch_mpmd.graph.names import Unnamed, name_of
+
+__all__ = ["FrameGlobals", "StateGuards", "from_dynamo_guards", "from_persisted", "readable"]
 
 # Guards on a value (compared by equality) and on an object (by identity).
 # A closure (a function made by running a ``def`` again) is guarded as Dynamo
@@ -51,6 +54,38 @@ def _scope_globals() -> dict[str, Any]:
     from torch._dynamo.guards import _get_closure_vars
 
     return {**_get_closure_vars(), "__builtins__": builtins}
+
+
+class FrameGlobals(Mapping):
+    """A traced frame's globals as its guards read them.
+
+    Dynamo names a module whose globals the traced code reads by an alias it
+    installs among the frame's globals (``G['__import_pkg_dot_mod'].SCALE``),
+    and keeps the first module it installed under that name: after a module
+    is imported again as a new object (a file edited and loaded afresh), the
+    alias still names the old one. Here an alias is the module that
+    ``sys.modules`` holds now, as in a new process (the capture store loads
+    guards written by another process); other names are the frame's own
+    globals."""
+
+    def __init__(self, frame_globals: Mapping[str, Any]) -> None:
+        self.frame_globals = frame_globals
+
+    def __getitem__(self, key: str) -> Any:
+        if key.startswith(_IMPORT_ALIAS):
+            module = sys.modules.get(key[len(_IMPORT_ALIAS):].replace("_dot_", "."))
+            if module is not None:
+                return module
+        return self.frame_globals[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.frame_globals)
+
+    def __len__(self) -> int:
+        return len(self.frame_globals)
+
+
+_IMPORT_ALIAS = "__import_"
 
 
 @dataclass
@@ -75,6 +110,8 @@ class StateGuards:
     _seen: tuple = field(default=(), repr=False)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.scope.get("G"), FrameGlobals):
+            self.scope = {**self.scope, "G": FrameGlobals(self.scope.get("G", {}))}
         parts = []
         for g in self.guards:
             if g.kind == "value":
@@ -117,6 +154,14 @@ class StateGuards:
                 continue
             kept.append(g)
         return self if len(kept) == len(self.guards) else StateGuards(kept, self.scope)
+
+    def persisted(self) -> list[tuple[str, str, Any]]:
+        """These guards as plain data another process can check
+        (:func:`from_persisted`): a value or length as itself, what an
+        identity, code or type guard saw by its name (names.py). Raises
+        names.Unnamed for an object without one."""
+        return [(g.name, g.kind, g.seen if g.kind in ("value", "length") else name_of(g.seen))
+                for g in self.guards]
 
     def changed(self) -> str | None:
         """None when every guarded value is as at capture; else what changed,
@@ -203,7 +248,7 @@ def from_dynamo_guards(guards: Iterable[Any], scope: Mapping[str, Any]) -> State
     cannot be read here is left out (Dynamo reads some through its own
     frame state); one whose value is a tensor too (see the module docstring).
     """
-    scope = dict(scope)
+    scope = {**scope, "G": FrameGlobals(scope["G"])}
     kept: dict[tuple[str, str], _Guard] = {}
     env = _scope_globals()
     for guard in guards:
@@ -247,3 +292,31 @@ def _plain(value: Any) -> bool:
     if type(value) is tuple:
         return all(_plain(v) for v in value)
     return False
+
+
+def from_persisted(items: Iterable[tuple[str, str, Any]], scope: Mapping[str, Any]
+                   ) -> StateGuards | None:
+    """Guards written by :meth:`StateGuards.persisted`, bound to ``scope``
+    (``L``, ``G``) and seeing its objects; None unless every one holds there:
+    each value equal, each identity, code or type guard reading an object of
+    the same name."""
+    scope = {**scope, "G": FrameGlobals(scope["G"])}
+    env = _scope_globals()
+    guards = []
+    for name, kind, seen in items:
+        if kind not in ("value", "length"):
+            try:
+                now = eval(name, env, scope)
+            except Exception:  # noqa: BLE001
+                return None
+            obj = (getattr(now, "__code__", None) if kind == "code" else
+                   type(now) if kind == "type" else now)
+            try:
+                if name_of(obj) != seen:
+                    return None
+            except Unnamed:
+                return None
+            seen = obj
+        guards.append(_Guard(name, kind, seen))
+    state = StateGuards(guards, scope)
+    return state if state.changed() is None else None

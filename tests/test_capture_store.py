@@ -1,0 +1,255 @@
+"""The capture store (NOTE [Capture store] in torch_mpmd/graph/capture_store.py):
+a capture written by one process and loaded by another runs exactly as the
+model does; what the graph depends on (a source file, a guarded value, the
+key) differs, and the store misses instead of loading a stale graph.
+
+Most cases run in one process with the in-process memo cleared, so the
+store is what answers; one runs two real processes."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+
+from torch_mpmd.graph import capture_memo, capture_store
+from torch_mpmd.graph.capture import capture
+from torch_mpmd.graph.names import Unnamed, name_of
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(autouse=True)
+def store(tmp_path, monkeypatch):
+    """An empty store of this test's own, and an empty memo."""
+    folder = tmp_path / "captures"
+    monkeypatch.setenv("MPMD_CAPTURE_CACHE", str(folder))
+    capture_memo.clear()
+    yield folder
+    capture_memo.clear()
+
+
+def _counts() -> dict[str, int]:
+    return capture_store.stats()
+
+
+def _delta(before: dict[str, int]) -> dict[str, int]:
+    now = _counts()
+    return {k: now[k] - before[k] for k in now}
+
+
+MODEL_SOURCE = """
+import torch
+import torch.nn as nn
+
+SCALE = {scale}
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return torch.tanh(self.lin(x)) * {factor} * SCALE
+"""
+
+
+def _import_model(path: Path, scale: float = 1.0, factor: float = 2.0):
+    """A model module written to ``path`` and imported afresh under one name
+    (an edited file read by a relaunch)."""
+    path.write_text(MODEL_SOURCE.format(scale=scale, factor=factor))
+    spec = importlib.util.spec_from_file_location("mpmd_store_model", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["mpmd_store_model"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _run(captured, x: torch.Tensor) -> torch.Tensor:
+    args = [x if info.kind == "input" else captured.tensors[info.name]
+            for info in captured.placeholders]
+    return captured.rebuild_output(list(captured.gm(*args)), {"x": x})
+
+
+def _check_exact(captured, model: nn.Module, x: torch.Tensor) -> None:
+    """The graph's output and every parameter's gradient equal the model's own."""
+    got = _run(captured, x)
+    got.sum().backward()
+    graph_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    want = model(x)
+    want.sum().backward()
+    assert torch.equal(got, want)
+    for name, p in model.named_parameters():
+        assert p.grad is not None and torch.equal(graph_grads[name], p.grad), name
+
+
+def test_a_stored_capture_loads_in_place_of_a_trace_and_runs_exactly(tmp_path, store):
+    mod = _import_model(tmp_path / "m.py")
+    x = torch.randn(3, 4)
+    before = _counts()
+    capture(mod.Net(), (x,), {})
+    assert _delta(before)["saved"] == 1
+    assert len(list(store.glob("*.capture"))) == 1
+    capture_memo.clear()  # as a new process: only the store knows it
+    torch.manual_seed(1)
+    model = mod.Net()
+    before = _counts()
+    loaded = capture(model, (x,), {})
+    assert _delta(before)["loaded"] == 1
+    assert loaded.root is model
+    _check_exact(loaded, model, x)
+
+
+@pytest.mark.parametrize("where", ["store", "memo"])
+def test_an_edited_model_file_or_a_changed_guarded_global_is_a_miss_not_a_stale_graph(
+        tmp_path, monkeypatch, where):
+    """From the store, and from the memo of the same process: the edited
+    file is imported as a new module object under the old name, and Dynamo's
+    alias for that module (a global of the traced frame) still names the
+    old one; the guard reads the module imported now."""
+    if where == "memo":
+        monkeypatch.setenv("MPMD_CAPTURE_CACHE", "0")
+    x = torch.randn(3, 4)
+    capture(_import_model(tmp_path / "m.py", factor=2.0).Net(), (x,), {})
+    if where == "store":
+        capture_memo.clear()
+    # The same module, class and structure; the file's forward multiplies by 3.
+    edited = _import_model(tmp_path / "m.py", factor=3.0)
+    before = _counts()
+    model = edited.Net()
+    captured = capture(model, (x,), {})
+    assert _delta(before)["loaded"] == 0
+    if where == "store":
+        assert _delta(before)["stale"] == 1
+    _check_exact(captured, model, x)
+    # A global the trace read (a state guard) changed: what is kept holds
+    # for SCALE == 1.0 only.
+    if where == "store":
+        capture_memo.clear()
+    edited.SCALE = 5.0
+    before, memo_before = _counts(), capture_memo.stats()
+    model = edited.Net()
+    captured = capture(model, (x,), {})
+    assert _delta(before)["loaded"] == 0
+    assert capture_memo.stats()["hits"] == memo_before["hits"]
+    _check_exact(captured, model, x)
+
+
+def test_a_corrupt_entry_is_a_miss_and_the_capture_traces(tmp_path, store):
+    mod = _import_model(tmp_path / "m.py")
+    x = torch.randn(3, 4)
+    capture(mod.Net(), (x,), {})
+    (entry,) = store.glob("*.capture")
+    entry.write_bytes(entry.read_bytes()[:100])
+    capture_memo.clear()
+    model = mod.Net()
+    before = _counts()
+    captured = capture(model, (x,), {})
+    assert _delta(before)["loaded"] == 0
+    _check_exact(captured, model, x)
+
+
+def test_what_has_no_name_across_processes_is_kept_in_the_process_only(store):
+    class Local(nn.Module):  # a class defined in a function: another class each run
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.lin(x)
+
+    x = torch.randn(3, 4)
+    capture(Local(), (x,), {})
+    # dynamic: symbolic sizes are not stored
+    capture(nn.Linear(4, 4), (x,), {}, dynamic=True)
+    assert list(store.glob("*.capture")) == []
+    with pytest.raises(Unnamed, match="defined inside a function"):
+        name_of(Local)
+    with pytest.raises(Unnamed, match="bound to a Tensor"):
+        name_of(torch.zeros(1).add)
+
+
+def test_functions_are_named_by_code_defaults_and_what_they_close_over():
+    def make(scale):
+        def f(x):
+            return x * scale
+        return f
+
+    assert name_of(make(2.0)) == name_of(make(2.0))
+    assert name_of(make(2.0)) != name_of(make(3.0))
+    assert name_of(lambda x: x + 1) != name_of(lambda x: x + 2)
+    assert name_of(torch.nn.functional.relu) == name_of(torch.nn.functional.relu)
+    assert name_of((1.0, -0.0)) != name_of((1.0, 0.0))
+
+
+def test_a_claim_makes_a_second_capturer_wait_until_the_first_is_done(store):
+    stem = "0" * 64
+    entered = threading.Event()
+
+    def second():
+        with capture_store.claim(stem):
+            entered.set()
+
+    with capture_store.claim(stem):
+        waiter = threading.Thread(target=second)
+        waiter.start()
+        assert not entered.wait(0.3)  # held: the second waits
+    waiter.join(10)
+    assert entered.is_set()
+    # A capture that was not saved does not make later claims wait.
+    capture_store.mark_unsaved(stem)
+    entered.clear()
+    with capture_store.claim(stem):
+        waiter = threading.Thread(target=second)
+        waiter.start()
+        assert entered.wait(10)
+    waiter.join(10)
+
+
+CROSS_PROCESS = """
+import json, sys
+sys.path.insert(0, {examples!r})
+import torch
+from gpt_model import GPT, GPTConfig
+from torch_mpmd.graph import capture_store
+from torch_mpmd.graph.capture import capture
+torch.manual_seed(0)
+model = GPT(GPTConfig(vocab_size=32, block_size=8, n_layer=2, n_head=2, d_model=16))
+x = torch.randint(0, 32, (2, 8))
+captured = capture(model, (x,), {{}})
+args = [x if i.kind == "input" else captured.tensors[i.name] for i in captured.placeholders]
+got = captured.rebuild_output(list(captured.gm(*args)), {{"x": x}})
+got.float().pow(2).mean().backward()
+grads = {{n: p.grad.clone() for n, p in model.named_parameters()}}
+model.zero_grad()
+model(x).float().pow(2).mean().backward()
+exact = all(torch.equal(grads[n], p.grad) for n, p in model.named_parameters())
+print(json.dumps({{"stats": capture_store.stats(), "exact": exact,
+                  "out": torch.equal(got, model(x))}}))
+"""
+
+
+def test_a_second_process_loads_the_first_ones_capture_and_trains_exactly(store):
+    script = CROSS_PROCESS.format(examples=str(ROOT / "examples"))
+    results = []
+    for seed in ("1", "2"):  # string hashing differs between the two processes
+        env = {**os.environ, "MPMD_CAPTURE_CACHE": str(store), "PYTHONHASHSEED": seed}
+        out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                             text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-3000:]
+        results.append(__import__("json").loads(out.stdout.strip().splitlines()[-1]))
+    first, second = results
+    assert first["stats"]["saved"] == 1 and first["stats"]["loaded"] == 0
+    assert second["stats"]["loaded"] == 1 and second["stats"]["saved"] == 0
+    assert first["exact"] and second["exact"] and first["out"] and second["out"]

@@ -1,0 +1,339 @@
+"""Captures kept on disk: other processes and later launches reuse a trace.
+
+NOTE [Capture store]: the capture memo (capture_memo.py) keeps captures for
+one process. Every rank of a job captures the same model, and a relaunch
+(after a failure, the next run of a script, the next test) captures it all
+again: seconds of Dynamo tracing per model and shape. The store writes each
+capture the memo keeps to a folder and looks there when the memo misses.
+
+What makes a kept capture right for a new call, and how the store checks it:
+
+- The memo's structure key (the model's classes, structure, attribute values,
+  hooks, tensor metadata, the inputs, global modes and Dynamo's config),
+  written with names that mean the same objects in another process
+  (names.py). A key holding an object without such a name (an instance, a
+  closure, a class defined in a function, a DTensor's mesh) is not stored.
+- The code the trace ran: the digest of every source file Dynamo traced
+  (the model's, a library's), checked when the entry is loaded. torch's own
+  files are covered by its version; an edited model file is a miss.
+- The Python values the trace read (NOTE [State guards]): values as
+  themselves, objects by name, checked on the new model as the memo checks
+  them.
+- The environment: torch's version and build, Python's, the CPU capability
+  torch dispatches to and torch_mpmd's own capture code (a digest of its
+  graph package and the compile door's frame module).
+
+Not stored: dynamic captures (symbolic sizes), captures whose graph holds a
+value pickle cannot write (an op outside torch, a class defined in a
+function). A store that cannot be written or read (a full disk, a corrupt
+entry, a folder of another user) is a miss, never an error: the capture
+traces as before.
+
+The folder: ``MPMD_CAPTURE_CACHE`` (``0`` turns the store off), else
+``<tmp>/torch_mpmd_<user>/captures``, created private to the user as
+Inductor's cache is. Files hold pickles: load only a folder you trust.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import fcntl
+import getpass
+import hashlib
+import json
+import logging
+import os
+import pickle
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Iterable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from torch_mpmd.graph.names import Unnamed, name_of
+from torch_mpmd.graph.state_guards import StateGuards, from_persisted
+
+__all__ = ["claim", "directory", "disk_key", "load", "mark_unsaved", "save", "stats"]
+
+FORMAT = 1
+_log = logging.getLogger(__name__)
+_MAX_ENTRIES = 2000  # beyond this the least recently used are removed, down to 3/4
+_SUFFIX = ".capture"
+_LOCK = ".lock"
+_UNSAVED = ".unsaved"
+_CLAIM_WAIT = 300.0  # seconds a rank waits for another's trace of the same capture
+_stats = {"loaded": 0, "saved": 0, "not_saved": 0, "stale": 0}
+_file_digests: dict[str, tuple[int, int, str]] = {}  # path -> (mtime_ns, size, sha256)
+_env_digest: str | None = None
+_DROPPED_META = frozenset({"grapharg", "mpmd_source", "source_fn_stack", "fwd_source_fn_stack"})
+
+
+def stats() -> dict[str, int]:
+    """Counts since the process started: entries loaded, saved, captures not
+    saved (something in them has no name across processes) and entries found
+    stale (a source file changed, a guarded value differs)."""
+    return dict(_stats)
+
+
+def directory() -> Path | None:
+    """The store's folder, created if missing; None when the store is off
+    (``MPMD_CAPTURE_CACHE=0``) or the folder is not this user's own."""
+    setting = os.environ.get("MPMD_CAPTURE_CACHE", "")
+    if setting == "0":
+        return None
+    if setting:
+        path = Path(setting)
+    else:
+        try:
+            user = getpass.getuser()
+        except Exception:  # noqa: BLE001  (no user name in a container)
+            user = str(os.getuid())
+        path = Path(tempfile.gettempdir()) / f"torch_mpmd_{user}" / "captures"
+    try:
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if path.stat().st_uid != os.getuid():
+            return None
+    except OSError:
+        return None
+    return path
+
+
+def _file_digest(path: str) -> str | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    known = _file_digests.get(path)
+    if known is not None and known[:2] == (st.st_mtime_ns, st.st_size):
+        return known[2]
+    try:
+        digest = hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    except OSError:
+        return None
+    _file_digests[path] = (st.st_mtime_ns, st.st_size, digest)
+    return digest
+
+
+def _environment() -> str:
+    """torch, Python, the CPU capability and torch_mpmd's capture code."""
+    global _env_digest
+    if _env_digest is None:
+        here = Path(__file__).resolve().parent
+        own = sorted(str(p) for p in here.glob("*.py"))
+        own.append(str(here.parent / "compile" / "frame.py"))
+        parts = [FORMAT, torch.__version__, torch.version.git_version, sys.version,
+                 torch.backends.cpu.get_cpu_capability(),
+                 [(Path(p).name, _file_digest(p)) for p in own]]
+        _env_digest = hashlib.sha256(json.dumps(parts).encode()).hexdigest()
+    return _env_digest
+
+
+def disk_key(key: tuple | None) -> str | None:
+    """The file name stem for the memo's structure ``key``, or None when
+    something in it has no name across processes (or the store is off)."""
+    if key is None or directory() is None:
+        return None
+    try:
+        named = name_of(key)
+    except (Unnamed, RecursionError) as e:
+        _log.debug("capture not stored: %s", e)
+        return None
+    text = json.dumps([_environment(), named], separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _traced_files(files: Iterable[str]) -> dict[str, str] | None:
+    """Digest of each traced source file outside torch; None when one cannot be read."""
+    torch_dir = str(Path(torch.__file__).resolve().parent) + os.sep
+    out = {}
+    for f in sorted(set(files)):
+        if f.startswith(torch_dir) or f.startswith("<frozen "):  # torch's, Python's own
+            continue
+        digest = _file_digest(f)
+        if digest is None:  # "<string>", a file gone since it was imported
+            _log.debug("capture not stored: %s cannot be read", f)
+            return None
+        out[f] = digest
+    return out
+
+
+@contextlib.contextmanager
+def claim(stem: str | None) -> Iterator[None]:
+    """Held while this process looks up, and perhaps traces and saves, the
+    capture under ``stem``: the ranks of a job that capture one model at once
+    take turns, so one traces and the others load its entry (on a host with
+    fewer cores than ranks the traces would otherwise share the cores). A
+    capture that could not be saved leaves a mark, and later claims of it
+    do not wait. Waits at most ``_CLAIM_WAIT`` seconds, then goes on
+    unclaimed; a holder that dies releases it (an OS file lock)."""
+    folder = directory()
+    if stem is None or folder is None or (folder / f"{stem}{_UNSAVED}").exists():
+        yield
+        return
+    try:
+        fd = os.open(folder / f"{stem}{_LOCK}", os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError:
+        yield
+        return
+    try:
+        deadline = time.monotonic() + _CLAIM_WAIT
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(0.02)
+            except OSError:
+                break
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+# ------------------------------------------------------------------ writing
+
+def _pickler() -> type:
+    """torch's GraphPickler (fake tensors by their metadata, ops by name),
+    which also clears the fake mode of a view's base: torch 2.13 clears it on
+    the view only, and a fake mode cannot be pickled."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch.fx import _graph_pickler as gp
+
+    def without_mode(desc: Any) -> Any:
+        if getattr(desc, "base", None) is not None:
+            desc = dataclasses.replace(desc, base=without_mode(desc.base))
+        return dataclasses.replace(desc, fake_mode=None)
+
+    class Pickler(gp.GraphPickler):
+        def reducer_override(self, obj: Any) -> Any:
+            if isinstance(obj, FakeTensor):
+                data = gp._TensorPickleData(self._meta_tensor_describer, obj)
+                data.metadata = without_mode(data.metadata)
+                return type(data).unpickle, (data, self._unpickle_state)
+            return super().reducer_override(obj)
+
+    return Pickler
+
+
+def _options() -> Any:
+    from torch.fx._graph_pickler import Options
+
+    return Options(ops_filter=None, node_metadata_key_filter=lambda k: k not in _DROPPED_META)
+
+
+def save(stem: str | None, template: Any, files: Iterable[str]) -> bool:
+    """Write ``template`` (a capture the memo keeps) under ``stem``
+    (:func:`disk_key`) with the digests of the traced ``files``. Does
+    nothing (and returns False) when the capture cannot be written
+    faithfully."""
+    folder = directory()
+    if stem is None or folder is None:
+        return False
+    if template.state is None or any(p.kind == "size" for p in template.placeholders):
+        _stats["not_saved"] += 1
+        return False
+    try:
+        digests = _traced_files(files)
+        guards = template.state.persisted()
+        if digests is None:
+            raise Unnamed("a traced file cannot be read")
+        header = pickle.dumps({"files": digests, "guards": guards})
+        body = _pickler().dumps(dataclasses.replace(template, state=None), _options())
+    except Exception as e:  # noqa: BLE001  (Unnamed, an object pickle cannot write)
+        _log.debug("capture not stored: %s: %s", type(e).__name__, e)
+        _stats["not_saved"] += 1
+        return False
+    entry = hashlib.sha256(header).hexdigest()[:16]
+    path = folder / f"{stem}-{entry}{_SUFFIX}"
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(len(header).to_bytes(8, "little"))
+            f.write(header)
+            f.write(body)
+        os.replace(tmp, path)  # readers see a whole entry or none
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        return False
+    _stats["saved"] += 1
+    _prune(folder)
+    return True
+
+
+def mark_unsaved(stem: str | None) -> None:
+    """Note that the capture under ``stem`` was not saved: later claims of it
+    do not wait for an entry that will not come."""
+    folder = directory()
+    if stem is None or folder is None:
+        return
+    try:
+        (folder / f"{stem}{_UNSAVED}").touch()
+    except OSError:
+        pass
+
+
+def _prune(folder: Path) -> None:
+    entries = [p for p in folder.iterdir() if p.suffix in (_SUFFIX, _LOCK, _UNSAVED)]
+    if len(entries) <= _MAX_ENTRIES:
+        return
+    try:
+        entries.sort(key=lambda p: p.stat().st_mtime)
+    except OSError:
+        return
+    for p in entries[:len(entries) - _MAX_ENTRIES * 3 // 4]:
+        p.unlink(missing_ok=True)
+
+
+# ------------------------------------------------------------------ reading
+
+def load(stem: str | None, module: torch.nn.Module, capture_globals: dict) -> Any:
+    """A stored capture under ``stem`` whose source files and guarded values
+    hold for ``module`` now, as a memo template (its state bound to
+    ``module``), or None."""
+    folder = directory()
+    if stem is None or folder is None:
+        return None
+    for path in sorted(folder.glob(f"{stem}-*{_SUFFIX}")):
+        try:
+            template = _read(path, module, capture_globals)
+        except Exception as e:  # noqa: BLE001  (a corrupt or foreign entry: a miss)
+            _log.debug("stored capture %s not read: %s: %s", path.name, type(e).__name__, e)
+            template = None
+        if template is not None:
+            try:
+                os.utime(path)  # recently used: pruned last
+            except OSError:
+                pass
+            _stats["loaded"] += 1
+            return template
+    return None
+
+
+def _read(path: Path, module: torch.nn.Module, capture_globals: dict) -> Any:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx._graph_pickler import GraphPickler
+
+    data = path.read_bytes()
+    size = int.from_bytes(data[:8], "little")
+    header = pickle.loads(data[8:8 + size])
+    files: Mapping[str, str] = header["files"]
+    if any(_file_digest(f) != digest for f, digest in files.items()):
+        _stats["stale"] += 1
+        return None
+    state = from_persisted(header["guards"], {"L": {"module": module}, "G": capture_globals})
+    if state is None:
+        _stats["stale"] += 1
+        return None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # torch's pytree on an old TreeSpec
+        template = GraphPickler.loads(data[8 + size:], FakeTensorMode())
+    # The memo's template holds no model: its guards see the frame's globals only.
+    template.state = StateGuards(state.guards, {"L": {}, "G": {}})
+    return template
