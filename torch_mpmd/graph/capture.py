@@ -605,9 +605,18 @@ def _guards_hold(template: CapturedGraph, module: torch.nn.Module) -> bool:
 
 
 def _attribute(module: torch.nn.Module, fqn: str) -> Any:
-    for part in fqn.split("."):
-        module = getattr(module, part)
-    return module
+    """The plain tensor attribute ``fqn`` names, found as
+    :func:`_tensor_attribute_fqn` named it: in ``module``'s tree, else in a
+    root a FrameModule mirrors."""
+    for root in (module, *getattr(module, "_mpmd_mirrors", ())):
+        value: Any = root
+        try:
+            for part in fqn.split("."):
+                value = getattr(value, part)
+        except AttributeError:
+            continue
+        return value
+    raise AttributeError(f"{type(module).__name__} has no tensor attribute {fqn!r}")
 
 
 def _rebind(template: CapturedGraph, module: torch.nn.Module) -> CapturedGraph:
