@@ -69,6 +69,11 @@ _STRUCTURE_ATTRS = frozenset({"_parameters", "_buffers", "_modules", "training",
 _PLAIN_TYPES = (bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.Size,
                 torch.memory_format, torch.layout, enum.Enum)
 _MAX_DEPTH = 8
+# Object attributes left out of the key: a hash of the object's own values
+# (which the key holds) that differs per process, as Python's string hash
+# does (transformers' GenerationConfig._original_object_hash). Kept, they
+# would make the capture store's key differ on every launch.
+_PROCESS_LOCAL_ATTRS = frozenset({"_original_object_hash"})
 
 _memo: collections.OrderedDict[tuple, list[Any]] = collections.OrderedDict()
 _stats = {"hits": 0, "misses": 0, "stored": 0, "not_kept": 0}
@@ -233,7 +238,8 @@ def _structure_key(module: torch.nn.Module, inputs: Mapping[str, Any], dynamic: 
                                            fingerprint(v, depth + 1, inner))
                                           for k, v in value.items()))
             elif hasattr(value, "__dict__") and not callable(value):
-                out = (type(value), fingerprint(vars(value), depth + 1, inner))
+                own = {k: v for k, v in vars(value).items() if k not in _PROCESS_LOCAL_ATTRS}
+                out = (type(value), fingerprint(own, depth + 1, inner))
             else:
                 out = ("object", _hashable(value))
         summaries[key] = out
