@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -214,6 +215,33 @@ def test_a_claim_makes_a_second_capturer_wait_until_the_first_is_done(store):
         waiter.start()
         assert entered.wait(10)
     waiter.join(10)
+
+
+HOLD_AND_STOP = """
+import os, signal, sys
+from torch_mpmd.graph import capture_store
+with capture_store.claim(sys.argv[1]):
+    print("held", flush=True)
+    os.kill(os.getpid(), signal.SIGSTOP)  # a rank stalled while it captures
+"""
+
+
+def test_a_claim_held_by_a_stopped_process_does_not_hold_the_others(store, monkeypatch):
+    """A holder that stops beating (SIGSTOP: alive, holding the lock) is
+    passed after _HEARTBEAT_STALE seconds, not after the claim's cap."""
+    monkeypatch.setattr(capture_store, "_HEARTBEAT_STALE", 1.0)
+    stem = "1" * 64
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_AND_STOP, stem],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        t = time.monotonic()
+        with capture_store.claim(stem):
+            waited = time.monotonic() - t
+        assert waited < capture_store._CLAIM_WAIT / 10, waited
+    finally:
+        holder.kill()
+        holder.wait(30)
 
 
 CROSS_PROCESS = """
