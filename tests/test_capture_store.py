@@ -9,6 +9,7 @@ store is what answers; one runs two real processes."""
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import json
 import os
 import subprocess
@@ -64,10 +65,20 @@ class Net(nn.Module):
 """
 
 
-def _import_model(path: Path, scale: float = 1.0, factor: float = 2.0):
+_writes = itertools.count()
+
+
+def _import_model(path: Path, scale: float = 1.0, factor: float = 2.0, *,
+                  before_start: bool = True):
     """A model module written to ``path`` and imported afresh under one name
-    (an edited file read by a relaunch)."""
+    (an edited file read by a relaunch). ``before_start``: dated as a file
+    written before this process started (the store saves no capture of a
+    file changed since: see the last test), each write 10 s after the last
+    (Python's bytecode cache tells versions apart by whole seconds)."""
     path.write_text(MODEL_SOURCE.format(scale=scale, factor=factor))
+    if before_start:
+        when = time.time() - 10_000 + 10 * next(_writes)
+        os.utime(path, (when, when))
     spec = importlib.util.spec_from_file_location("mpmd_store_model", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules["mpmd_store_model"] = module
@@ -146,6 +157,16 @@ def test_an_edited_model_file_or_a_changed_guarded_global_is_a_miss_not_a_stale_
     _check_exact(captured, model, x)
 
 
+def test_a_capture_of_a_file_changed_since_the_process_started_is_not_stored(tmp_path, store):
+    """The code the trace ran may be the file's text from before the change;
+    a later process reading the new text must not load its graph."""
+    mod = _import_model(tmp_path / "m.py", before_start=False)
+    before = _counts()
+    capture(mod.Net(), (torch.randn(3, 4),), {})
+    assert _delta(before)["saved"] == 0 and _delta(before)["not_saved"] == 1
+    assert list(store.glob("*.capture")) == []
+
+
 def test_a_corrupt_entry_is_a_miss_and_the_capture_traces(tmp_path, store):
     mod = _import_model(tmp_path / "m.py")
     x = torch.randn(3, 4)
@@ -215,6 +236,21 @@ def test_a_claim_makes_a_second_capturer_wait_until_the_first_is_done(store):
         waiter.start()
         assert entered.wait(10)
     waiter.join(10)
+
+
+def test_the_least_recently_used_entries_go_when_the_store_is_full(store, monkeypatch):
+    monkeypatch.setattr(capture_store, "_MAX_ENTRIES", 4)
+    store.mkdir(parents=True, exist_ok=True)
+    for k in range(5):
+        entry = store / f"{k}-0.capture"
+        entry.write_bytes(b"x")
+        os.utime(entry, (1000 + k, 1000 + k))
+    capture_store._prune(store)
+    assert sorted(p.name for p in store.iterdir()) == ["2-0.capture", "3-0.capture",
+                                                       "4-0.capture"]
+    monkeypatch.setattr(capture_store, "_MAX_BYTES", 2)
+    capture_store._prune(store)  # three bytes: over the size cap, down to 1
+    assert [p.name for p in store.iterdir()] == ["4-0.capture"]
 
 
 HOLD_AND_STOP = """

@@ -63,7 +63,8 @@ __all__ = ["claim", "directory", "disk_key", "load", "mark_unsaved", "save", "st
 
 FORMAT = 1
 _log = logging.getLogger(__name__)
-_MAX_ENTRIES = 2000  # beyond this the least recently used are removed, down to 3/4
+_MAX_ENTRIES = 2000  # files kept; beyond this or _MAX_BYTES the least recently used go
+_MAX_BYTES = 1 << 30
 _SUFFIX = ".capture"
 _LOCK = ".lock"
 _UNSAVED = ".unsaved"
@@ -71,7 +72,10 @@ _CLAIM_WAIT = 300.0  # seconds a rank waits for another's trace of the same capt
 _HEARTBEAT = 0.5  # seconds between a claim holder's touches of its lock file
 _HEARTBEAT_STALE = 5.0  # seconds without a touch after which waiters stop waiting
 _stats = {"loaded": 0, "saved": 0, "not_saved": 0, "stale": 0}
-_file_digests: dict[str, tuple[int, int, str]] = {}  # path -> (mtime_ns, size, sha256)
+_file_digests: dict[str, tuple[tuple, str]] = {}  # path -> (its stat stamp, sha256)
+_IMPORTED_AT = time.time()
+_CLOCK_SLACK = 2.0  # seconds: btime's resolution, and file systems' timestamps'
+_started: float | None = None
 _env_digest: str | None = None
 _DROPPED_META = frozenset({"grapharg", "mpmd_source", "source_fn_stack", "fwd_source_fn_stack"})
 
@@ -107,19 +111,36 @@ def directory() -> Path | None:
 
 
 def _file_digest(path: str) -> str | None:
+    """sha256 of the file's bytes (kept while its stat says it is unchanged:
+    ctime too, which any write or utime moves)."""
     try:
         st = os.stat(path)
     except OSError:
         return None
+    stamp = (st.st_mtime_ns, st.st_ctime_ns, st.st_size, st.st_ino)
     known = _file_digests.get(path)
-    if known is not None and known[:2] == (st.st_mtime_ns, st.st_size):
-        return known[2]
+    if known is not None and known[0] == stamp:
+        return known[1]
     try:
         digest = hashlib.sha256(Path(path).read_bytes()).hexdigest()
     except OSError:
         return None
-    _file_digests[path] = (st.st_mtime_ns, st.st_size, digest)
+    _file_digests[path] = (stamp, digest)
     return digest
+
+
+def _process_start() -> float:
+    """When this process's code could first have been read: the process's
+    start (Linux), or this module's import (inherited by a forked process),
+    whichever is earlier."""
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # starttime, field 22
+        with open("/proc/stat") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith("btime"))
+        return min(_IMPORTED_AT, boot + ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError, StopIteration):
+        return _IMPORTED_AT
 
 
 def _environment() -> str:
@@ -151,7 +172,13 @@ def disk_key(key: tuple | None) -> str | None:
 
 
 def _traced_files(files: Iterable[str]) -> dict[str, str] | None:
-    """Digest of each traced source file outside torch; None when one cannot be read."""
+    """Digest of each traced source file outside torch; None when one cannot
+    be read, or was changed since this process started: the code the trace
+    ran may then be the file's old text, and a later process reading the new
+    text must not load its graph."""
+    global _started
+    if _started is None:
+        _started = _process_start()
     torch_dir = str(Path(torch.__file__).resolve().parent) + os.sep
     out = {}
     for f in sorted(set(files)):
@@ -160,6 +187,13 @@ def _traced_files(files: Iterable[str]) -> dict[str, str] | None:
         digest = _file_digest(f)
         if digest is None:  # "<string>", a file gone since it was imported
             _log.debug("capture not stored: %s cannot be read", f)
+            return None
+        try:
+            changed = os.stat(f).st_mtime > _started - _CLOCK_SLACK
+        except OSError:
+            return None
+        if changed:
+            _log.debug("capture not stored: %s changed since this process started", f)
             return None
         out[f] = digest
     return out
@@ -317,15 +351,24 @@ def mark_unsaved(stem: str | None) -> None:
 
 
 def _prune(folder: Path) -> None:
-    entries = [p for p in folder.iterdir() if p.suffix in (_SUFFIX, _LOCK, _UNSAVED)]
-    if len(entries) <= _MAX_ENTRIES:
-        return
+    """Keep the folder under ``_MAX_ENTRIES`` entries and ``_MAX_BYTES``:
+    beyond either, the least recently used go, down to 3/4 of both."""
     try:
-        entries.sort(key=lambda p: p.stat().st_mtime)
+        entries = [(p.stat(), p) for p in folder.iterdir()
+                   if p.suffix in (_SUFFIX, _LOCK, _UNSAVED)]
     except OSError:
         return
-    for p in entries[:len(entries) - _MAX_ENTRIES * 3 // 4]:
+    total = sum(st.st_size for st, _ in entries)
+    if len(entries) <= _MAX_ENTRIES and total <= _MAX_BYTES:
+        return
+    entries.sort(key=lambda e: e[0].st_mtime)
+    count = len(entries)
+    for st, p in entries:  # the least recently used first (a load touches its entry)
+        if count <= _MAX_ENTRIES * 3 // 4 and total <= _MAX_BYTES * 3 // 4:
+            break
         p.unlink(missing_ok=True)
+        count -= 1
+        total -= st.st_size
 
 
 # ------------------------------------------------------------------ reading
