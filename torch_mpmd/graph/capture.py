@@ -454,33 +454,6 @@ def capture(module: torch.nn.Module, args: Sequence[Any], kwargs: Mapping[str, A
     return captured
 
 
-def _source_file(code: types.CodeType) -> str:
-    """The file ``code`` comes from, for the capture store's digests. A
-    dataclass's generated methods (``__init__`` of a model's output class)
-    have no file: their source is the class's fields, in the file of the
-    class (added from the output's types, :func:`_output_type_files`)."""
-    if code.co_filename == "<string>" and code.co_qualname.startswith("__create_fn__"):
-        return "<dataclass>"
-    return code.co_filename
-
-
-def _output_type_files(spec: pytree.TreeSpec | None) -> set[str]:
-    """Source files of the classes in a return value's structure (a model's
-    output dataclass, whose generated ``__init__`` the trace ran)."""
-    files: set[str] = set()
-    todo = [spec] if spec is not None else []
-    while todo:
-        node = todo.pop()
-        kind = getattr(node, "type", None)
-        if isinstance(kind, type) and kind.__module__ not in ("builtins", "collections"):
-            try:
-                files.add(inspect.getfile(kind))
-            except (TypeError, OSError):
-                files.add(f"<no file for {kind.__qualname__}>")  # never stored
-        todo.extend(node.children() if hasattr(node, "children") else ())
-    return files
-
-
 def _trace(module: torch.nn.Module, signature: inspect.Signature | None,
            inputs: dict[str, Any], args: Sequence[Any], kwargs: Mapping[str, Any],
            dynamic: bool) -> CapturedGraph:
@@ -494,14 +467,13 @@ def _trace(module: torch.nn.Module, signature: inspect.Signature | None,
     # every backend it was given (until torch._dynamo.reset()), and a backend
     # reaching the model kept each captured model and its tensors alive (the
     # finalists of plan trials, every copy a user captured).
-    files: list[str] = []
+    traced_code: list[types.CodeType] = []
     reach = {"scope": {"L": {"module": module}, "G": entry.__globals__},
-             "records": records, "guards": dynamo_guards, "state": state, "files": files}
+             "records": records, "guards": dynamo_guards, "state": state, "code": traced_code}
 
     def backend(gm: torch.fx.GraphModule, example_inputs: list) -> Any:
         replay = _record(reach["records"], gm, example_inputs, reach["guards"])
-        reach["files"].extend(_source_file(c)
-                              for c in torch._guards.TracingContext.get_traced_code() or ())
+        reach["code"].extend(torch._guards.TracingContext.get_traced_code() or ())
         # Read the guarded values now, before the traced code's side effects run.
         reach["state"].append(from_dynamo_guards(reach["guards"], reach["scope"]))
         return replay
@@ -598,10 +570,7 @@ def _trace(module: torch.nn.Module, signature: inspect.Signature | None,
     for m in getattr(module, "_mpmd_mirrors", ()):  # a FrameModule's root (frame.py)
         captured.module_ids.setdefault(id(m), "")
     _map_outputs(captured, module, result, fake_outputs, inputs)
-    files = set(files)
-    if "<dataclass>" in files:
-        files = (files - {"<dataclass>"}) | _output_type_files(captured.output_spec)
-    captured.traced_files = tuple(sorted(files))
+    captured.traced_files = capture_store.source_files(traced_code, captured.output_spec)
     return captured
 
 

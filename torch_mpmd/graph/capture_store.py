@@ -41,6 +41,7 @@ import dataclasses
 import fcntl
 import getpass
 import hashlib
+import inspect
 import json
 import logging
 import os
@@ -49,6 +50,7 @@ import sys
 import tempfile
 import threading
 import time
+import types
 import warnings
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
@@ -59,7 +61,8 @@ import torch
 from torch_mpmd.graph.names import Unnamed, name_of
 from torch_mpmd.graph.state_guards import StateGuards, from_persisted
 
-__all__ = ["claim", "directory", "disk_key", "load", "mark_unsaved", "save", "stats"]
+__all__ = ["claim", "directory", "disk_key", "load", "mark_unsaved", "save",
+           "source_files", "stats"]
 
 FORMAT = 1
 _log = logging.getLogger(__name__)
@@ -169,6 +172,32 @@ def disk_key(key: tuple | None) -> str | None:
         return None
     text = json.dumps([_environment(), named], separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()
+
+
+def source_files(traced_code: Iterable[types.CodeType], output_spec: Any) -> tuple[str, ...]:
+    """The source files of the code a trace ran (Dynamo's traced code
+    objects), whose digests an entry records. A dataclass's generated
+    methods (the ``__init__`` of a model's output class) have no file: their
+    source is the class's fields, so the files of the classes in the return
+    value's structure (``output_spec``) stand for them."""
+    files: set[str] = set()
+    dataclass_code = False
+    for code in traced_code:
+        if code.co_filename == "<string>" and code.co_qualname.startswith("__create_fn__"):
+            dataclass_code = True
+        else:
+            files.add(code.co_filename)
+    todo = [output_spec] if dataclass_code and output_spec is not None else []
+    while todo:
+        node = todo.pop()
+        kind = getattr(node, "type", None)
+        if isinstance(kind, type) and kind.__module__ not in ("builtins", "collections"):
+            try:
+                files.add(inspect.getfile(kind))
+            except (TypeError, OSError):
+                files.add(f"<no file for {kind.__qualname__}>")  # never stored
+        todo.extend(node.children() if hasattr(node, "children") else ())
+    return tuple(sorted(files))
 
 
 def _traced_files(files: Iterable[str]) -> dict[str, str] | None:
