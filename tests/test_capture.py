@@ -118,6 +118,31 @@ def test_capture_leaves_parameters_buffers_and_rng_untouched():
         assert torch.equal(v, before[k]), k
 
 
+class _BranchOnGrad(nn.Module):
+    """A forward that reads whether a gradient exists."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        if self.lin.weight.grad is None:
+            x = x * 2
+        return self.lin(x)
+
+
+def test_a_forward_that_reads_a_gradient_is_traced_with_the_gradients_as_they_are():
+    # The capture hides the parameters' gradients from Dynamo (faking a view
+    # gradient is slow); a forward that reads one is traced again with them.
+    model = _BranchOnGrad()
+    model.lin.weight.grad = grad = torch.ones(4, 4)
+    x = torch.randn(2, 4)
+    cap = capture(model, (x,), {})
+    args = [x if info.kind == "input" else cap.tensors[info.name] for info in cap.placeholders]
+    assert torch.equal(cap.gm(*args)[0], model(x))
+    assert model.lin.weight.grad is grad
+
+
 def test_ir_has_every_node_kind_with_fqns_sizes_and_module_paths():
     model = models.CharGPT(n_layer=2)
     cap, ir = captured_ir(model, torch.randint(0, 32, (2, 8)))

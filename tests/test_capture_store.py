@@ -122,6 +122,33 @@ def test_a_stored_capture_loads_in_place_of_a_trace_and_runs_exactly(tmp_path, s
     _check_exact(loaded, model, x)
 
 
+def test_a_capture_after_a_training_step_is_stored_and_leaves_the_gradients_as_they_were(
+        tmp_path, store):
+    # A pipeline step leaves each parameter's gradient a view of one flat
+    # buffer; the fake parameters of a capture then described them, and the
+    # store could not write that description (a nested fake mode): every
+    # capture made after a step (plan trials, replan, later cases) was kept
+    # in the process only.
+    mod = _import_model(tmp_path / "m.py")
+    model = mod.Net()
+    flat = torch.randn(sum(p.numel() for p in model.parameters()))
+    offsets = itertools.accumulate([0] + [p.numel() for p in model.parameters()])
+    for p, start in zip(model.parameters(), offsets):
+        p.grad = flat[start:start + p.numel()].view_as(p)
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    x = torch.randn(3, 4)
+    before = _counts()
+    capture(model, (x,), {})
+    assert _delta(before)["saved"] == 1
+    assert all(p.grad is grads[n] for n, p in model.named_parameters())
+    capture_memo.clear()
+    fresh = mod.Net()
+    before = _counts()
+    loaded = capture(fresh, (x,), {})
+    assert _delta(before)["loaded"] == 1
+    _check_exact(loaded, fresh, x)
+
+
 @pytest.mark.parametrize("where", ["store", "memo"])
 def test_an_edited_model_file_or_a_changed_guarded_global_is_a_miss_not_a_stale_graph(
         tmp_path, monkeypatch, where):

@@ -301,15 +301,27 @@ def _heartbeat(path: Path, done: threading.Event) -> None:
 
 def _pickler() -> type:
     """torch's GraphPickler (fake tensors by their metadata, ops by name),
-    which also clears the fake mode of a view's base: torch 2.13 clears it on
-    the view only, and a fake mode cannot be pickled."""
+    which also clears the fake mode of every tensor description nested in a
+    fake tensor's (a view's base, a parameter's grad): torch 2.13 clears it
+    on the outer one only, and a fake mode cannot be pickled."""
     from torch._subclasses.fake_tensor import FakeTensor
+    from torch._subclasses.meta_utils import MetaTensorDesc
     from torch.fx import _graph_pickler as gp
 
     def without_mode(desc: Any) -> Any:
-        if getattr(desc, "base", None) is not None:
-            desc = dataclasses.replace(desc, base=without_mode(desc.base))
-        return dataclasses.replace(desc, fake_mode=None)
+        # Every description nested in this one too: a view's base, a
+        # parameter's grad (a capture after a training step), a subclass's
+        # inner tensors.
+        nested = {}
+        for field in dataclasses.fields(desc):
+            value = getattr(desc, field.name)
+            if isinstance(value, MetaTensorDesc):
+                nested[field.name] = without_mode(value)
+            elif isinstance(value, dict) and any(isinstance(v, MetaTensorDesc)
+                                                 for v in value.values()):
+                nested[field.name] = {k: without_mode(v) if isinstance(v, MetaTensorDesc)
+                                      else v for k, v in value.items()}
+        return dataclasses.replace(desc, fake_mode=None, **nested)
 
     class Pickler(gp.GraphPickler):
         def reducer_override(self, obj: Any) -> Any:
