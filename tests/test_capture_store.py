@@ -140,6 +140,7 @@ def test_a_capture_after_a_training_step_is_stored_and_leaves_the_gradients_as_t
     before = _counts()
     capture(model, (x,), {})
     assert _delta(before)["saved"] == 1
+    assert not list(store.glob("*.unsaved"))
     assert all(p.grad is grads[n] for n, p in model.named_parameters())
     capture_memo.clear()
     fresh = mod.Net()
@@ -263,6 +264,18 @@ def test_a_claim_makes_a_second_capturer_wait_until_the_first_is_done(store):
         waiter.start()
         assert entered.wait(10)
     waiter.join(10)
+    # A mark of an earlier launch (made before this process started, as a
+    # capture of a file just edited leaves) no longer does: that launch's
+    # ranks take turns again.
+    long_ago = time.time() - 10_000
+    os.utime(store / f"{stem}.unsaved", (long_ago, long_ago))
+    entered.clear()
+    with capture_store.claim(stem):
+        waiter = threading.Thread(target=second)
+        waiter.start()
+        assert not entered.wait(0.3)
+    waiter.join(10)
+    assert entered.is_set()
 
 
 def test_the_least_recently_used_entries_go_when_the_store_is_full(store, monkeypatch):

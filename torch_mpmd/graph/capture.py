@@ -23,6 +23,7 @@ import logging
 import re
 import sys
 import itertools
+import time
 import types
 import warnings
 from collections.abc import Mapping, Sequence
@@ -37,6 +38,8 @@ import torch_mpmd.graph.markers  # noqa: F401  (registers the marker op before a
 from torch_mpmd.graph import capture_memo, capture_store
 from torch_mpmd.graph.hf import install_output_recorders
 from torch_mpmd.graph.state_guards import StateGuards, from_dynamo_guards
+
+_log = logging.getLogger(__name__)
 
 __all__ = [
     "CaptureError",
@@ -434,6 +437,7 @@ def capture(module: torch.nn.Module, args: Sequence[Any], kwargs: Mapping[str, A
     memo_key = capture_memo.structure_key(module, inputs, dynamic)
     kept = capture_memo.lookup(memo_key, lambda t: _guards_hold(t, module))
     if kept is not None:
+        _log.debug("capture of %s: from the memo", type(module).__name__)
         return _rebind(kept, module)
     # NOTE [Capture store]: another process's capture (a rank beside this
     # one, the last launch), or this trace kept for them.
@@ -442,8 +446,12 @@ def capture(module: torch.nn.Module, args: Sequence[Any], kwargs: Mapping[str, A
         kept = capture_store.load(stem, module, globals())
         if kept is not None:
             capture_memo.store(memo_key, kept, key_after=memo_key)
+            _log.debug("capture of %s: from the store (%s)", type(module).__name__, stem)
             return _rebind(kept, module)
+        start = time.perf_counter()
         captured = _trace(module, signature, inputs, args, kwargs, dynamic)
+        _log.debug("capture of %s: traced in %.2f s (%s)", type(module).__name__,
+                   time.perf_counter() - start, stem)
         saved = False
         if memo_key is not None and captured.state is not None:
             template = _template(captured)

@@ -200,14 +200,19 @@ def source_files(traced_code: Iterable[types.CodeType], output_spec: Any) -> tup
     return tuple(sorted(files))
 
 
+def _started_at() -> float:
+    global _started
+    if _started is None:
+        _started = _process_start()
+    return _started
+
+
 def _traced_files(files: Iterable[str]) -> dict[str, str] | None:
     """Digest of each traced source file outside torch; None when one cannot
     be read, or was changed since this process started: the code the trace
     ran may then be the file's old text, and a later process reading the new
     text must not load its graph."""
-    global _started
-    if _started is None:
-        _started = _process_start()
+    started = _started_at()
     torch_dir = str(Path(torch.__file__).resolve().parent) + os.sep
     out = {}
     for f in sorted(set(files)):
@@ -218,7 +223,7 @@ def _traced_files(files: Iterable[str]) -> dict[str, str] | None:
             _log.debug("capture not stored: %s cannot be read", f)
             return None
         try:
-            changed = os.stat(f).st_mtime > _started - _CLOCK_SLACK
+            changed = os.stat(f).st_mtime > started - _CLOCK_SLACK
         except OSError:
             return None
         if changed:
@@ -241,9 +246,10 @@ def claim(stem: str | None) -> Iterator[None]:
     unclaimed and traces itself, as it does after ``_CLAIM_WAIT`` seconds
     in any case; so a peer stalled while capturing costs the others seconds,
     and the pipeline's own bounds name it later. A capture that could not be
-    saved leaves a mark, and later claims of it do not wait."""
+    saved leaves a mark, and later claims of it do not wait (claims of
+    processes started before the mark: a later launch may save it)."""
     folder = directory()
-    if stem is None or folder is None or (folder / f"{stem}{_UNSAVED}").exists():
+    if stem is None or folder is None or _marked_unsaved(folder / f"{stem}{_UNSAVED}"):
         yield
         return
     path = folder / f"{stem}{_LOCK}"
@@ -263,6 +269,17 @@ def claim(stem: str | None) -> Iterator[None]:
     finally:
         beating.set()
         os.close(fd)  # releases the lock
+
+
+def _marked_unsaved(mark: Path) -> bool:
+    """Whether ``mark`` (see :func:`mark_unsaved`) was made since this
+    process started: a mark of an earlier launch (whose capture could not be
+    saved then: a file just edited) must not stop this launch's ranks from
+    taking turns."""
+    try:
+        return mark.stat().st_mtime >= _started_at() - _CLOCK_SLACK
+    except OSError:
+        return False
 
 
 def _acquire(fd: int, path: Path) -> bool:
@@ -375,6 +392,7 @@ def save(stem: str | None, template: Any, files: Iterable[str]) -> bool:
         tmp.unlink(missing_ok=True)
         return False
     _stats["saved"] += 1
+    (folder / f"{stem}{_UNSAVED}").unlink(missing_ok=True)
     _prune(folder)
     return True
 
