@@ -13,6 +13,9 @@ timed steps barrier to barrier, all in turn (A B C ... A B C); the median
 per entry. ``--keep K --from-json PATH``: instead of the whole grid, the K
 entries a first launch (its ``--json`` file) measured fastest, so that
 later launches cost minutes, not tens of minutes, on two cores.
+``--copies N``: the chosen plan built N more times and measured among the
+others: how far apart two builds of one configuration measure (the floor
+under auto / grid best).
 
 Printed: the plan chosen; the planning's time (profile, search, trials);
 each finalist's predicted / measured (from its trial); and the measured
@@ -46,6 +49,9 @@ def main() -> None:
     ap.add_argument("--keep", type=int, default=0)
     ap.add_argument("--from-json", default=None)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--copies", type=int, default=0,
+                    help="the chosen plan built this many more times, measured beside "
+                         "it: the noise floor between two builds of one configuration")
     args = ap.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -72,13 +78,16 @@ def main() -> None:
         grid = [{k: e[k] for k in ("name", "schedule", "v", "m", "split")} for e in ranked]
     else:
         grid = zoo.grid(case, plan.sheet, [int(c) for c in args.counts.split(",")])
+    copies = [dict(entries[0], name=f"auto copy {k + 1}") for k in range(args.copies)]
     entries += [dict(e, name="grid " + e["name"]) for e in grid]
-    zoo.measure(case, entries, args.steps, 1)
+    zoo.measure(case, entries + copies, args.steps, 1)
     if rank == 0:
         for e in entries:
             e["median"] = statistics.median(e["walls"])
         auto, base = entries[0]["median"], entries[1]["median"]
         grid_entries = [e for e in entries[2:]]
+        for e in copies:
+            e["median"] = statistics.median(e["walls"])
         best = min(grid_entries, key=lambda e: e["median"])
         s = plan.search
         chosen = (f"{plan.schedule} v={plan.stages_per_rank} m={plan.num_microbatches} "
@@ -94,6 +103,11 @@ def main() -> None:
               f"{best['name']} {best['median'] * 1e3:.1f} ms ({len(grid_entries)} entries): "
               f"auto / default {auto / base:.3f}, auto / grid best {auto / best['median']:.3f}, "
               f"grid best / default {best['median'] / base:.3f}")
+        if copies:
+            same = [auto] + [e["median"] for e in copies]
+            print(f"[{args.model}] the chosen plan built {len(same)} times: medians "
+                  f"{', '.join(f'{x * 1e3:.1f}' for x in same)} ms, max / min "
+                  f"{max(same) / min(same):.3f}")
         if args.json:
             out = {"model": args.model, "chosen": chosen, "planning_s": planning,
                    "profile_s": s.profile_s, "trials_s": s.trials_s,
@@ -101,7 +115,9 @@ def main() -> None:
                                  for t in s.trials],
                    "auto": auto, "default": base,
                    "grid": [{k: e[k] for k in ("name", "schedule", "v", "m", "split", "median")}
-                            for e in entries[2:]]}
+                            for e in entries[2:]],
+                   "copies": [e["median"] for e in copies],
+                   "walls": {e["name"]: e["walls"] for e in entries + copies}}
             for e in out["grid"]:
                 e["name"] = e["name"].removeprefix("grid ")
             with open(args.json, "w") as f:
