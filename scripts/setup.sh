@@ -25,7 +25,7 @@ need_pip=0
 "$PYTHON" - <<'PY' || need_pip=1
 import importlib.metadata as md, sys
 want = {"torch": "2.13.0", "pytest": None, "matplotlib": None, "cmake": None, "numpy": None,
-        "transformers": "5.24.0"}
+        "transformers": "5.24.0", "torchft": "0.2.0"}
 for name, version in want.items():
     try:
         have = md.version(name)
@@ -38,8 +38,10 @@ PY
 if ((need_pip)); then
   echo "[setup] installing Python packages"
   # transformers: the capture tests split Hugging Face models built from
-  # small configs (no download).
-  "$PYTHON" -m pip install -q "torch==2.13.0" "cmake>=3.27,<4" pytest matplotlib numpy "transformers==5.24.0"
+  # small configs (no download). torchft: replicas that survive each other
+  # (torch_mpmd/parallel/quorum.py); its wheel holds the Lighthouse.
+  "$PYTHON" -m pip install -q "torch==2.13.0" "cmake>=3.27,<4" pytest matplotlib numpy "transformers==5.24.0" \
+    "torchft==0.2.0"
 fi
 
 # Incremental: CMake rebuilds only what changed in build/cmake.

@@ -73,6 +73,13 @@ ALLOWED = {
         3, "groups of the replicas, made while the pipeline is built, after its start-up "
            "handshake (every rank arrived); NOT bounded by the pipeline's timeout: "
            "new_group's own store barrier waits for the default group's timeout"),
+    ("parallel/launch.py", f"{_DIST}.init_process_group"): (
+        2, "the default group itself, made at the user's call (with or without torchrun's "
+           "agent store), bounded by its timeout argument"),
+    ("parallel/quorum.py", ".allreduce"): (
+        1, "torchft's Manager.allreduce over the replicas: its process group carries the "
+           "quorum's timeout, and a failure is reported to the quorum (the step does not "
+           "commit), not raised"),
 }
 
 

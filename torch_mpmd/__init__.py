@@ -44,12 +44,16 @@ _LAZY = {
     "microbatch_sizes": "torch_mpmd.ordering",
     "plan": "torch_mpmd.planning.auto",
     "profile": "torch_mpmd.planning.profile",
+    "ReplicaQuorum": "torch_mpmd.parallel.quorum",
+    "init_process_group": "torch_mpmd.parallel.launch",
+    "QuorumStep": "torch_mpmd.parallel.quorum",
 }
 
 __all__ = ["__version__", "schedules", "checkpoint", "trace", "packing", "planning",
            "ordering", "pack", "document_mask", "microbatch_order", "microbatch_sizes",
            "bucket_microbatches", "over_microbatches", "plan", "profile", "pipeline",
            "Pipeline", "PipelineConfig", "PipelineError", "Replicate", "pipeline_of",
+           "ReplicaQuorum", "QuorumStep", "init_process_group",
            "stage_boundary", "split_model", "SplitModel", "CaptureError"]
 
 

@@ -1,0 +1,132 @@
+"""One replica of tests/test_quorum.py: a 2-rank pipeline (torchrun job) in a
+torchft quorum of replicas (torch_mpmd/parallel/quorum.py).
+
+Environment: ``QUORUM_OUT`` (a folder), ``REPLICA`` (its number),
+``TORCHFT_LIGHTHOUSE``, ``QUORUM_END`` (stop at the first committed step at
+or past it that both replicas took part in), ``QUORUM_KILL`` ("STEP:RANK":
+in the job's first launch that rank SIGKILLs itself once it has joined that
+step's quorum, writing the time to ``fault_at``), ``QUORUM_STALL`` (the
+same, hanging instead of dying), ``QUORUM_TOKENS``
+("1": a token-weighted loss).
+
+The batch of replica r at data position d is a function of (r, d); the data
+position is a :class:`Cursor` healed with the model and advanced only by a
+committed step. Each rank writes ``rank{R}_{launch}.pt``: every step's record
+(data position, participants, committed, loss), the held parameters' grads
+at every committed step, and its final parameters.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import signal
+import time
+
+import torch
+import torch.nn.functional as F
+
+import torch_mpmd as mpmd
+from models import MLP
+
+D = 16
+
+
+class Cursor:
+    """The data position: batches consumed by committed steps."""
+
+    def __init__(self) -> None:
+        self.position = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"position": self.position}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.position = int(state["position"])
+
+
+def batch(replica: int, position: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Replica ``replica``'s batch at ``position``: inputs, targets, and a
+    mask of the counted rows (a different count per batch)."""
+    g = torch.Generator().manual_seed(1000 * replica + position)
+    x = torch.randn(8, D, generator=g)
+    y = torch.randn(8, 4, generator=g)
+    keep = torch.ones(8)
+    keep[: (replica + position) % 4] = 0.0
+    return x, y, keep
+
+
+def mean_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.mse_loss(out, target)
+
+
+def token_loss(out: torch.Tensor, target: tuple[torch.Tensor, torch.Tensor]
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    y, keep = target
+    per_row = ((out - y) ** 2).mean(dim=1)
+    return (per_row * keep).sum(), keep.sum()
+
+
+def model() -> MLP:
+    torch.manual_seed(0)
+    return MLP(d=D, depth=4, markers=False)
+
+
+def _trigger(name: str, step: int, rank: int) -> bool:
+    spec = os.environ.get(name, "")
+    if not spec or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        return False
+    at, who = (int(v) for v in spec.split(":"))
+    return at == step and who == rank
+
+
+def main() -> None:
+    out = os.environ["QUORUM_OUT"]
+    replica = int(os.environ["REPLICA"])
+    end = int(os.environ["QUORUM_END"])
+    tokens = os.environ.get("QUORUM_TOKENS") == "1"
+    mpmd.init_process_group("gloo")
+    pipe = mpmd.pipeline(model(), loss_fn=token_loss if tokens else mean_loss,
+                         schedule="1f1b", num_microbatches=2, split_points=["blocks.2"],
+                         timeout=10)
+    rank = pipe.rank
+    opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
+    cursor = Cursor()
+    quorum = mpmd.ReplicaQuorum(pipe, opt, replica_id=replica,
+                                timeout=datetime.timedelta(seconds=10),
+                                state={"data": cursor})
+    launch = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    records: list[dict] = []
+    grads: dict[int, dict[str, torch.Tensor]] = {}
+    while True:
+        t0 = time.time()
+        quorum.join()  # a heal moves the cursor: the batch is drawn after it
+        for name in ("QUORUM_KILL", "QUORUM_STALL"):
+            if _trigger(name, quorum.step_count, rank):
+                with open(os.path.join(out, "fault_at"), "w") as f:
+                    f.write(f"{time.time():.6f}")
+                if name == "QUORUM_KILL":
+                    os.kill(os.getpid(), signal.SIGKILL)
+                time.sleep(3600)  # stuck (until torchrun ends the replica)
+        x, y, keep = batch(replica, cursor.position)
+        position = cursor.position
+        done = quorum.step(x, target=(y, keep) if tokens else y)
+        records.append(dict(position=position, participants=done.participants,
+                            committed=done.committed, loss=float(done.loss), step=done.step,
+                            started=t0, ended=time.time()))
+        if done.committed:
+            grads[done.step] = {n: p.grad.detach().clone() for n, p in pipe.named_parameters()}
+            cursor.position += 1
+        torch.save(dict(records=records, grads=grads, replica=replica, rank=rank,
+                        params={n: p.detach().clone() for n, p in pipe.named_parameters()},
+                        opt=opt.state_dict()),
+                   os.path.join(out, f"replica{replica}_rank{rank}_{launch}.pt"))
+        if done.committed and done.step >= end and done.participants >= 2:
+            break
+        if done.participants < 2 and done.step >= end:
+            time.sleep(0.2)  # alone past the end: wait for the peer without many steps
+    quorum.shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,254 @@
+"""Pipeline replicas that survive each other: one torchrun job per replica,
+meeting in torchft's quorum.
+
+Each data-parallel replica is a whole pipeline (its pp ranks, and tp if on)
+launched as its own torchrun job. Every rank of a replica runs a torchft
+``Manager`` (group rank = its rank in the job); the managers of one replica
+agree on each step through the replica's manager server, and the replicas
+agree through torchft's Lighthouse. Rank r of every replica holds the same
+stages, so rank r's gradients are all-reduced with rank r of the other
+replicas over torchft's reconfigurable process group (gloo on CPU, its NCCL
+variant on GPU), which is rebuilt whenever the quorum changes.
+
+One :meth:`ReplicaQuorum.step`:
+
+1. joins the step's quorum (:meth:`ReplicaQuorum.join`, synchronously: a
+   replica that rejoins is healed from a live peer before its forward, and
+   trains on that same step; join before drawing the batch when the healed
+   data position decides it);
+2. runs the pipeline step (zeroing the gradients first);
+3. all-reduces, in one flat buffer, every held gradient and the loss, each
+   weighted by this replica's share: its token count for a token-weighted
+   loss, else 1; the weights are summed in the same buffer. The result is the
+   loss and gradients of one process on the participants' batches: the mean
+   of the replicas' means (equal batches) or the global token mean;
+4. asks the quorum whether to commit (every rank of every participating
+   replica must have succeeded); the optimizer steps only then. A step that
+   is not committed leaves parameters, optimizer and data position as they
+   were: the next step retries with the replicas present.
+
+A rank that dies ends its own replica (its pipeline peers raise PipelineError,
+torchrun ends and restarts the job); the other replicas' all-reduce fails or
+times out, they do not commit that step, and their next quorum is formed
+without the dead replica (the Lighthouse stops hearing its heartbeat). The
+restarted replica rejoins at a later quorum and torchft's checkpoint
+transport sends it, rank to rank, the state a live peer holds: this rank's
+parameters and buffers, the optimizer's state, the pipeline's step count, the
+quorum's step and any ``state=`` objects (a data loader's position).
+
+Every replica must split the model the same way (the same schedule, stages
+and split; pass ``plan=`` explicitly, not a per-launch ``plan="auto"``).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+from torch_mpmd.parallel.job_store import bounded_store
+
+
+
+class Stateful(Protocol):
+    """What ``state=`` holds: an object with ``state_dict``/``load_state_dict``."""
+
+    def state_dict(self) -> Any: ...
+
+    def load_state_dict(self, state: Any) -> Any: ...
+
+
+@dataclass(frozen=True)
+class QuorumStep:
+    """What one :meth:`ReplicaQuorum.step` did.
+
+    ``loss``: the participants' loss (as one process on their batches);
+    ``committed``: whether the optimizer stepped; ``participants``: how many
+    replicas the step's quorum held; ``step``: the quorum's committed steps
+    after this one (healing sets it to the peer's)."""
+
+    loss: torch.Tensor
+    committed: bool
+    participants: int
+    step: int
+
+
+def _torchft() -> Any:
+    try:
+        import torchft
+    except ImportError as e:  # pragma: no cover - torchft is installed by scripts/setup.sh
+        raise ImportError("ReplicaQuorum needs torchft (pip install torchft==0.2.0)") from e
+    return torchft
+
+
+class ReplicaQuorum:
+    """This rank's place in a quorum of pipeline replicas (module docstring).
+
+    ``pipe``: this job's pipeline (its ranks are one replica); ``optimizer``:
+    the user's, over ``pipe.parameters()``; ``replica_id``: this replica's
+    number, the same on all its ranks and different between replicas (a
+    restarted replica keeps its number); ``lighthouse``: the Lighthouse's
+    address (default: ``$TORCHFT_LIGHTHOUSE``); ``min_replicas``: the
+    fewest replicas a step may commit with; ``timeout``: the bound of the
+    cross-replica all-reduce, the commit vote and a heal's transfer (default:
+    the pipeline's timeout); ``quorum_timeout``: the bound of waiting for a
+    quorum (default: ``timeout``); ``state``: named objects healed with the
+    model (e.g. ``{"data": loader}``, with ``state_dict``/``load_state_dict``).
+
+    Every rank of the job must construct it after ``torch.distributed`` is
+    initialised (``dist.init_process_group``) and call :meth:`step` the same
+    number of times with its batch."""
+
+    def __init__(self, pipe: Any, optimizer: torch.optim.Optimizer, *, replica_id: int,
+                 lighthouse: str | None = None, min_replicas: int = 1,
+                 timeout: datetime.timedelta | None = None,
+                 quorum_timeout: datetime.timedelta | None = None,
+                 state: dict[str, Stateful] | None = None) -> None:
+        if isinstance(replica_id, bool) or not isinstance(replica_id, int) or replica_id < 0:
+            raise ValueError(f"replica_id={replica_id!r}: must be an int >= 0, the same on "
+                             "every rank of a replica")
+        if isinstance(min_replicas, bool) or not isinstance(min_replicas, int) \
+                or min_replicas < 1:
+            raise ValueError(f"min_replicas={min_replicas!r}: must be an int >= 1")
+        lighthouse = lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE")
+        if not lighthouse:
+            raise ValueError("ReplicaQuorum needs the Lighthouse's address: lighthouse=... or "
+                             "$TORCHFT_LIGHTHOUSE (start one with `torchft_lighthouse "
+                             "--min_replicas 1`)")
+        for name, obj in (state or {}).items():
+            if not (callable(getattr(obj, "state_dict", None))
+                    and callable(getattr(obj, "load_state_dict", None))):
+                raise ValueError(f"state[{name!r}]={type(obj).__name__}: needs state_dict() and "
+                                 "load_state_dict() to be healed with the model")
+        if pipe.config.data_parallel == "shard" and pipe.dp_size > 1:
+            raise ValueError("ReplicaQuorum with data_parallel='shard' inside a replica is not "
+                             "supported yet: replicate inside the job, or run one pipeline per "
+                             "replica")
+        if not dist.is_initialized():
+            raise ValueError("ReplicaQuorum needs torch.distributed initialised "
+                             "(dist.init_process_group under torchrun): its ranks are one "
+                             "replica's pipeline")
+        ft = _torchft()
+        self.pipe = pipe
+        self.optimizer = optimizer
+        self.replica_id = replica_id
+        self._state = dict(state or {})
+        timeout = timeout or pipe.timeout
+        self.timeout = timeout
+        self._joined = False
+        host, port = self._replica_store(timeout)
+        self._manager = ft.Manager(
+            pg=(ft.ProcessGroupNCCL(timeout=timeout) if pipe.device.type == "cuda"
+                else ft.ProcessGroupGloo(timeout=timeout)),
+            load_state_dict=self._load, state_dict=self._save,
+            min_replica_size=min_replicas, use_async_quorum=False,
+            timeout=timeout, quorum_timeout=quorum_timeout or timeout,
+            connect_timeout=timeout, rank=dist.get_rank(), world_size=dist.get_world_size(),
+            store_addr=host, store_port=port,
+            lighthouse_addr=lighthouse, replica_id=f"mpmd_replica_{replica_id}")
+
+    def _replica_store(self, timeout: datetime.timedelta) -> tuple[str, int]:
+        """A TCPStore of this launch of the replica, hosted by its rank 0.
+
+        NOTE [A store per launch]: torchft's manager keeps its keys (the manager
+        server's address) unprefixed in the store it is given. torchrun's store
+        outlives a restart of the job, so a restarted rank would read the dead
+        launch's address. Rank 0 hosts a new store and publishes where in the
+        job's store, under a key naming the launch (each read bounded by
+        ``timeout``: a rank 0 that died is an error, not a hang). Its host
+        name is also the address other replicas use to reach this replica's
+        store when they reconfigure their groups."""
+        launch = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        key = f"torch_mpmd/replica_store/{launch}"
+        job = bounded_store(timeout.total_seconds())
+        self._store = None
+        if dist.get_rank() == 0:
+            self._store = dist.TCPStore(socket.gethostname(), 0, dist.get_world_size(),
+                                        is_master=True, timeout=timeout,
+                                        wait_for_workers=False)
+            job.set(key, f"{socket.gethostname()}:{self._store.port}")
+        host, _, port = job.get(key).decode().rpartition(":")
+        return host, int(port)
+
+    # ------------------------------------------------------------ healing
+    def _save(self) -> dict[str, Any]:
+        """What a rejoining replica's same rank receives from this one."""
+        return {"model": self.pipe.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "pipeline_step": self.pipe.step_count,
+                "state": {name: obj.state_dict() for name, obj in self._state.items()}}
+
+    def _load(self, saved: dict[str, Any]) -> None:
+        # Before its first step the pipeline holds the whole module and loads
+        # the peer's rank's entries into it (its stages will share them).
+        self.pipe.load_state_dict(saved["model"], strict=self.pipe.is_captured)
+        self.optimizer.load_state_dict(saved["optimizer"])
+        self.pipe.step_count = saved["pipeline_step"]
+        for name, obj in self._state.items():
+            obj.load_state_dict(saved["state"][name])
+
+    # ------------------------------------------------------------ stepping
+    @property
+    def step_count(self) -> int:
+        """Committed steps of the quorum (healing sets it to the peer's)."""
+        return self._manager.current_step()
+
+    def join(self) -> int:
+        """Join the next step's quorum; a replica behind the others is healed
+        here (its ``state=`` objects too). Returns the number of replicas in
+        the quorum. Call it before drawing the step's batch when a healed data
+        position decides the batch; :meth:`step` joins itself otherwise."""
+        if self._joined:
+            raise RuntimeError("join() called twice without a step() between")
+        self._manager.start_quorum()
+        self._joined = True
+        return self._manager.num_participants()
+
+    def step(self, *args: Any, target: Any = None, **kwargs: Any) -> QuorumStep:
+        """One training step of this replica in the quorum (module docstring).
+        After a committed step each held parameter's ``.grad`` is the
+        participants' gradient the optimizer stepped on; after one that did not
+        commit it is this replica's own, and the optimizer did not step. A
+        failure of this replica's pipeline raises PipelineError (the replica
+        ends and torchrun restarts it); a quorum not formed within
+        ``quorum_timeout`` raises torchft's error."""
+        m = self._manager
+        if not self._joined:
+            self.join()
+        self._joined = False
+        self.optimizer.zero_grad()
+        loss = self.pipe.step(*args, target=target, **kwargs)
+        tokens = self.pipe.last_token_count
+        weight = 1.0 if tokens is None else float(tokens)
+        params = [p for p in self.pipe.parameters() if p.grad is not None]
+        grads = [_local(p.grad) for p in params]
+        flat = torch.cat([g.detach().reshape(-1).to(torch.float32) for g in grads] +
+                         [torch.tensor([float(loss) * weight, weight], device=loss.device)])
+        if grads:
+            flat[:-2] *= weight
+        m.allreduce(flat, reduce_op=dist.ReduceOp.SUM).wait()
+        committed = m.should_commit()
+        if committed:
+            flat[:-1] /= flat[-1]
+            offset = 0
+            for g in grads:
+                n = g.numel()
+                g.copy_(flat[offset:offset + n].view_as(g))
+                offset += n
+            self.optimizer.step()
+            loss = flat[-2].clone().to(loss.dtype)
+        return QuorumStep(loss=loss, committed=committed, participants=m.num_participants(),
+                          step=m.current_step())
+
+    def shutdown(self) -> None:
+        """Leave the quorum: stop this rank's manager and its servers."""
+        self._manager.shutdown(wait=False)
+
+
+def _local(g: torch.Tensor) -> torch.Tensor:
+    """A gradient as this rank holds it (a DTensor's local part)."""
+    return g.to_local() if hasattr(g, "to_local") else g
