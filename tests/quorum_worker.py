@@ -21,7 +21,10 @@ from __future__ import annotations
 import datetime
 import os
 import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +33,7 @@ import torch_mpmd as mpmd
 from models import MLP
 
 D = 16
+ROOT = Path(__file__).resolve().parent.parent
 
 
 class Cursor:
@@ -81,6 +85,7 @@ def _trigger(name: str, step: int, rank: int) -> bool:
 
 
 def main() -> None:
+    started = time.time()  # after the imports
     out = os.environ["QUORUM_OUT"]
     replica = int(os.environ["REPLICA"])
     end = int(os.environ["QUORUM_END"])
@@ -95,6 +100,7 @@ def main() -> None:
     quorum = mpmd.ReplicaQuorum(pipe, opt, replica_id=replica,
                                 timeout=datetime.timedelta(seconds=10),
                                 state={"data": cursor})
+    ready = time.time()
     launch = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     records: list[dict] = []
     grads: dict[int, dict[str, torch.Tensor]] = {}
@@ -119,13 +125,48 @@ def main() -> None:
             cursor.position += 1
         torch.save(dict(records=records, grads=grads, replica=replica, rank=rank,
                         params={n: p.detach().clone() for n, p in pipe.named_parameters()},
-                        opt=opt.state_dict()),
+                        opt=opt.state_dict(), started=started, ready=ready),
                    os.path.join(out, f"replica{replica}_rank{rank}_{launch}.pt"))
         if done.committed and done.step >= end and done.participants >= 2:
             break
         if done.participants < 2 and done.step >= end:
             time.sleep(0.2)  # alone past the end: wait for the peer without many steps
     quorum.shutdown()
+
+
+def run_quorum(out: Path, fault: dict[str, str], tokens: bool, end: int,
+               heartbeat_ms: int, timeout_s: float = 300) -> dict:
+    """Run the two replicas (``fault``: the environment of replica 1, e.g.
+    ``{"QUORUM_KILL": "5:1"}``) in a Lighthouse of this process; both jobs
+    must succeed. Returns (replica, rank, launch) -> what that rank wrote."""
+    from torchft._torchft import LighthouseServer
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=heartbeat_ms,
+                                  quorum_tick_ms=50, heartbeat_timeout_ms=heartbeat_ms)
+    common = {"QUORUM_TOKENS": "1"} if tokens else {}
+    jobs: list[subprocess.Popen] = []
+    try:
+        for replica, env in ((0, common), (1, {**common, **fault})):
+            env = dict(os.environ, OMP_NUM_THREADS="1",
+                       PYTHONPATH=f"{ROOT}{os.pathsep}{ROOT / 'tests'}",
+                       TORCHFT_LIGHTHOUSE=lighthouse.address(), QUORUM_OUT=str(out),
+                       REPLICA=str(replica), QUORUM_END=str(end), **env)
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                   "--nproc-per-node", "2", "--max-restarts", "1", __file__]
+            with open(out / f"replica{replica}.log", "w") as log:
+                jobs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT))
+        deadline = time.time() + timeout_s
+        for job in jobs:
+            job.wait(timeout=max(1.0, deadline - time.time()))
+    finally:
+        for job in jobs:
+            if job.poll() is None:
+                job.kill()
+        lighthouse.shutdown()
+    logs = {r: (out / f"replica{r}.log").read_text()[-4000:] for r in (0, 1)}
+    assert [job.returncode for job in jobs] == [0, 0], logs
+    return {(r, rank, launch): torch.load(out / f"replica{r}_rank{rank}_{launch}.pt",
+                                          weights_only=False)
+            for r, launch in ((0, 0), (1, 0), (1, 1)) for rank in (0, 1)}
 
 
 if __name__ == "__main__":

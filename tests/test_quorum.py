@@ -12,58 +12,18 @@ from __future__ import annotations
 
 import datetime
 import os
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import pytest
 import torch
 
-torchft = pytest.importorskip("torchft")  # installed by scripts/setup.sh
+import torchft  # noqa: F401  (installed by scripts/setup.sh; the Lighthouse is in its wheel)
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import quorum_worker as qw  # noqa: E402
+import quorum_worker as qw
+import torch_mpmd as mpmd
 
-import torch_mpmd as mpmd  # noqa: E402
-
-ROOT = Path(__file__).resolve().parent.parent
 END = 10                 # both replicas stop at a step past this that both took part in
 HEARTBEAT_MS = 2000      # the Lighthouse drops a replica silent this long
 RTOL, ATOL = 1e-5, 1e-6  # fp32, AdamW's steps included
-
-
-def _launch(tmp: Path, lighthouse: str, replica: int, env: dict[str, str]) -> subprocess.Popen:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=f"{ROOT}{os.pathsep}{ROOT / 'tests'}",
-               TORCHFT_LIGHTHOUSE=lighthouse, QUORUM_OUT=str(tmp), REPLICA=str(replica),
-               QUORUM_END=str(END), **env)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-           "2", "--max-restarts", "1", str(ROOT / "tests" / "quorum_worker.py")]
-    log = open(tmp / f"replica{replica}.log", "w")
-    return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
-
-
-def _run(tmp: Path, fault: dict[str, str], tokens: bool) -> dict:
-    from torchft._torchft import LighthouseServer
-    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=HEARTBEAT_MS,
-                                  quorum_tick_ms=50, heartbeat_timeout_ms=HEARTBEAT_MS)
-    common = {"QUORUM_TOKENS": "1"} if tokens else {}
-    try:
-        jobs = [_launch(tmp, lighthouse.address(), 0, common),
-                _launch(tmp, lighthouse.address(), 1, {**common, **fault})]
-        deadline = time.time() + 300
-        for job in jobs:
-            job.wait(timeout=max(1.0, deadline - time.time()))
-    finally:
-        for job in jobs:
-            if job.poll() is None:
-                job.kill()
-        lighthouse.shutdown()
-    logs = {r: (tmp / f"replica{r}.log").read_text()[-4000:] for r in (0, 1)}
-    assert [job.returncode for job in jobs] == [0, 0], logs
-    return {(r, rank, launch): torch.load(tmp / f"replica{r}_rank{rank}_{launch}.pt",
-                                          weights_only=False)
-            for r, launch in ((0, 0), (1, 0), (1, 1)) for rank in (0, 1)}
 
 
 def _history(out: dict) -> dict[int, tuple[int, list[int]]]:
@@ -154,7 +114,7 @@ def _check(out: dict, tokens: bool) -> None:
 @pytest.mark.parametrize("fault,tokens", [("kill", True), ("stall", False)])
 def test_a_replica_survives_its_peers_failure_and_heals_it_exactly(tmp_path, fault, tokens):
     env = {"QUORUM_KILL": "5:1"} if fault == "kill" else {"QUORUM_STALL": "5:1"}
-    out = _run(tmp_path, env, tokens)
+    out = qw.run_quorum(tmp_path, env, tokens, END, HEARTBEAT_MS)
     assert not list(tmp_path.glob("replica0_*_1.pt")), "replica 0 was restarted"
     _check(out, tokens)
 
