@@ -162,8 +162,11 @@ def run_quorum(out: Path, fault: dict[str, str], tokens: bool, end: int,
             if job.poll() is None:
                 job.kill()
         lighthouse.shutdown()
-    logs = {r: (out / f"replica{r}.log").read_text()[-4000:] for r in (0, 1)}
+    logs = {r: (out / f"replica{r}.log").read_text()[-1500:] for r in (0, 1)}
     assert [job.returncode for job in jobs] == [0, 0], logs
+    wrote = sorted(p.name for p in out.glob("replica*.pt"))
+    assert wrote == sorted(f"replica{r}_rank{rank}_{launch}.pt" for r, launch in
+                           ((0, 0), (1, 0), (1, 1)) for rank in (0, 1)), (wrote, logs)
     return {(r, rank, launch): torch.load(out / f"replica{r}_rank{rank}_{launch}.pt",
                                           weights_only=False)
             for r, launch in ((0, 0), (1, 0), (1, 1)) for rank in (0, 1)}
