@@ -7,7 +7,8 @@ or past it that both replicas took part in), ``QUORUM_KILL`` ("STEP:RANK":
 in the job's first launch that rank SIGKILLs itself once it has joined that
 step's quorum, writing the time to ``fault_at``), ``QUORUM_STALL`` (the
 same, hanging instead of dying), ``QUORUM_TOKENS``
-("1": a token-weighted loss).
+("1": a token-weighted loss), ``QUORUM_TIMEOUT`` (seconds, default 10: the
+pipeline's and the quorum's).
 
 The batch of replica r at data position d is a function of (r, d); the data
 position is a :class:`Cursor` healed with the model and advanced only by a
@@ -90,15 +91,16 @@ def main() -> None:
     replica = int(os.environ["REPLICA"])
     end = int(os.environ["QUORUM_END"])
     tokens = os.environ.get("QUORUM_TOKENS") == "1"
+    timeout = float(os.environ.get("QUORUM_TIMEOUT", "10"))
     mpmd.init_process_group("gloo")
     pipe = mpmd.pipeline(model(), loss_fn=token_loss if tokens else mean_loss,
                          schedule="1f1b", num_microbatches=2, split_points=["blocks.2"],
-                         timeout=10)
+                         timeout=timeout)
     rank = pipe.rank
     opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
     cursor = Cursor()
     quorum = mpmd.ReplicaQuorum(pipe, opt, replica_id=replica,
-                                timeout=datetime.timedelta(seconds=10),
+                                timeout=datetime.timedelta(seconds=timeout),
                                 state={"data": cursor})
     ready = time.time()
     launch = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
