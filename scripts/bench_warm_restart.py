@@ -90,12 +90,20 @@ def main() -> None:
     model, loss, inputs, target = build(args.model)
     pipe = mpmd.pipeline(model, loss_fn=loss, schedule=args.schedule, num_microbatches=4,
                          compile="inductor")
+    profile = None
+    if os.environ.get("BENCH_PROFILE") and dist.get_rank() == 0:
+        import cProfile
+        profile = cProfile.Profile()
+        profile.enable()
     t = time.perf_counter()
     if loss is None:  # a Hugging Face model computes its own loss from labels
         pipe.step(inputs[0], labels=target)
     else:
         pipe.step(*inputs, target=target)
     first = time.perf_counter() - t
+    if profile is not None:  # BENCH_PROFILE=PATH: rank 0's first step, for pstats
+        profile.disable()
+        profile.dump_stats(os.environ["BENCH_PROFILE"])
     end = time.time()
     mine = {"import": T_IMPORTED - t0, "rendezvous": t_rendezvous - T_IMPORTED,
             "capture": spent["capture"], "programs": spent["programs"], "first step": first,
