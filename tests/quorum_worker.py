@@ -8,7 +8,8 @@ in the job's first launch that rank SIGKILLs itself once it has joined that
 step's quorum, writing the time to ``fault_at``), ``QUORUM_STALL`` (the
 same, hanging instead of dying), ``QUORUM_TOKENS``
 ("1": a token-weighted loss), ``QUORUM_TIMEOUT`` (seconds, default 10: the
-pipeline's and the quorum's).
+pipeline's and the quorum's), ``QUORUM_SPLIT`` (the split point, default
+"blocks.2").
 
 The batch of replica r at data position d is a function of (r, d); the data
 position is a :class:`Cursor` healed with the model and advanced only by a
@@ -94,14 +95,17 @@ def main() -> None:
     timeout = float(os.environ.get("QUORUM_TIMEOUT", "10"))
     mpmd.init_process_group("gloo")
     pipe = mpmd.pipeline(model(), loss_fn=token_loss if tokens else mean_loss,
-                         schedule="1f1b", num_microbatches=2, split_points=["blocks.2"],
+                         schedule="1f1b", num_microbatches=2,
+                         split_points=[os.environ.get("QUORUM_SPLIT", "blocks.2")],
                          timeout=timeout)
     rank = pipe.rank
     opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
     cursor = Cursor()
     quorum = mpmd.ReplicaQuorum(pipe, opt, replica_id=replica,
                                 timeout=datetime.timedelta(seconds=timeout),
-                                state={"data": cursor})
+                                # a slow start on a loaded machine is no fault
+                                quorum_timeout=datetime.timedelta(seconds=60),
+                                state={"data": cursor}, start_replicas=2)
     ready = time.time()
     launch = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     records: list[dict] = []
@@ -136,11 +140,12 @@ def main() -> None:
     quorum.shutdown()
 
 
-def run_quorum(out: Path, fault: dict[str, str], tokens: bool, end: int,
-               heartbeat_ms: int, timeout_s: float = 300) -> dict:
+def launch_quorum(out: Path, fault: dict[str, str], tokens: bool, end: int,
+                  heartbeat_ms: int, restarts: int = 1, timeout_s: float = 300
+                  ) -> tuple[list[int], dict[int, str]]:
     """Run the two replicas (``fault``: the environment of replica 1, e.g.
-    ``{"QUORUM_KILL": "5:1"}``) in a Lighthouse of this process; both jobs
-    must succeed. Returns (replica, rank, launch) -> what that rank wrote."""
+    ``{"QUORUM_KILL": "5:1"}``), each a torchrun job allowed ``restarts``, in a
+    Lighthouse of this process. Returns the jobs' exit codes and log tails."""
     from torchft._torchft import LighthouseServer
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=heartbeat_ms,
                                   quorum_tick_ms=50, heartbeat_timeout_ms=heartbeat_ms)
@@ -153,7 +158,7 @@ def run_quorum(out: Path, fault: dict[str, str], tokens: bool, end: int,
                        TORCHFT_LIGHTHOUSE=lighthouse.address(), QUORUM_OUT=str(out),
                        REPLICA=str(replica), QUORUM_END=str(end), **env)
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                   "--nproc-per-node", "2", "--max-restarts", "1", __file__]
+                   "--nproc-per-node", "2", "--max-restarts", str(restarts), __file__]
             with open(out / f"replica{replica}.log", "w") as log:
                 jobs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT))
         deadline = time.time() + timeout_s
@@ -164,11 +169,20 @@ def run_quorum(out: Path, fault: dict[str, str], tokens: bool, end: int,
             if job.poll() is None:
                 job.kill()
         lighthouse.shutdown()
-    logs = {r: (out / f"replica{r}.log").read_text()[-1500:] for r in (0, 1)}
-    assert [job.returncode for job in jobs] == [0, 0], logs
+    return ([job.returncode for job in jobs],
+            {r: (out / f"replica{r}.log").read_text() for r in (0, 1)})
+
+
+def run_quorum(out: Path, fault: dict[str, str], tokens: bool, end: int,
+               heartbeat_ms: int) -> dict:
+    """:func:`launch_quorum` where both jobs must succeed, replica 1 after one
+    restart. Returns (replica, rank, launch) -> what that rank wrote."""
+    codes, logs = launch_quorum(out, fault, tokens, end, heartbeat_ms)
+    tails = {r: text[-1500:] for r, text in logs.items()}
+    assert codes == [0, 0], tails
     wrote = sorted(p.name for p in out.glob("replica*.pt"))
     assert wrote == sorted(f"replica{r}_rank{rank}_{launch}.pt" for r, launch in
-                           ((0, 0), (1, 0), (1, 1)) for rank in (0, 1)), (wrote, logs)
+                           ((0, 0), (1, 0), (1, 1)) for rank in (0, 1)), (wrote, tails)
     return {(r, rank, launch): torch.load(out / f"replica{r}_rank{rank}_{launch}.pt",
                                           weights_only=False)
             for r, launch in ((0, 0), (1, 0), (1, 1)) for rank in (0, 1)}

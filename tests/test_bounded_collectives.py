@@ -77,7 +77,7 @@ ALLOWED = {
         2, "the default group itself, made at the user's call (with or without torchrun's "
            "agent store), bounded by its timeout argument"),
     ("parallel/quorum.py", ".allreduce"): (
-        1, "torchft's Manager.allreduce over the replicas: its process group carries the "
+        2, "torchft's Manager.allreduce over the replicas: its process group carries the "
            "quorum's timeout, and a failure is reported to the quorum (the step does not "
            "commit), not raised"),
 }

@@ -83,10 +83,15 @@ def _check(out: dict, tokens: bool) -> None:
     assert after["committed"] and after["position"] == survivor[failed[-1]]["position"]
     assert after["participants"] == 1
     assert survivor[-1]["participants"] == 2 and survivor[-1]["step"] > END
+    # The replicas started as one (NOTE [Starting as one]): no step was
+    # committed before both were there.
+    for r in (0, 1):
+        first = next(rec for rec in out[(r, 0, 0)]["records"] if rec["committed"])
+        assert first["participants"] == 2 and first["step"] == 1, (r, first)
     # The restarted replica was healed to replica 0's step and data position.
-    rejoined = out[(1, 0, 1)]["records"]
-    assert rejoined[0]["position"] == survivor[-1]["position"] and \
-        rejoined[0]["step"] == survivor[-1]["step"]
+    rejoined = [rec for rec in out[(1, 0, 1)]["records"] if rec["committed"]][0]
+    assert rejoined["position"] == survivor[-1]["position"] and \
+        rejoined["step"] == survivor[-1]["step"]
     # Every committed step equals one process on the participants' batches.
     want = _reference(_history(out), tokens)
     for (replica, rank, launch), data in out.items():
@@ -121,6 +126,20 @@ def test_a_replica_survives_its_peers_failure_and_heals_it_exactly(tmp_path, fau
     _check(out, tokens)
 
 
+def test_replicas_split_differently_are_an_error_on_each_before_any_gradient_is_summed(
+        tmp_path):
+    codes, logs = qw.launch_quorum(tmp_path, {"QUORUM_SPLIT": "blocks.3"}, False, END,
+                                   HEARTBEAT_MS, restarts=0, timeout_s=120)
+    assert codes[0] != 0 and codes[1] != 0, codes
+    for replica in (0, 1):
+        assert "hold different parameters" in logs[replica], logs[replica][-3000:]
+        assert "every replica must split the model the same way" in logs[replica]
+    # Neither replica committed a step with the other.
+    for path in tmp_path.glob("replica*.pt"):
+        records = torch.load(path, weights_only=False)["records"]
+        assert all(rec["participants"] == 1 for rec in records if rec["committed"]), path
+
+
 def test_bad_arguments_are_named_before_any_communication():
     pipe = mpmd.pipeline(qw.model(), loss_fn=qw.mean_loss, num_microbatches=2)
     opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
@@ -128,6 +147,8 @@ def test_bad_arguments_are_named_before_any_communication():
         mpmd.ReplicaQuorum(pipe, opt, replica_id=-1, lighthouse="http://x:1")
     with pytest.raises(ValueError, match="min_replicas=0"):
         mpmd.ReplicaQuorum(pipe, opt, replica_id=0, lighthouse="http://x:1", min_replicas=0)
+    with pytest.raises(ValueError, match="start_replicas=0"):
+        mpmd.ReplicaQuorum(pipe, opt, replica_id=0, lighthouse="http://x:1", start_replicas=0)
     with pytest.raises(ValueError, match=r"state\['data'\]=int"):
         mpmd.ReplicaQuorum(pipe, opt, replica_id=0, lighthouse="http://x:1", state={"data": 3})
     env = os.environ.pop("TORCHFT_LIGHTHOUSE", None)

@@ -45,6 +45,8 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import time
+import zlib
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -53,6 +55,9 @@ import torch.distributed as dist
 
 from torch_mpmd.parallel.job_store import bounded_store
 
+
+
+_START_POLL_S = 0.1  # between quorums while waiting for the replicas to start with
 
 
 class Stateful(Protocol):
@@ -98,7 +103,17 @@ class ReplicaQuorum:
     cross-replica all-reduce, the commit vote and a heal's transfer (default:
     the pipeline's timeout); ``quorum_timeout``: the bound of waiting for a
     quorum (default: ``timeout``); ``state``: named objects healed with the
-    model (e.g. ``{"data": loader}``, with ``state_dict``/``load_state_dict``).
+    model (e.g. ``{"data": loader}``, with ``state_dict``/``load_state_dict``);
+    ``start_replicas``: how many replicas the first step waits for.
+
+    NOTE [Starting as one]: a Lighthouse forms a quorum from half of the
+    replicas it hears, so replicas launched together can start as separate
+    quorums of one, each training its own model for a few steps until they
+    meet and one is healed over (its steps discarded). With
+    ``start_replicas=k`` a replica that has no committed step (a new job, or
+    a restarted replica not yet healed) skips steps whose quorum holds fewer
+    than k replicas: no pipeline step, no commit. A healed replica is past
+    step 0 and steps with any quorum.
 
     Every rank of the job must construct it after ``torch.distributed`` is
     initialised (``dist.init_process_group``) and call :meth:`step` the same
@@ -108,13 +123,17 @@ class ReplicaQuorum:
                  lighthouse: str | None = None, min_replicas: int = 1,
                  timeout: datetime.timedelta | None = None,
                  quorum_timeout: datetime.timedelta | None = None,
-                 state: dict[str, Stateful] | None = None) -> None:
+                 state: dict[str, Stateful] | None = None,
+                 start_replicas: int = 1) -> None:
         if isinstance(replica_id, bool) or not isinstance(replica_id, int) or replica_id < 0:
             raise ValueError(f"replica_id={replica_id!r}: must be an int >= 0, the same on "
                              "every rank of a replica")
         if isinstance(min_replicas, bool) or not isinstance(min_replicas, int) \
                 or min_replicas < 1:
             raise ValueError(f"min_replicas={min_replicas!r}: must be an int >= 1")
+        if isinstance(start_replicas, bool) or not isinstance(start_replicas, int) \
+                or start_replicas < 1:
+            raise ValueError(f"start_replicas={start_replicas!r}: must be an int >= 1")
         lighthouse = lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE")
         if not lighthouse:
             raise ValueError("ReplicaQuorum needs the Lighthouse's address: lighthouse=... or "
@@ -141,6 +160,7 @@ class ReplicaQuorum:
         timeout = timeout or pipe.timeout
         self.timeout = timeout
         self._joined = False
+        self.start_replicas = start_replicas
         host, port = self._replica_store(timeout)
         self._manager = ft.Manager(
             pg=(ft.ProcessGroupNCCL(timeout=timeout) if pipe.device.type == "cuda"
@@ -220,12 +240,22 @@ class ReplicaQuorum:
         if not self._joined:
             self.join()
         self._joined = False
+        if m.current_step() == 0 and m.num_participants() < self.start_replicas:
+            # NOTE [Starting as one]: every rank of the quorum's replicas sees
+            # the same count and skips alike; the vote then fails.
+            m.report_error(RuntimeError(f"{m.num_participants()} of the "
+                                        f"{self.start_replicas} replicas to start with"))
+            committed = m.should_commit()
+            time.sleep(_START_POLL_S)  # a replica alone would otherwise spin on the quorum
+            return QuorumStep(loss=torch.tensor(float("nan")), committed=committed,
+                              participants=m.num_participants(), step=m.current_step())
         self.optimizer.zero_grad()
         loss = self.pipe.step(*args, target=target, **kwargs)
         tokens = self.pipe.last_token_count
         weight = 1.0 if tokens is None else float(tokens)
-        params = [p for p in self.pipe.parameters() if p.grad is not None]
-        grads = [_local(p.grad) for p in params]
+        named = [(n, p) for n, p in self.pipe.named_parameters() if p.grad is not None]
+        grads = [_local(p.grad) for _, p in named]
+        self._check_layout(named, grads)
         flat = torch.cat([g.detach().reshape(-1).to(torch.float32) for g in grads] +
                          [torch.tensor([float(loss) * weight, weight], device=loss.device)])
         if grads:
@@ -243,6 +273,27 @@ class ReplicaQuorum:
             loss = flat[-2].clone().to(loss.dtype)
         return QuorumStep(loss=loss, committed=committed, participants=m.num_participants(),
                           step=m.current_step())
+
+    def _check_layout(self, named: list, grads: list[torch.Tensor]) -> None:
+        """NOTE [Replicas split alike]: rank r's gradients are summed element
+        by element with rank r's of the other replicas, so they must be the
+        same parameters in the same order. Gloo does not check: a longer
+        buffer on one side gives the other a wrong sum without an error. Every
+        step sums a fingerprint of this rank's layout (names, shapes, dtypes)
+        and a count first; unequal layouts are an error on every replica,
+        before any gradient is exchanged."""
+        text = ";".join(f"{n}:{tuple(g.shape)}:{g.dtype}" for (n, _), g in zip(named, grads))
+        mine = zlib.crc32(text.encode())
+        check = torch.tensor([mine, 1], dtype=torch.int64)
+        self._manager.allreduce(check, reduce_op=dist.ReduceOp.SUM).wait()
+        if self._manager.errored() is None and int(check[0]) != mine * int(check[1]):
+            raise ValueError(
+                f"replica {self.replica_id} rank {dist.get_rank()}: the replicas' rank "
+                f"{dist.get_rank()} hold different parameters ({len(grads)} here, "
+                f"{sum(g.numel() for g in grads)} elements, layout fingerprint {mine}; the "
+                f"{int(check[1])} replicas' fingerprints sum to {int(check[0])}): every "
+                "replica must split the model the same way (schedule, stages and split; "
+                "pass plan= or split_points= rather than a per-launch plan='auto')")
 
     def shutdown(self) -> None:
         """Leave the quorum: stop this rank's manager and its servers."""
