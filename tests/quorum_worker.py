@@ -165,9 +165,13 @@ def launch_quorum(out: Path, fault: dict[str, str], tokens: bool, end: int,
         for job in jobs:
             job.wait(timeout=max(1.0, deadline - time.time()))
     finally:
-        for job in jobs:
+        for job in jobs:  # torchrun ends its workers on SIGTERM (they are in their own sessions)
             if job.poll() is None:
-                job.kill()
+                job.terminate()
+                try:
+                    job.wait(timeout=15)
+                except subprocess.TimeoutExpired:
+                    job.kill()
         lighthouse.shutdown()
     return ([job.returncode for job in jobs],
             {r: (out / f"replica{r}.log").read_text() for r in (0, 1)})

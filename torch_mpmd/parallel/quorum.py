@@ -22,8 +22,10 @@ One :meth:`ReplicaQuorum.step`:
    loss, else 1; the weights are summed in the same buffer. The result is the
    loss and gradients of one process on the participants' batches: the mean
    of the replicas' means (equal batches) or the global token mean;
-4. asks the quorum whether to commit (every rank of every participating
-   replica must have succeeded); the optimizer steps only then. A step that
+4. asks torchft whether to commit: every rank of this replica must have
+   succeeded (the vote is within a replica; replicas agree through the
+   all-reduce, which fails on all of them when one is gone before it ends);
+   the optimizer steps only then. A step that
    is not committed leaves parameters, optimizer and data position as they
    were: the next step retries with the replicas present.
 
@@ -34,7 +36,10 @@ without the dead replica (the Lighthouse stops hearing its heartbeat). The
 restarted replica rejoins at a later quorum and torchft's checkpoint
 transport sends it, rank to rank, the state a live peer holds: this rank's
 parameters and buffers, the optimizer's state, the pipeline's step count, the
-quorum's step and any ``state=`` objects (a data loader's position).
+quorum's step and any ``state=`` objects (a data loader's position, an LR
+scheduler: pass it there, or the replicas' learning rates part). ``timeout``
+bounds the heal's transfer too: it must exceed the time to send a rank's
+state, or the survivor's vote times out.
 
 Every replica must split the model the same way (the same schedule, stages
 and split; pass ``plan=`` explicitly, not a per-launch ``plan="auto"``).
@@ -43,6 +48,7 @@ and split; pass ``plan=`` explicitly, not a per-launch ``plan="auto"``).
 from __future__ import annotations
 
 import datetime
+import functools
 import os
 import socket
 import time
@@ -52,6 +58,7 @@ from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
+import torch.utils._pytree as pytree
 
 from torch_mpmd.parallel.job_store import bounded_store
 
@@ -75,12 +82,14 @@ class QuorumStep:
     ``loss``: the participants' loss (as one process on their batches);
     ``committed``: whether the optimizer stepped; ``participants``: how many
     replicas the step's quorum held; ``step``: the quorum's committed steps
-    after this one (healing sets it to the peer's)."""
+    after this one (healing sets it to the peer's); ``error``: what failed in
+    a step that did not commit (a peer's all-reduce, the quorum), else None."""
 
     loss: torch.Tensor
     committed: bool
     participants: int
     step: int
+    error: str | None = None  # why the step could not commit, when it failed
 
 
 def _torchft() -> Any:
@@ -148,6 +157,11 @@ class ReplicaQuorum:
             raise ValueError("ReplicaQuorum with data_parallel='shard' inside a replica is not "
                              "supported yet: replicate inside the job, or run one pipeline per "
                              "replica")
+        if pipe.session.meta and not pipe.is_captured:
+            raise ValueError("ReplicaQuorum with a meta-device model needs its first step "
+                             "first: a heal before it would load into the stand-ins that "
+                             "materialization then replaces (run pipe.step once, or build "
+                             "the model on a real device)")
         if not dist.is_initialized():
             raise ValueError("ReplicaQuorum needs torch.distributed initialised "
                              "(dist.init_process_group under torchrun): its ranks are one "
@@ -198,7 +212,11 @@ class ReplicaQuorum:
     # ------------------------------------------------------------ healing
     def _save(self) -> dict[str, Any]:
         """What a rejoining replica's same rank receives from this one."""
-        return {"model": self.pipe.state_dict(), "optimizer": self.optimizer.state_dict(),
+        # Copies: the transport serializes them later, while this rank steps on.
+        clone = functools.partial(pytree.tree_map_only, torch.Tensor,
+                                  lambda t: t.detach().clone())
+        return {"model": clone(self.pipe.state_dict()),
+                "optimizer": clone(self.optimizer.state_dict()),
                 "pipeline_step": self.pipe.step_count,
                 "state": {name: obj.state_dict() for name, obj in self._state.items()}}
 
@@ -261,6 +279,7 @@ class ReplicaQuorum:
         if grads:
             flat[:-2] *= weight
         m.allreduce(flat, reduce_op=dist.ReduceOp.SUM).wait()
+        failed = m.errored()
         committed = m.should_commit()
         if committed:
             flat[:-1] /= flat[-1]
@@ -272,7 +291,8 @@ class ReplicaQuorum:
             self.optimizer.step()
             loss = flat[-2].clone().to(loss.dtype)
         return QuorumStep(loss=loss, committed=committed, participants=m.num_participants(),
-                          step=m.current_step())
+                          step=m.current_step(),
+                          error=None if failed is None else str(failed.original_exception))
 
     def _check_layout(self, named: list, grads: list[torch.Tensor]) -> None:
         """NOTE [Replicas split alike]: rank r's gradients are summed element
@@ -284,7 +304,7 @@ class ReplicaQuorum:
         before any gradient is exchanged."""
         text = ";".join(f"{n}:{tuple(g.shape)}:{g.dtype}" for (n, _), g in zip(named, grads))
         mine = zlib.crc32(text.encode())
-        check = torch.tensor([mine, 1], dtype=torch.int64)
+        check = torch.tensor([mine, 1], dtype=torch.int64, device=self.pipe.device)
         self._manager.allreduce(check, reduce_op=dist.ReduceOp.SUM).wait()
         if self._manager.errored() is None and int(check[0]) != mine * int(check[1]):
             raise ValueError(
