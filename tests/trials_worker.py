@@ -53,9 +53,11 @@ def exact(case: dict[str, Any]) -> dict[str, Any]:
     # exact arithmetic, so rounding noise there would move the two copies by
     # +-lr apart. What trials could break (the optimizer's parameters, its
     # state, values left by trial steps) shows with equal gradients too.
+    # A held parameter without a gradient fails above ("inf: missing") and
+    # here (no gradient to copy), never skipped.
     for n, p in pipe.named_parameters():
-        if p.grad is not None:
-            refs[n].grad = p.grad.detach().clone()
+        assert p.grad is not None, f"rank {dist.get_rank()}: {n} has no gradient"
+        refs[n].grad = p.grad.detach().clone()
     opt.step()
     ref_opt.step()
     res["params"] = {n: _diff(p, refs[n]) for n, p in pipe.named_parameters()}

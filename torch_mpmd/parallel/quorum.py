@@ -61,6 +61,7 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 
 from torch_mpmd.parallel.job_store import bounded_store
+from torch_mpmd.parallel.sharding import local_grad
 
 
 
@@ -261,23 +262,24 @@ class ReplicaQuorum:
         if m.current_step() == 0 and m.num_participants() < self.start_replicas:
             # NOTE [Starting as one]: every rank of the quorum's replicas sees
             # the same count and skips alike; the vote then fails.
-            m.report_error(RuntimeError(f"{m.num_participants()} of the "
-                                        f"{self.start_replicas} replicas to start with"))
+            waiting = (f"{m.num_participants()} of the {self.start_replicas} replicas to "
+                       "start with")
+            m.report_error(RuntimeError(waiting))
             committed = m.should_commit()
             time.sleep(_START_POLL_S)  # a replica alone would otherwise spin on the quorum
             return QuorumStep(loss=torch.tensor(float("nan")), committed=committed,
-                              participants=m.num_participants(), step=m.current_step())
+                              participants=m.num_participants(), step=m.current_step(),
+                              error=waiting)
         self.optimizer.zero_grad()
         loss = self.pipe.step(*args, target=target, **kwargs)
         tokens = self.pipe.last_token_count
         weight = 1.0 if tokens is None else float(tokens)
         named = [(n, p) for n, p in self.pipe.named_parameters() if p.grad is not None]
-        grads = [_local(p.grad) for _, p in named]
+        grads = [local_grad(p) for _, p in named]
         self._check_layout(named, grads)
         flat = torch.cat([g.detach().reshape(-1).to(torch.float32) for g in grads] +
                          [torch.tensor([float(loss) * weight, weight], device=loss.device)])
-        if grads:
-            flat[:-2] *= weight
+        flat[:-2] *= weight
         m.allreduce(flat, reduce_op=dist.ReduceOp.SUM).wait()
         failed = m.errored()
         committed = m.should_commit()
@@ -319,7 +321,3 @@ class ReplicaQuorum:
         """Leave the quorum: stop this rank's manager and its servers."""
         self._manager.shutdown(wait=False)
 
-
-def _local(g: torch.Tensor) -> torch.Tensor:
-    """A gradient as this rank holds it (a DTensor's local part)."""
-    return g.to_local() if hasattr(g, "to_local") else g
