@@ -7,15 +7,18 @@ or past it that both replicas took part in), ``QUORUM_KILL`` ("STEP:RANK":
 in the job's first launch that rank SIGKILLs itself once it has joined that
 step's quorum, writing the time to ``fault_at``), ``QUORUM_STALL`` (the
 same, hanging instead of dying), ``QUORUM_TOKENS``
-("1": a token-weighted loss), ``QUORUM_TIMEOUT`` (seconds, default 10: the
+("1": a token-weighted loss), ``QUORUM_SHARD`` ("1": each replica is
+pp2 x dp2 with ``data_parallel="shard"``, 4 ranks), ``QUORUM_TIMEOUT`` (seconds, default 10: the
 pipeline's and the quorum's), ``QUORUM_SPLIT`` (the split point, default
 "blocks.2").
 
-The batch of replica r at data position d is a function of (r, d); the data
+The batch of replica r's dp rank k at data position d is a function of (r, k,
+d); the data
 position is a :class:`Cursor` healed with the model and advanced only by a
 committed step. Each rank writes ``rank{R}_{launch}.pt``: every step's record
 (data position, participants, committed, loss), the held parameters' grads
-at every committed step, and its final parameters.
+(whole, gathered over dp) at every committed step, and its final parameters
+and optimizer state (this rank's rows).
 """
 
 from __future__ import annotations
@@ -29,7 +32,10 @@ import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
 
 import torch_mpmd as mpmd
 from models import MLP
@@ -51,15 +57,29 @@ class Cursor:
         self.position = int(state["position"])
 
 
-def batch(replica: int, position: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Replica ``replica``'s batch at ``position``: inputs, targets, and a
-    mask of the counted rows (a different count per batch)."""
-    g = torch.Generator().manual_seed(1000 * replica + position)
+def batch(replica: int, position: int, dp: int = 0
+          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The batch of replica ``replica``'s dp rank ``dp`` at ``position``:
+    inputs, targets, and a mask of the counted rows (a different count per
+    batch)."""
+    g = torch.Generator().manual_seed(1000 * replica + 100 * dp + position)
     x = torch.randn(8, D, generator=g)
     y = torch.randn(8, 4, generator=g)
     keep = torch.ones(8)
-    keep[: (replica + position) % 4] = 0.0
+    keep[: (replica + dp + position) % 4] = 0.0
     return x, y, keep
+
+
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    """``t`` whole (a DTensor gathered over the job's dp ranks)."""
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+
+
+def _rows(t: object) -> object:
+    """This rank's part of ``t`` as a plain tensor (loadable without a mesh)."""
+    if isinstance(t, DTensor):
+        return t.to_local().detach().clone()
+    return t.detach().clone() if isinstance(t, torch.Tensor) else t
 
 
 def mean_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -94,11 +114,17 @@ def main() -> None:
     tokens = os.environ.get("QUORUM_TOKENS") == "1"
     timeout = float(os.environ.get("QUORUM_TIMEOUT", "10"))
     mpmd.init_process_group("gloo")
+    layout: dict = {}
+    dp = 0
+    if os.environ.get("QUORUM_SHARD") == "1":
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
+        layout = dict(mesh=mesh, data_parallel="shard")
+        dp = mesh.get_local_rank("dp")
     pipe = mpmd.pipeline(model(), loss_fn=token_loss if tokens else mean_loss,
                          schedule="1f1b", num_microbatches=2,
                          split_points=[os.environ.get("QUORUM_SPLIT", "blocks.2")],
-                         timeout=timeout)
-    rank = pipe.rank
+                         timeout=timeout, **layout)
+    rank = dist.get_rank()
     opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
     cursor = Cursor()
     quorum = mpmd.ReplicaQuorum(pipe, opt, replica_id=replica,
@@ -120,18 +146,21 @@ def main() -> None:
                 if name == "QUORUM_KILL":
                     os.kill(os.getpid(), signal.SIGKILL)
                 time.sleep(3600)  # stuck (until torchrun ends the replica)
-        x, y, keep = batch(replica, cursor.position)
+        x, y, keep = batch(replica, cursor.position, dp)
         position = cursor.position
         done = quorum.step(x, target=(y, keep) if tokens else y)
         records.append(dict(position=position, participants=done.participants,
                             committed=done.committed, loss=float(done.loss), step=done.step,
                             started=t0, ended=time.time()))
         if done.committed:
-            grads[done.step] = {n: p.grad.detach().clone() for n, p in pipe.named_parameters()}
+            grads[done.step] = {n: _whole(p.grad) for n, p in pipe.named_parameters()}
             cursor.position += 1
-        torch.save(dict(records=records, grads=grads, replica=replica, rank=rank,
-                        params={n: p.detach().clone() for n, p in pipe.named_parameters()},
-                        opt=opt.state_dict(), started=started, ready=ready),
+        state = opt.state_dict()
+        state["state"] = {i: {k: _rows(v) for k, v in s.items()}
+                          for i, s in state["state"].items()}
+        torch.save(dict(records=records, grads=grads, replica=replica, rank=rank, dp=dp,
+                        params={n: _rows(p) for n, p in pipe.named_parameters()},
+                        opt=state, started=started, ready=ready),
                    os.path.join(out, f"replica{replica}_rank{rank}_{launch}.pt"))
         if done.committed and done.step >= end and done.participants >= 2:
             break
@@ -141,15 +170,17 @@ def main() -> None:
 
 
 def launch_quorum(out: Path, fault: dict[str, str], tokens: bool, end: int,
-                  heartbeat_ms: int, restarts: int = 1, timeout_s: float = 300
-                  ) -> tuple[list[int], dict[int, str]]:
+                  heartbeat_ms: int, restarts: int = 1, timeout_s: float = 300,
+                  shard: bool = False) -> tuple[list[int], dict[int, str]]:
     """Run the two replicas (``fault``: the environment of replica 1, e.g.
-    ``{"QUORUM_KILL": "5:1"}``), each a torchrun job allowed ``restarts``, in a
-    Lighthouse of this process. Returns the jobs' exit codes and log tails."""
+    ``{"QUORUM_KILL": "5:1"}``), each a torchrun job allowed ``restarts``
+    (``shard``: 4 ranks each, pp2 x dp2 sharded), in a Lighthouse of this
+    process. Returns the jobs' exit codes and log tails."""
     from torchft._torchft import LighthouseServer
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=heartbeat_ms,
                                   quorum_tick_ms=50, heartbeat_timeout_ms=heartbeat_ms)
-    common = {"QUORUM_TOKENS": "1"} if tokens else {}
+    common = {**({"QUORUM_TOKENS": "1"} if tokens else {}),
+              **({"QUORUM_SHARD": "1"} if shard else {})}
     jobs: list[subprocess.Popen] = []
     try:
         for replica, env in ((0, common), (1, {**common, **fault})):
@@ -158,7 +189,7 @@ def launch_quorum(out: Path, fault: dict[str, str], tokens: bool, end: int,
                        TORCHFT_LIGHTHOUSE=lighthouse.address(), QUORUM_OUT=str(out),
                        REPLICA=str(replica), QUORUM_END=str(end), **env)
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                   "--nproc-per-node", "2", "--max-restarts", str(restarts), __file__]
+                   "--nproc-per-node", str(nproc(shard)), "--max-restarts", str(restarts), __file__]
             with open(out / f"replica{replica}.log", "w") as log:
                 jobs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT))
         deadline = time.time() + timeout_s
@@ -177,19 +208,25 @@ def launch_quorum(out: Path, fault: dict[str, str], tokens: bool, end: int,
             {r: (out / f"replica{r}.log").read_text() for r in (0, 1)})
 
 
+def nproc(shard: bool) -> int:
+    """Ranks per replica."""
+    return 4 if shard else 2
+
+
 def run_quorum(out: Path, fault: dict[str, str], tokens: bool, end: int,
-               heartbeat_ms: int) -> dict:
+               heartbeat_ms: int, shard: bool = False) -> dict:
     """:func:`launch_quorum` where both jobs must succeed, replica 1 after one
     restart. Returns (replica, rank, launch) -> what that rank wrote."""
-    codes, logs = launch_quorum(out, fault, tokens, end, heartbeat_ms)
+    codes, logs = launch_quorum(out, fault, tokens, end, heartbeat_ms, shard=shard)
+    ranks = range(nproc(shard))
     tails = {r: text[-1500:] for r, text in logs.items()}
     assert codes == [0, 0], tails
     wrote = sorted(p.name for p in out.glob("replica*.pt"))
     assert wrote == sorted(f"replica{r}_rank{rank}_{launch}.pt" for r, launch in
-                           ((0, 0), (1, 0), (1, 1)) for rank in (0, 1)), (wrote, tails)
+                           ((0, 0), (1, 0), (1, 1)) for rank in ranks), (wrote, tails)
     return {(r, rank, launch): torch.load(out / f"replica{r}_rank{rank}_{launch}.pt",
                                           weights_only=False)
-            for r, launch in ((0, 0), (1, 0), (1, 1)) for rank in (0, 1)}
+            for r, launch in ((0, 0), (1, 0), (1, 1)) for rank in ranks}
 
 
 if __name__ == "__main__":

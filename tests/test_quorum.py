@@ -45,17 +45,18 @@ def _history(out: dict) -> dict[int, tuple[int, list[int]]]:
     return {step: (position, sorted(who)) for step, (position, who) in history.items()}
 
 
-def _reference(history: dict[int, tuple[int, list[int]]], tokens: bool
+def _reference(history: dict[int, tuple[int, list[int]]], tokens: bool, dps: int
                ) -> dict[int, tuple[float, dict[str, torch.Tensor]]]:
     """Loss and gradients of every committed step, replayed in one process on
-    the participants' batches, with AdamW stepping as the replicas do."""
+    the participants' batches (``dps`` per replica, one per dp rank), with
+    AdamW stepping as the replicas do."""
     model = qw.model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     out = {}
     for step in sorted(history):
         position, who = history[step]
         opt.zero_grad()
-        batches = [qw.batch(r, position) for r in who]
+        batches = [qw.batch(r, position, dp) for r in who for dp in range(dps)]
         if tokens:
             parts = [qw.token_loss(model(x), (y, keep)) for x, y, keep in batches]
             loss = sum(s for s, _ in parts) / sum(n for _, n in parts)
@@ -67,13 +68,14 @@ def _reference(history: dict[int, tuple[int, list[int]]], tokens: bool
     return out
 
 
-def _check(out: dict, tokens: bool) -> None:
+def _check(out: dict, tokens: bool, shard: bool = False) -> None:
     survivor = out[(0, 0, 0)]["records"]
-    # Both ranks of a replica decided every step alike.
+    ranks = range(qw.nproc(shard))
+    # Every rank of a replica decided every step alike.
     for r, launch in ((0, 0), (1, 0), (1, 1)):
-        a, b = (out[(r, rank, launch)]["records"] for rank in (0, 1))
-        assert [(x["position"], x["committed"], x["participants"]) for x in a] == \
-            [(x["position"], x["committed"], x["participants"]) for x in b]
+        decided = [[(x["position"], x["committed"], x["participants"])
+                    for x in out[(r, rank, launch)]["records"]] for rank in ranks]
+        assert all(d == decided[0] for d in decided), (r, launch)
     # Replica 0: a step it could not finish is not committed and is retried
     # at the same data position alone; it trains alone, then with the rejoined
     # replica.
@@ -94,7 +96,7 @@ def _check(out: dict, tokens: bool) -> None:
     same = next(rec for rec in survivor if rec["committed"] and rec["step"] == rejoined["step"])
     assert rejoined["position"] == same["position"] and same["participants"] == 2
     # Every committed step equals one process on the participants' batches.
-    want = _reference(_history(out), tokens)
+    want = _reference(_history(out), tokens, dps=2 if shard else 1)
     for (replica, rank, launch), data in out.items():
         for rec in data["records"]:
             if rec["committed"]:
@@ -106,9 +108,10 @@ def _check(out: dict, tokens: bool) -> None:
             for name, g in grads.items():
                 torch.testing.assert_close(g, want[step][1][name], rtol=RTOL, atol=ATOL,
                                            msg=lambda m: f"step {step} {name}: {m}")
-    for rank in (0, 1):
+    for rank in ranks:
         held = out[(0, rank, 0)]
-        # The healed replica equals the survivor bitwise: parameters and optimizer.
+        # The healed replica equals the survivor bitwise: parameters and
+        # optimizer (each rank's rows, with sharded data parallel).
         healed = out[(1, rank, 1)]
         for name, p in held["params"].items():
             assert torch.equal(p, healed["params"][name]), name
@@ -125,6 +128,15 @@ def test_a_replica_survives_its_peers_failure_and_heals_it_exactly(tmp_path, fau
     out = qw.run_quorum(tmp_path, env, tokens, END, HEARTBEAT_MS)
     assert not list(tmp_path.glob("replica0_*_1.pt")), "replica 0 was restarted"
     _check(out, tokens)
+
+
+def test_replicas_sharded_inside_survive_and_heal_shard_by_shard(tmp_path):
+    # Each replica pp2 x dp2 with data_parallel="shard" (HSDP across
+    # replicas): rank r's rows are summed with rank r's of the other replica,
+    # and a heal sends each rank its own rows (NOTE [Shards in a heal]).
+    out = qw.run_quorum(tmp_path, {"QUORUM_KILL": "5:1"}, True, END, HEARTBEAT_MS, shard=True)
+    assert not list(tmp_path.glob("replica0_*_1.pt")), "replica 0 was restarted"
+    _check(out, True, shard=True)
 
 
 def test_replicas_split_differently_are_an_error_on_each_before_any_gradient_is_summed(

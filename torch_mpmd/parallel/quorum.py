@@ -41,6 +41,11 @@ scheduler: pass it there, or the replicas' learning rates part). ``timeout``
 bounds the heal's transfer too: it must exceed the time to send a rank's
 state, or the survivor's vote times out.
 
+A replica may be ``pp x dp`` with ``data_parallel="shard"`` in its job: each
+rank all-reduces its rows of every parameter's gradient with the same rank of
+the other replicas (sharded inside a replica, replicated across: torchft's
+HSDP), and heals send rows (NOTE [Shards in a heal]).
+
 Every replica must split the model the same way (the same schedule, stages
 and split; pass ``plan=`` explicitly, not a per-launch ``plan="auto"``).
 """
@@ -48,7 +53,6 @@ and split; pass ``plan=`` explicitly, not a per-launch ``plan="auto"``).
 from __future__ import annotations
 
 import datetime
-import functools
 import os
 import socket
 import time
@@ -59,6 +63,8 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
+
+from torch.distributed.tensor import DTensor
 
 from torch_mpmd.parallel.job_store import bounded_store
 from torch_mpmd.parallel.sharding import local_grad
@@ -154,10 +160,6 @@ class ReplicaQuorum:
                     and callable(getattr(obj, "load_state_dict", None))):
                 raise ValueError(f"state[{name!r}]={type(obj).__name__}: needs state_dict() and "
                                  "load_state_dict() to be healed with the model")
-        if pipe.config.data_parallel == "shard" and pipe.dp_size > 1:
-            raise ValueError("ReplicaQuorum with data_parallel='shard' inside a replica is not "
-                             "supported yet: replicate inside the job, or run one pipeline per "
-                             "replica")
         if pipe.session.meta and not pipe.is_captured:
             raise ValueError("ReplicaQuorum with a meta-device model needs its first step "
                              "first: a heal before it would load into the stand-ins that "
@@ -213,19 +215,24 @@ class ReplicaQuorum:
     # ------------------------------------------------------------ healing
     def _save(self) -> dict[str, Any]:
         """What a rejoining replica's same rank receives from this one."""
-        # Copies: the transport serializes them later, while this rank steps on.
-        clone = functools.partial(pytree.tree_map_only, torch.Tensor,
-                                  lambda t: t.detach().clone())
-        return {"model": clone(self.pipe.state_dict()),
-                "optimizer": clone(self.optimizer.state_dict()),
+        return {"model": _portable(self.pipe.state_dict()),
+                "optimizer": _portable(self.optimizer.state_dict()),
                 "pipeline_step": self.pipe.step_count,
                 "state": {name: obj.state_dict() for name, obj in self._state.items()}}
 
     def _load(self, saved: dict[str, Any]) -> None:
         # Before its first step the pipeline holds the whole module and loads
         # the peer's rank's entries into it (its stages will share them).
-        self.pipe.load_state_dict(saved["model"], strict=self.pipe.is_captured)
-        self.optimizer.load_state_dict(saved["optimizer"])
+        mine = self.pipe.state_dict()
+        model = {k: _rewrap(v, mine.get(k), f"the model's {k!r}")
+                 for k, v in saved["model"].items()}
+        self.pipe.load_state_dict(model, strict=self.pipe.is_captured)
+        optim = saved["optimizer"]
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        optim["state"] = {i: {k: _rewrap(v, params[i], f"the optimizer's state {k!r} of "
+                                            f"parameter {i}") for k, v in s.items()}
+                          for i, s in optim["state"].items()}
+        self.optimizer.load_state_dict(optim)
         self.pipe.step_count = saved["pipeline_step"]
         for name, obj in self._state.items():
             obj.load_state_dict(saved["state"][name])
@@ -320,4 +327,50 @@ class ReplicaQuorum:
     def shutdown(self) -> None:
         """Leave the quorum: stop this rank's manager and its servers."""
         self._manager.shutdown(wait=False)
+
+
+# ------------------------------------------------------------ heal payloads
+# NOTE [Shards in a heal]: with data_parallel="shard" inside a replica the
+# parameters and the optimizer's moments are DTensors over the job's own
+# mesh. A heal goes from rank r of one replica to rank r of another, which
+# holds the same rows of every parameter on a mesh of the same shape but its
+# own process groups; so a DTensor travels as its local rows and layout, and
+# the receiver wraps the rows on its own mesh (that of its tensor in the same
+# place). The sender's mesh object never crosses.
+
+@dataclass(frozen=True)
+class _Shard:
+    """A DTensor in a heal: this rank's rows and their layout."""
+
+    local: torch.Tensor
+    placements: tuple
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+
+
+def _portable(tree: Any) -> Any:
+    """``tree`` with every tensor copied (the transport serializes them later,
+    while this rank steps on) and every DTensor as a :class:`_Shard`."""
+    def one(t: torch.Tensor) -> Any:
+        if isinstance(t, DTensor):
+            return _Shard(t.to_local().detach().clone(), tuple(t.placements), tuple(t.shape),
+                          tuple(t.stride()))
+        return t.detach().clone()
+    return pytree.tree_map_only(torch.Tensor, one, tree)
+
+
+def _rewrap(value: Any, like: Any, what: str) -> Any:
+    """A received value for the place where this rank holds ``like``: a
+    :class:`_Shard` becomes a DTensor on ``like``'s mesh."""
+    if not isinstance(value, _Shard):
+        return value
+    if not isinstance(like, DTensor) or tuple(like.placements) != value.placements \
+            or tuple(like.shape) != value.shape:
+        have = (f"a DTensor {tuple(like.shape)} placed {tuple(like.placements)}"
+                if isinstance(like, DTensor) else type(like).__name__)
+        raise ValueError(f"heal: {what} came as a shard of {value.shape} placed "
+                         f"{value.placements}, where this rank holds {have}: every replica "
+                         "must lay the model out the same way (mesh, data_parallel, split)")
+    return DTensor.from_local(value.local.to(like.device), like.device_mesh, like.placements,
+                              run_check=False, shape=like.shape, stride=like.stride())
 
