@@ -40,6 +40,7 @@ import torch.utils._pytree as pytree
 
 from torch_mpmd import _C
 from torch_mpmd.programs.loss import microbatch_loss
+from torch_mpmd.programs.vec_isa import vec_isa_ok
 
 __all__ = ["ProgramsUnsupported", "StagePrograms", "build_stage_programs", "resolve_compiler",
            "program_ops"]
@@ -98,7 +99,9 @@ def _inductor(gm: torch.fx.GraphModule, example_inputs: list) -> Callable[..., A
         inputs = [fake_mode.from_tensor(t, static_shapes=True) if isinstance(t, torch.Tensor)
                   else t for t in example_inputs]
     with contextlib.ExitStack() as stack:
-        stack.enter_context(config.patch(fallback_random=True))
+        # NOTE [A probe per machine]: vec_isa_ok, in every process alike.
+        stack.enter_context(config.patch({"fallback_random": True, **(
+            {"cpp.vec_isa_ok": True} if vec_isa_ok() else {})}))
         stack.enter_context(torch.compiler.config.patch(cache_key_tag=_cache_key_tag()))
         stack.enter_context(torch._guards.tracing(torch._guards.TracingContext(fake_mode)))
         compiled = compile_fx_inner(gm, inputs)
