@@ -8,7 +8,8 @@ in the job's first launch that rank SIGKILLs itself once it has joined that
 step's quorum, writing the time to ``fault_at``), ``QUORUM_STALL`` (the
 same, hanging instead of dying), ``QUORUM_TOKENS``
 ("1": a token-weighted loss), ``QUORUM_SHARD`` ("1": each replica is
-pp2 x dp2 with ``data_parallel="shard"``, 4 ranks), ``QUORUM_TIMEOUT`` (seconds, default 10: the
+pp2 x dp2 with ``data_parallel="shard"``, 4 ranks), ``QUORUM_CLIP`` (the
+quorum's ``max_norm``), ``QUORUM_TIMEOUT`` (seconds, default 10: the
 pipeline's and the quorum's), ``QUORUM_SPLIT`` (the split point, default
 "blocks.2").
 
@@ -131,7 +132,9 @@ def main() -> None:
                                 timeout=datetime.timedelta(seconds=timeout),
                                 # a slow start on a loaded machine is no fault
                                 quorum_timeout=datetime.timedelta(seconds=60),
-                                state={"data": cursor}, start_replicas=2)
+                                state={"data": cursor}, start_replicas=2,
+                                max_norm=float(os.environ["QUORUM_CLIP"])
+                                if os.environ.get("QUORUM_CLIP") else None)
     ready = time.time()
     launch = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     records: list[dict] = []
@@ -151,6 +154,7 @@ def main() -> None:
         done = quorum.step(x, target=(y, keep) if tokens else y)
         records.append(dict(position=position, participants=done.participants,
                             committed=done.committed, loss=float(done.loss), step=done.step,
+                            grad_norm=done.grad_norm,
                             started=t0, ended=time.time()))
         if done.committed:
             grads[done.step] = {n: _whole(p.grad) for n, p in pipe.named_parameters()}
@@ -171,7 +175,8 @@ def main() -> None:
 
 def launch_quorum(out: Path, fault: dict[str, str], tokens: bool, end: int,
                   heartbeat_ms: int, restarts: int = 1, timeout_s: float = 300,
-                  shard: bool = False) -> tuple[list[int], dict[int, str]]:
+                  shard: bool = False, clip: float | None = None
+                  ) -> tuple[list[int], dict[int, str]]:
     """Run the two replicas (``fault``: the environment of replica 1, e.g.
     ``{"QUORUM_KILL": "5:1"}``), each a torchrun job allowed ``restarts``
     (``shard``: 4 ranks each, pp2 x dp2 sharded), in a Lighthouse of this
@@ -180,7 +185,8 @@ def launch_quorum(out: Path, fault: dict[str, str], tokens: bool, end: int,
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=heartbeat_ms,
                                   quorum_tick_ms=50, heartbeat_timeout_ms=heartbeat_ms)
     common = {**({"QUORUM_TOKENS": "1"} if tokens else {}),
-              **({"QUORUM_SHARD": "1"} if shard else {})}
+              **({"QUORUM_SHARD": "1"} if shard else {}),
+              **({"QUORUM_CLIP": str(clip)} if clip is not None else {})}
     jobs: list[subprocess.Popen] = []
     try:
         for replica, env in ((0, common), (1, {**common, **fault})):
@@ -214,10 +220,10 @@ def nproc(shard: bool) -> int:
 
 
 def run_quorum(out: Path, fault: dict[str, str], tokens: bool, end: int,
-               heartbeat_ms: int, shard: bool = False) -> dict:
+               heartbeat_ms: int, shard: bool = False, clip: float | None = None) -> dict:
     """:func:`launch_quorum` where both jobs must succeed, replica 1 after one
     restart. Returns (replica, rank, launch) -> what that rank wrote."""
-    codes, logs = launch_quorum(out, fault, tokens, end, heartbeat_ms, shard=shard)
+    codes, logs = launch_quorum(out, fault, tokens, end, heartbeat_ms, shard=shard, clip=clip)
     ranks = range(nproc(shard))
     tails = {r: text[-1500:] for r, text in logs.items()}
     assert codes == [0, 0], tails

@@ -24,6 +24,7 @@ import torch_mpmd as mpmd
 END = 10                 # both replicas stop at a step past this that both took part in
 HEARTBEAT_MS = 2000      # the Lighthouse drops a replica silent this long
 RTOL, ATOL = 1e-5, 1e-6  # fp32, AdamW's steps included
+CLIP = 0.05              # max_norm of the clipped case: below most steps' norms
 
 
 def _history(out: dict) -> dict[int, tuple[int, list[int]]]:
@@ -45,11 +46,13 @@ def _history(out: dict) -> dict[int, tuple[int, list[int]]]:
     return {step: (position, sorted(who)) for step, (position, who) in history.items()}
 
 
-def _reference(history: dict[int, tuple[int, list[int]]], tokens: bool, dps: int
-               ) -> dict[int, tuple[float, dict[str, torch.Tensor]]]:
-    """Loss and gradients of every committed step, replayed in one process on
-    the participants' batches (``dps`` per replica, one per dp rank), with
-    AdamW stepping as the replicas do."""
+def _reference(history: dict[int, tuple[int, list[int]]], tokens: bool, dps: int,
+               clip: float | None = None
+               ) -> dict[int, tuple[float, dict[str, torch.Tensor], float]]:
+    """Loss, gradients (clipped to ``clip``) and their norm before clipping of
+    every committed step, replayed in one process on the participants'
+    batches (``dps`` per replica, one per dp rank), with AdamW stepping as
+    the replicas do."""
     model = qw.model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     out = {}
@@ -63,12 +66,13 @@ def _reference(history: dict[int, tuple[int, list[int]]], tokens: bool, dps: int
         else:
             loss = sum(qw.mean_loss(model(x), y) for x, y, _ in batches) / len(batches)
         loss.backward()
-        out[step] = (loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()})
+        norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip or float("inf")))
+        out[step] = (loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}, norm)
         opt.step()
     return out
 
 
-def _check(out: dict, tokens: bool, shard: bool = False) -> None:
+def _check(out: dict, tokens: bool, shard: bool = False, clip: float | None = None) -> None:
     survivor = out[(0, 0, 0)]["records"]
     ranks = range(qw.nproc(shard))
     # Every rank of a replica decided every step alike.
@@ -96,12 +100,19 @@ def _check(out: dict, tokens: bool, shard: bool = False) -> None:
     same = next(rec for rec in survivor if rec["committed"] and rec["step"] == rejoined["step"])
     assert rejoined["position"] == same["position"] and same["participants"] == 2
     # Every committed step equals one process on the participants' batches.
-    want = _reference(_history(out), tokens, dps=2 if shard else 1)
+    want = _reference(_history(out), tokens, dps=2 if shard else 1, clip=clip)
+    if clip is not None:  # the clip was in force: most steps' norms exceed it
+        assert sum(norm > clip for _, _, norm in want.values()) > len(want) // 2, want
     for (replica, rank, launch), data in out.items():
         for rec in data["records"]:
             if rec["committed"]:
                 assert rec["loss"] == pytest.approx(want[rec["step"]][0], rel=RTOL, abs=ATOL), \
                     (replica, launch, rec)
+                if clip is None:
+                    assert rec["grad_norm"] is None, rec
+                else:  # the norm of the participants' gradient, before clipping
+                    assert rec["grad_norm"] == pytest.approx(want[rec["step"]][2], rel=RTOL), \
+                        (replica, launch, rec)
         assert data["grads"], f"replica {replica} rank {rank} committed no step"
         for step, grads in data["grads"].items():
             assert grads, f"rank {rank} holds no gradient at step {step}"
@@ -120,14 +131,15 @@ def _check(out: dict, tokens: bool, shard: bool = False) -> None:
                 assert torch.equal(torch.as_tensor(v), torch.as_tensor(healed["opt"]["state"][i][k]))
 
 
-@pytest.mark.parametrize("fault,tokens", [("kill", True), ("stall", False)])
-def test_a_replica_survives_its_peers_failure_and_heals_it_exactly(tmp_path, fault, tokens):
+@pytest.mark.parametrize("fault,tokens,clip", [("kill", True, CLIP), ("stall", False, None)])
+def test_a_replica_survives_its_peers_failure_and_heals_it_exactly(tmp_path, fault, tokens,
+                                                                   clip):
     # A hang is seen at the timeouts: shorter ones keep the test short.
     env = {"QUORUM_KILL": "5:1"} if fault == "kill" else {"QUORUM_STALL": "5:1",
                                                           "QUORUM_TIMEOUT": "5"}
-    out = qw.run_quorum(tmp_path, env, tokens, END, HEARTBEAT_MS)
+    out = qw.run_quorum(tmp_path, env, tokens, END, HEARTBEAT_MS, clip=clip)
     assert not list(tmp_path.glob("replica0_*_1.pt")), "replica 0 was restarted"
-    _check(out, tokens)
+    _check(out, tokens, clip=clip)
 
 
 def test_replicas_sharded_inside_survive_and_heal_shard_by_shard(tmp_path):
@@ -162,6 +174,8 @@ def test_bad_arguments_are_named_before_any_communication():
         mpmd.ReplicaQuorum(pipe, opt, replica_id=0, lighthouse="http://x:1", min_replicas=0)
     with pytest.raises(ValueError, match="start_replicas=0"):
         mpmd.ReplicaQuorum(pipe, opt, replica_id=0, lighthouse="http://x:1", start_replicas=0)
+    with pytest.raises(ValueError, match="max_norm=0"):
+        mpmd.ReplicaQuorum(pipe, opt, replica_id=0, lighthouse="http://x:1", max_norm=0)
     with pytest.raises(ValueError, match=r"state\['data'\]=int"):
         mpmd.ReplicaQuorum(pipe, opt, replica_id=0, lighthouse="http://x:1", state={"data": 3})
     env = os.environ.pop("TORCHFT_LIGHTHOUSE", None)

@@ -90,13 +90,16 @@ class QuorumStep:
     ``committed``: whether the optimizer stepped; ``participants``: how many
     replicas the step's quorum held; ``step``: the quorum's committed steps
     after this one (healing sets it to the peer's); ``error``: what failed in
-    a step that did not commit (a peer's all-reduce, the quorum), else None."""
+    a step that did not commit (a peer's all-reduce, the quorum), else None;
+    ``grad_norm``: with ``max_norm``, the participants' gradient norm before
+    clipping, in a committed step (else None)."""
 
     loss: torch.Tensor
     committed: bool
     participants: int
     step: int
     error: str | None = None  # why the step could not commit, when it failed
+    grad_norm: float | None = None
 
 
 def _torchft() -> Any:
@@ -120,7 +123,11 @@ class ReplicaQuorum:
     the pipeline's timeout); ``quorum_timeout``: the bound of waiting for a
     quorum (default: ``timeout``); ``state``: named objects healed with the
     model (e.g. ``{"data": loader}``, with ``state_dict``/``load_state_dict``);
-    ``start_replicas``: how many replicas the first step waits for.
+    ``start_replicas``: how many replicas the first step waits for;
+    ``max_norm``: clip the participants' gradient to this global norm
+    (``norm_type``) before the optimizer steps, as
+    ``torch.nn.utils.clip_grad_norm_`` on one process would (NOTE [Clipping
+    after the average]).
 
     NOTE [Starting as one]: a Lighthouse forms a quorum from half of the
     replicas it hears, so replicas launched together can start as separate
@@ -140,7 +147,8 @@ class ReplicaQuorum:
                  timeout: datetime.timedelta | None = None,
                  quorum_timeout: datetime.timedelta | None = None,
                  state: dict[str, Stateful] | None = None,
-                 start_replicas: int = 1) -> None:
+                 start_replicas: int = 1, max_norm: float | None = None,
+                 norm_type: float = 2.0) -> None:
         if isinstance(replica_id, bool) or not isinstance(replica_id, int) or replica_id < 0:
             raise ValueError(f"replica_id={replica_id!r}: must be an int >= 0, the same on "
                              "every rank of a replica")
@@ -150,6 +158,10 @@ class ReplicaQuorum:
         if isinstance(start_replicas, bool) or not isinstance(start_replicas, int) \
                 or start_replicas < 1:
             raise ValueError(f"start_replicas={start_replicas!r}: must be an int >= 1")
+        if max_norm is not None and not (isinstance(max_norm, (int, float))
+                                         and not isinstance(max_norm, bool) and max_norm > 0):
+            raise ValueError(f"max_norm={max_norm!r}: must be a number > 0 (or None: no "
+                             "clipping)")
         lighthouse = lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE")
         if not lighthouse:
             raise ValueError("ReplicaQuorum needs the Lighthouse's address: lighthouse=... or "
@@ -178,6 +190,8 @@ class ReplicaQuorum:
         self.timeout = timeout
         self._joined = False
         self.start_replicas = start_replicas
+        self.max_norm = None if max_norm is None else float(max_norm)
+        self.norm_type = float(norm_type)
         host, port = self._replica_store(timeout)
         self._manager = ft.Manager(
             pg=(ft.ProcessGroupNCCL(timeout=timeout) if pipe.device.type == "cuda"
@@ -278,6 +292,7 @@ class ReplicaQuorum:
                               participants=m.num_participants(), step=m.current_step(),
                               error=waiting)
         self.optimizer.zero_grad()
+        grad_norm = None
         loss = self.pipe.step(*args, target=target, **kwargs)
         tokens = self.pipe.last_token_count
         weight = 1.0 if tokens is None else float(tokens)
@@ -297,11 +312,19 @@ class ReplicaQuorum:
                 n = g.numel()
                 g.copy_(flat[offset:offset + n].view_as(g))
                 offset += n
+            if self.max_norm is not None:
+                # NOTE [Clipping after the average]: every replica now holds the
+                # participants' gradient, so its norm over this replica's ranks
+                # is the global one; clipping before the all-reduce would clip
+                # each replica's own gradient, which no single process does.
+                # All ranks of the replica are here alike (the vote passed).
+                grad_norm = float(self.pipe.clip_grad_norm_(self.max_norm, self.norm_type))
             self.optimizer.step()
             loss = flat[-2].clone().to(loss.dtype)
         return QuorumStep(loss=loss, committed=committed, participants=m.num_participants(),
                           step=m.current_step(),
-                          error=None if failed is None else str(failed.original_exception))
+                          error=None if failed is None else str(failed.original_exception),
+                          grad_norm=grad_norm)
 
     def _check_layout(self, named: list, grads: list[torch.Tensor]) -> None:
         """NOTE [Replicas split alike]: rank r's gradients are summed element
