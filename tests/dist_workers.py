@@ -507,7 +507,9 @@ def zygote_main() -> None:
     import torch._inductor.compile_fx  # noqa: F401
     import torch.distributed  # noqa: F401
     import torch_mpmd  # noqa: F401
+    from torch_mpmd.programs.vec_isa import vec_isa_ok
 
+    vec_isa_ok()  # NOTE [A probe per machine]: known here, for every rank forked
     try:  # 2.3 s per rank that builds a Hugging Face model, paid here once
         import transformers.modeling_utils  # noqa: F401
     except ImportError:
