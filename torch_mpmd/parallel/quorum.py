@@ -244,7 +244,8 @@ class ReplicaQuorum:
         optim = saved["optimizer"]
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
         optim["state"] = {i: {k: _rewrap(v, params[i], f"the optimizer's state {k!r} of "
-                                            f"parameter {i}") for k, v in s.items()}
+                                            f"parameter {i}", same_layout=False)
+                              for k, v in s.items()}
                           for i, s in optim["state"].items()}
         self.optimizer.load_state_dict(optim)
         self.pipe.step_count = saved["pipeline_step"]
@@ -382,18 +383,20 @@ def _portable(tree: Any) -> Any:
     return pytree.tree_map_only(torch.Tensor, one, tree)
 
 
-def _rewrap(value: Any, like: Any, what: str) -> Any:
+def _rewrap(value: Any, like: Any, what: str, same_layout: bool = True) -> Any:
     """A received value for the place where this rank holds ``like``: a
-    :class:`_Shard` becomes a DTensor on ``like``'s mesh."""
+    :class:`_Shard` becomes a DTensor on ``like``'s mesh, laid out as sent.
+    ``same_layout``: ``like`` must be laid out as the shard was (a parameter;
+    not an optimizer's state, which may be of another shape than its
+    parameter)."""
     if not isinstance(value, _Shard):
         return value
-    if not isinstance(like, DTensor) or tuple(like.placements) != value.placements \
-            or tuple(like.shape) != value.shape:
+    if not isinstance(like, DTensor) or (same_layout and (
+            tuple(like.placements) != value.placements or tuple(like.shape) != value.shape)):
         have = (f"a DTensor {tuple(like.shape)} placed {tuple(like.placements)}"
                 if isinstance(like, DTensor) else type(like).__name__)
         raise ValueError(f"heal: {what} came as a shard of {value.shape} placed "
                          f"{value.placements}, where this rank holds {have}: every replica "
                          "must lay the model out the same way (mesh, data_parallel, split)")
-    return DTensor.from_local(value.local.to(like.device), like.device_mesh, like.placements,
-                              run_check=False, shape=like.shape, stride=like.stride())
-
+    return DTensor.from_local(value.local.to(like.device), like.device_mesh, value.placements,
+                              run_check=False, shape=value.shape, stride=value.stride)

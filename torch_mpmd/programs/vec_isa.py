@@ -10,8 +10,8 @@ answer depends on the machine, the compiler and torch, not on the process.
 So the first process to compile stage programs on a machine runs Inductor's
 own probes and records which ISAs passed, beside Inductor's cache. Where
 every ISA the CPU claims passed, stage programs are compiled with
-``config.cpp.vec_isa_ok=True``: Inductor then takes the claimed ISAs as
-valid without probing, the same list the probes gave. The setting is used in
+Inductor's ``vec_isa_ok=True`` (among its ``cpp`` options): it then takes
+the claimed ISAs as valid without probing, the same list the probes gave. The setting is used in
 every process, the one that probed included, because Inductor's cache keys
 programs by its config: a relaunch must look its programs up under the key
 the first launch stored them with. Nothing changes where some ISA failed its
@@ -81,16 +81,17 @@ def _write(path: str, valid: list[str]) -> None:
 
 
 def vec_isa_ok() -> bool | None:
-    """The value of Inductor's ``config.cpp.vec_isa_ok`` to compile stage
+    """The value of Inductor's ``vec_isa_ok`` (its ``cpp`` options) to compile stage
     programs with (NOTE [A probe per machine]): True where every ISA the CPU
     claims is known to build and load here (recorded by an earlier process,
     or probed now and recorded), else the user's setting (None: Inductor
     probes as usual)."""
     from torch._inductor import config, cpu_vec_isa
+    from torch._inductor.config import cpp as cpp_options
 
     global _answer
-    if config.cpp.vec_isa_ok is not None:
-        return config.cpp.vec_isa_ok
+    if cpp_options.vec_isa_ok is not None:
+        return cpp_options.vec_isa_ok
     if _answer is not _UNKNOWN:
         return _answer  # type: ignore[return-value]
     if platform.machine() not in ("x86_64", "AMD64") or config.is_fbcode():
