@@ -146,9 +146,11 @@ def test_replicas_sharded_inside_survive_and_heal_shard_by_shard(tmp_path):
     # Each replica pp2 x dp2 with data_parallel="shard" (HSDP across
     # replicas): rank r's rows are summed with rank r's of the other replica,
     # and a heal sends each rank its own rows (NOTE [Shards in a heal]).
-    out = qw.run_quorum(tmp_path, {"QUORUM_KILL": "5:1"}, True, END, HEARTBEAT_MS, shard=True)
+    # Clipped too: the norm of the sharded gradients, over dp and pp.
+    out = qw.run_quorum(tmp_path, {"QUORUM_KILL": "5:1"}, True, END, HEARTBEAT_MS, shard=True,
+                        clip=CLIP)
     assert not list(tmp_path.glob("replica0_*_1.pt")), "replica 0 was restarted"
-    _check(out, True, shard=True)
+    _check(out, True, shard=True, clip=CLIP)
 
 
 def test_replicas_split_differently_are_an_error_on_each_before_any_gradient_is_summed(
@@ -176,6 +178,9 @@ def test_bad_arguments_are_named_before_any_communication():
         mpmd.ReplicaQuorum(pipe, opt, replica_id=0, lighthouse="http://x:1", start_replicas=0)
     with pytest.raises(ValueError, match="max_norm=0"):
         mpmd.ReplicaQuorum(pipe, opt, replica_id=0, lighthouse="http://x:1", max_norm=0)
+    with pytest.raises(ValueError, match="norm_type='x'"):
+        mpmd.ReplicaQuorum(pipe, opt, replica_id=0, lighthouse="http://x:1", max_norm=1.0,
+                           norm_type="x")
     with pytest.raises(ValueError, match=r"state\['data'\]=int"):
         mpmd.ReplicaQuorum(pipe, opt, replica_id=0, lighthouse="http://x:1", state={"data": 3})
     env = os.environ.pop("TORCHFT_LIGHTHOUSE", None)

@@ -162,6 +162,9 @@ class ReplicaQuorum:
                                          and not isinstance(max_norm, bool) and max_norm > 0):
             raise ValueError(f"max_norm={max_norm!r}: must be a number > 0 (or None: no "
                              "clipping)")
+        if isinstance(norm_type, bool) or not isinstance(norm_type, (int, float)):
+            raise ValueError(f"norm_type={norm_type!r}: must be a number (2.0, or inf, as "
+                             "torch.nn.utils.clip_grad_norm_ takes)")
         lighthouse = lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE")
         if not lighthouse:
             raise ValueError("ReplicaQuorum needs the Lighthouse's address: lighthouse=... or "
@@ -243,6 +246,10 @@ class ReplicaQuorum:
         self.pipe.load_state_dict(model, strict=self.pipe.is_captured)
         optim = saved["optimizer"]
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        if optim["state"] and max(optim["state"]) >= len(params):
+            raise ValueError(f"heal: the peer's optimizer holds state for parameter "
+                             f"{max(optim['state'])}, this rank's has {len(params)} parameters: "
+                             "every replica must build its optimizer over the same parameters")
         optim["state"] = {i: {k: _rewrap(v, params[i], f"the optimizer's state {k!r} of "
                                             f"parameter {i}", same_layout=False)
                               for k, v in s.items()}
@@ -370,6 +377,7 @@ class _Shard:
     placements: tuple
     shape: tuple[int, ...]
     stride: tuple[int, ...]
+    mesh: tuple[int, ...]  # the sender's mesh shape
 
 
 def _portable(tree: Any) -> Any:
@@ -378,7 +386,7 @@ def _portable(tree: Any) -> Any:
     def one(t: torch.Tensor) -> Any:
         if isinstance(t, DTensor):
             return _Shard(t.to_local().detach().clone(), tuple(t.placements), tuple(t.shape),
-                          tuple(t.stride()))
+                          tuple(t.stride()), tuple(t.device_mesh.shape))
         return t.detach().clone()
     return pytree.tree_map_only(torch.Tensor, one, tree)
 
@@ -391,12 +399,16 @@ def _rewrap(value: Any, like: Any, what: str, same_layout: bool = True) -> Any:
     parameter)."""
     if not isinstance(value, _Shard):
         return value
-    if not isinstance(like, DTensor) or (same_layout and (
-            tuple(like.placements) != value.placements or tuple(like.shape) != value.shape)):
-        have = (f"a DTensor {tuple(like.shape)} placed {tuple(like.placements)}"
+    if not isinstance(like, DTensor) or tuple(like.device_mesh.shape) != value.mesh or (
+            same_layout and (tuple(like.placements) != value.placements
+                             or tuple(like.shape) != value.shape
+                             or like.to_local().shape != value.local.shape)):
+        have = (f"a DTensor {tuple(like.shape)} (rows {tuple(like.to_local().shape)}) placed "
+                f"{tuple(like.placements)} on a mesh of {tuple(like.device_mesh.shape)}"
                 if isinstance(like, DTensor) else type(like).__name__)
-        raise ValueError(f"heal: {what} came as a shard of {value.shape} placed "
-                         f"{value.placements}, where this rank holds {have}: every replica "
-                         "must lay the model out the same way (mesh, data_parallel, split)")
+        raise ValueError(f"heal: {what} came as a shard of {value.shape} (rows "
+                         f"{tuple(value.local.shape)}) placed {value.placements} on a mesh of "
+                         f"{value.mesh}, where this rank holds {have}: every replica must lay "
+                         "the model out the same way (mesh, data_parallel, split)")
     return DTensor.from_local(value.local.to(like.device), like.device_mesh, value.placements,
                               run_check=False, shape=value.shape, stride=value.stride)

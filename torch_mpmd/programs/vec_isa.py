@@ -11,16 +11,22 @@ So the first process to compile stage programs on a machine runs Inductor's
 own probes and records which ISAs passed, beside Inductor's cache. Where
 every ISA the CPU claims passed, stage programs are compiled with
 Inductor's ``vec_isa_ok=True`` (among its ``cpp`` options): it then takes
-the claimed ISAs as valid without probing, the same list the probes gave. The setting is used in
+the claimed ISAs as valid without their base probes, the same list the
+probes gave. (The extra checks Inductor makes for some instructions, AVX-512
+VNNI and BF16 and AMX, where the CPU claims them, still probe as before.) The setting is used in
 every process, the one that probed included, because Inductor's cache keys
 programs by its config: a relaunch must look its programs up under the key
 the first launch stored them with. Nothing changes where some ISA failed its
 probe, off x86, or where the user set ``vec_isa_ok``
 (``TORCHINDUCTOR_VEC_ISA_OK``) themselves.
 
-The record is keyed by what decides the probes: torch's version and build,
-the Python that loads the probe, the CPU's claimed ISAs, and the compiler
-(its path, size and modification time).
+The record is keyed by what decides the probes: torch's version, build and
+install (its folder, and libtorch_cpu's size and modification time), the
+Python that loads the probe, the CPU's claimed ISAs, and the compiler (its
+path, size, modification time and its own version line). Only a record of
+every claimed ISA passing, probed by this process's Inductor, is written: a
+failure (or a probe timed out on a loaded machine) is probed again by the
+next process rather than kept.
 """
 
 from __future__ import annotations
@@ -50,19 +56,25 @@ def _claimed() -> list[str]:
             if all(flag in flags for flag in str(isa).split())]
 
 
+def _stamp(path: str) -> str:
+    try:
+        st = os.stat(path)
+        return f"{st.st_size}:{st.st_mtime_ns}"
+    except OSError:
+        return "?"
+
+
 def _record_path(claimed: list[str]) -> str:
-    from torch._inductor.cpp_builder import get_cpp_compiler
+    from torch._inductor.cpp_builder import get_compiler_version_info, get_cpp_compiler
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 
     compiler = get_cpp_compiler()
     where = shutil.which(compiler) or compiler
-    try:
-        st = os.stat(where)
-        made = f"{st.st_size}:{st.st_mtime_ns}"
-    except OSError:
-        made = "?"
-    key = json.dumps([torch.__version__, torch.version.git_version, sys.executable,
-                      platform.machine(), claimed, where, made])
+    torch_dir = os.path.dirname(torch.__file__)
+    libtorch = os.path.join(torch_dir, "lib", "libtorch_cpu.so")
+    key = json.dumps([torch.__version__, torch.version.git_version, torch_dir, _stamp(libtorch),
+                      sys.executable, platform.machine(), claimed, where, _stamp(where),
+                      get_compiler_version_info(compiler)])
     name = hashlib.sha256(key.encode()).hexdigest()[:24]
     return os.path.join(cache_dir(), "torch_mpmd_vec_isa", f"{name}.json")
 
@@ -103,7 +115,11 @@ def vec_isa_ok() -> bool | None:
         with open(path) as f:
             valid = json.load(f)["valid"]
     except (OSError, ValueError, KeyError, TypeError):
-        valid = [str(isa) for isa in cpu_vec_isa.valid_vec_isa_list()]  # Inductor's probes
-        _write(path, valid)
+        # Inductor's probes, unless this process listed the ISAs already
+        # (perhaps under a setting of its own): that list is used, not kept.
+        probing = cpu_vec_isa.valid_vec_isa_list.cache_info().currsize == 0
+        valid = [str(isa) for isa in cpu_vec_isa.valid_vec_isa_list()]
+        if probing and valid == claimed:
+            _write(path, valid)
     _answer = True if claimed and valid == claimed else None
     return _answer  # type: ignore[return-value]
