@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import datetime
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -193,3 +195,41 @@ def test_bad_arguments_are_named_before_any_communication():
     with pytest.raises(ValueError, match="dist.init_process_group"):
         mpmd.ReplicaQuorum(pipe, opt, replica_id=0, lighthouse="http://x:1",
                            timeout=datetime.timedelta(seconds=1))
+
+
+HEAL_SCRIPT = """
+import os, socket, torch, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import distribute_tensor, Shard
+from torch_mpmd.parallel.quorum import _portable, _rewrap
+s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+dist.init_process_group("gloo", rank=0, world_size=1)
+mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("dp",))
+w = distribute_tensor(torch.arange(12.).reshape(4, 3), mesh, [Shard(0)])
+sent = _portable({"w": w, "step": torch.tensor(3.0)})
+assert type(sent["step"]) is torch.Tensor and not sent["w"].local.data_ptr() == w.to_local().data_ptr()
+back = _rewrap(sent["w"], w, "the model's 'w'")
+assert back.placements == w.placements and torch.equal(back.full_tensor(), w.full_tensor())
+# An optimizer's state may be laid out unlike its parameter: rewrapped as sent.
+col = distribute_tensor(torch.ones(4), mesh, [Shard(0)])
+state = _rewrap(_portable(col), w, "the state", same_layout=False)
+assert tuple(state.shape) == (4,) and torch.equal(state.full_tensor(), torch.ones(4))
+for like in (distribute_tensor(torch.zeros(6, 3), mesh, [Shard(0)]), torch.zeros(4, 3)):
+    try:
+        _rewrap(sent["w"], like, "the model's 'w'")
+    except ValueError as e:
+        assert "the model's 'w' came as a shard of (4, 3)" in str(e), e
+        assert "every replica must lay the model out the same way" in str(e), e
+    else:
+        raise AssertionError("a different layout was loaded")
+dist.destroy_process_group()
+print("ok")
+"""
+
+
+def test_a_heal_rewraps_rows_on_the_receivers_mesh_and_names_a_different_layout():
+    # NOTE [Shards in a heal], in one process on a 1-rank mesh.
+    out = subprocess.run([sys.executable, "-c", HEAL_SCRIPT], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
