@@ -157,6 +157,8 @@ def main() -> None:
                             grad_norm=done.grad_norm,
                             started=t0, ended=time.time()))
         if done.committed:
+            for n, p in pipe.named_parameters():  # a held parameter must have one
+                assert p.grad is not None, f"rank {rank}: {n} has no gradient"
             grads[done.step] = {n: _whole(p.grad) for n, p in pipe.named_parameters()}
             cursor.position += 1
         state = opt.state_dict()
