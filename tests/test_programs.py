@@ -296,3 +296,61 @@ def test_saved_bytes_count_what_the_forward_computes_not_views_of_parameters():
     assert views, "the forward saves no transposed weight: the test no longer covers a view"
     # The ReLU's output and the linear outputs of 2 rows: a few KiB at most.
     assert 0 < prog.saved_bytes < weight_bytes, prog.saved_bytes
+
+
+@pytest.mark.parametrize("name", ["gpt", "checkpointed", "skipnet"])
+def test_a_stage_traced_again_comes_from_the_export_memo_and_trains_the_same(name):
+    # NOTE [Export memo]: a copy of the model, split the same way, reuses the
+    # joint graphs AOTAutograd traced for the first; its loss and gradients
+    # are the autograd path's all the same.
+    from torch_mpmd.programs import export_memo
+
+    export_memo.clear()
+    model, x, y, loss_fn, kw = _case(name)
+    first, again, ref = copy.deepcopy(model), copy.deepcopy(model), copy.deepcopy(model)
+    before = export_memo.stats()
+    train_step(first, x, y, loss_fn, split=True, **kw)
+    traced = export_memo.stats()
+    assert traced["hits"] == before["hits"] and traced["misses"] > before["misses"]
+    loss, runner, _ = train_step(again, x, y, loss_fn, split=True, **kw)
+    assert runner.fallback_reason is None, runner.fallback_reason
+    assert export_memo.stats()["hits"] - traced["hits"] == runner.num_stages
+    ref_loss, _, _ = train_step(ref, x, y, loss_fn, split=True, functional=False, **kw)
+    _compare(again, ref, loss, ref_loss)
+
+
+def test_what_a_kept_joint_graph_does_not_describe_is_traced_again():
+    # A loss closing over another constant: the last stage is traced again
+    # (the others come from the memo), and the loss follows the change.
+    from torch_mpmd.programs import export_memo
+
+    export_memo.clear()
+    model, x, y, _, kw = _case("skip")
+
+    def scaled(k):
+        return lambda out, t: F.mse_loss(out, t) * k
+
+    def check(make_loss, expect_hits=None, freeze=False):
+        changed, ref = copy.deepcopy(model), copy.deepcopy(model)
+        if freeze:
+            for m in (changed, ref):
+                m.layers[0].weight.requires_grad_(False)
+        before = export_memo.stats()
+        loss, runner, _ = train_step(changed, x, y, make_loss(), **kw)
+        assert runner.fallback_reason is None, runner.fallback_reason
+        if expect_hits is not None:
+            assert export_memo.stats()["hits"] - before["hits"] == expect_hits(runner)
+        ref_loss, _, _ = train_step(ref, x, y, make_loss(), functional=False, **kw)
+        _compare(changed, ref, loss, ref_loss)
+        return changed
+
+    check(lambda: scaled(1.0))
+    check(lambda: scaled(3.0), expect_hits=lambda r: r.num_stages - 1)
+    # A parameter frozen since (a capture and stages of their own).
+    assert check(lambda: scaled(3.0), freeze=True).layers[0].weight.grad is None
+    # A loss with no name across calls (closing over a module instance) is
+    # not kept: the last stage is traced every time.
+    before = export_memo.stats()
+    mse = nn.MSELoss()
+    check(lambda: (lambda out, t: mse(out, t)))
+    assert export_memo.stats()["not_keyed"] == before["not_keyed"] + 1

@@ -39,6 +39,7 @@ import torch.fx
 import torch.utils._pytree as pytree
 
 from torch_mpmd import _C
+from torch_mpmd.programs import export_memo
 from torch_mpmd.programs.loss import microbatch_loss
 from torch_mpmd.programs.vec_isa import vec_isa_ok
 
@@ -278,14 +279,15 @@ def _decompositions(compiler: Compiler | None) -> dict | None:
 
 
 def _export(traced: _Traced, args: tuple, decompositions: dict | None
-            ) -> tuple[Any, torch.fx.GraphModule, Any]:
+            ) -> tuple[torch.fx.GraphModule, Any]:
+    """AOTAutograd's joint graph of ``traced`` at ``args`` and its metadata."""
     from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
 
     stack = contextlib.ExitStack()
     with stack:
         jd = aot_export_joint_with_descriptors(stack, traced, args,
                                                decompositions=decompositions)
-        return jd, jd.graph_module, jd._aot_state.fw_metadata
+        return jd.graph_module, jd._aot_state.fw_metadata
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -386,7 +388,11 @@ def build_stage_programs(stage: int, module: torch.fx.GraphModule, *, num_user: 
         for _attempt in range(2):
             traced = _Traced(module, num_user=num_user, num_received=len(received),
                              num_sent=num_sent, loss=loss, clone_outputs=clone)
-            jd, joint, meta = _export(traced, args, _decompositions(compiler))
+            # NOTE [Export memo]: the same stage traced before in this process.
+            joint, meta = export_memo.exported(
+                module, args, num_user=num_user, num_received=len(received), num_sent=num_sent,
+                clone_outputs=clone, loss=loss, decomposed=compiler is _inductor,
+                export=lambda: _export(traced, args, _decompositions(compiler)))
             aliased = frozenset(i for i, info in enumerate(meta.output_info)
                                 if info.output_type.name != "non_alias")
             if not aliased:
@@ -777,7 +783,8 @@ def flatten_target(target: Any) -> list[Any]:
 
 def loss_tail(loss_fn: Callable[..., torch.Tensor] | None, rebuild_output: Callable,
               user_names: Sequence[str], target_spec: Any) -> Callable:
-    """The loss as the last stage's program computes it (runner._loss's contract)."""
+    """The loss as the last stage's program computes it (runner._loss's
+    contract), carrying its key for the export memo (``memo_key``)."""
 
     def loss(flat: tuple, user: tuple, target_leaves: list) -> torch.Tensor:
         output = rebuild_output(flat, dict(zip(user_names, user)))
@@ -788,4 +795,6 @@ def loss_tail(loss_fn: Callable[..., torch.Tensor] | None, rebuild_output: Calla
         except ValueError as e:  # the autograd path raises it again, to the caller
             raise ProgramsUnsupported(f"the loss: {e}") from e
 
+    loss.memo_key = export_memo.loss_key(  # type: ignore[attr-defined]
+        loss_fn, rebuild_output, user_names, target_spec)
     return loss

@@ -1,0 +1,235 @@
+"""Joint graphs kept for the process: a stage traced by AOTAutograd once is
+not traced again (NOTE [Export memo]).
+
+NOTE [Export memo]: building a stage's programs starts with AOTAutograd
+tracing the stage (and on the last stage the loss) into one joint forward
+and backward graph, 0.1-1 s a stage on two cores. The same stage is traced
+again and again in one process: every schedule of the same model, split and
+microbatch size has the same stages (plan trials, the planner's
+calibration, test grids), and so does a copy of the model (its capture
+comes from the capture memo). A trace is kept under a key of everything it
+reads:
+
+- the stage's code: each GraphModule's generated Python and every node's
+  op, target and metadata (an activation checkpoint's tags live there),
+  fake values aside (the inputs' descriptions below fix them);
+- the stage's parameters and buffers by name: shape, dtype, strides,
+  device, whether each requires grad;
+- the inputs' descriptions, and which inputs share storage;
+- how the stage is wrapped (inputs received and sent, outputs cloned), the
+  loss on the last stage (the user's loss function named as the capture
+  store names functions: by module, code, defaults and closure; and the
+  model's output structure), the decomposition table, and the torch state
+  a trace reads (grad mode, autocast, default dtype).
+
+Anything the key cannot describe is not kept: a tensor subclass (a
+DTensor), a constant tensor the graph reads (its values are in the trace),
+a module that is not a graph, symbolic sizes, a loss function with no name
+across calls (a lambda closing over an instance). A hit hands out a copy of
+the kept graph (the caller rewrites it). ``MPMD_EXPORT_MEMO=0`` turns it off.
+"""
+
+from __future__ import annotations
+
+import collections
+import copy
+import hashlib
+import os
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.fx
+
+__all__ = ["clear", "export_key", "exported", "lookup", "loss_key", "stats", "store"]
+
+# Kept traces (least recently used go first beyond it): joint graphs over
+# fake values, small beside the programs built from them.
+_MAX_ENTRIES = 64
+# Node metadata the key leaves out: fake values (the inputs' descriptions
+# fix them), the capture's sources, and where in the user's code a node
+# came from (no bearing on what it computes).
+_UNKEYED_META = frozenset({"val", "example_value", "tensor_meta", "grapharg", "mpmd_source",
+                           "stack_trace", "source_fn_stack", "fwd_source_fn_stack"})
+
+_kept: collections.OrderedDict[str, tuple[torch.fx.GraphModule, Any]] = \
+    collections.OrderedDict()
+_stats = {"hits": 0, "misses": 0, "not_keyed": 0}
+
+
+def enabled() -> bool:
+    return os.environ.get("MPMD_EXPORT_MEMO", "1") != "0"
+
+
+def stats() -> dict[str, int]:
+    """Hits, misses and traces the key could not describe, since start."""
+    return dict(_stats)
+
+
+def clear() -> None:
+    _kept.clear()
+
+
+class _NotKeyed(Exception):
+    """What a trace reads has no description the key can hold."""
+
+
+def _tensor(t: Any, *, parameter: bool = False) -> tuple:
+    allowed = (torch.nn.Parameter, torch.Tensor) if parameter else (torch.Tensor,)
+    if type(t) not in allowed:
+        raise _NotKeyed(f"a {type(t).__name__}")
+    if any(isinstance(s, torch.SymInt) for s in t.shape):
+        raise _NotKeyed("symbolic sizes")
+    return (tuple(t.shape), str(t.dtype), tuple(t.stride()), t.storage_offset(), str(t.device),
+            t.requires_grad, t.is_leaf)
+
+
+def _graph(stage: torch.fx.GraphModule) -> list:
+    """The stage's code, its tensors' descriptions and its nodes' metadata."""
+    params = dict(stage.named_parameters(remove_duplicate=False))
+    buffers = dict(stage.named_buffers(remove_duplicate=False))
+    modules = dict(stage.named_modules(remove_duplicate=False))
+    parts: list = [("param", name, _tensor(t, parameter=True)) for name, t in params.items()]
+    parts += [("buffer", name, _tensor(t)) for name, t in buffers.items()]
+    for prefix, module in modules.items():
+        if type(module) is torch.nn.Module:  # a container GraphModule made for dotted names
+            continue
+        if not isinstance(module, torch.fx.GraphModule):
+            raise _NotKeyed(f"a {type(module).__name__} module")
+        parts.append(("code", prefix, module.code))
+        for node in module.graph.nodes:
+            if node.op == "get_attr":
+                target = f"{prefix}.{node.target}" if prefix else str(node.target)
+                if target not in params and target not in buffers and target not in modules:
+                    raise _NotKeyed(f"a constant {target}")
+            if node.op == "call_module":
+                raise _NotKeyed("a call_module node")
+            meta = sorted((k, repr(v)) for k, v in node.meta.items() if k not in _UNKEYED_META)
+            parts.append((node.name, node.op, str(node.target), meta))
+    return parts
+
+
+def _inputs(args: Sequence[Any]) -> list:
+    """Each input's description, and for a tensor the first input sharing
+    its storage."""
+    parts: list = []
+    storages: dict[int, int] = {}
+    for i, a in enumerate(args):
+        if isinstance(a, torch.Tensor):
+            described = _tensor(a)  # (a fake tensor of a dynamic capture is not keyed)
+            ptr = a.untyped_storage().data_ptr()
+            first = storages.setdefault(ptr, i) if ptr else i
+            parts.append(("tensor", described, first))
+        elif type(a) is int:
+            parts.append(("int", a))
+        else:
+            raise _NotKeyed(f"an input of type {type(a).__name__}")
+    return parts
+
+
+def loss_key(loss_fn: Any, rebuild_output: Any, user_names: Sequence[str],
+             target_spec: Any) -> str | None:
+    """The key of the loss a last stage traces (stage_programs.loss_tail):
+    the loss function by name (graph.names: code, defaults, closure) and the
+    model's output structure (``rebuild_output`` of a capture); None when
+    either has no such description."""
+    from torch_mpmd.graph.capture import CapturedGraph
+    from torch_mpmd.graph.names import Unnamed, name_of
+
+    captured = getattr(rebuild_output, "__self__", None)
+    if not isinstance(captured, CapturedGraph) or captured.output_spec is None:
+        return None
+    leaves = []
+    for leaf in captured.output_leaves:
+        if leaf.source == "tensor":  # a model tensor returned: its values would be traced
+            return None
+        leaves.append((leaf.source, leaf.index, leaf.name,
+                       repr(leaf.value) if leaf.source == "constant" else None))
+    try:
+        fn = name_of(loss_fn) if loss_fn is not None else None
+    except (Unnamed, RecursionError):
+        return None
+    return repr((fn, str(captured.output_spec), leaves, tuple(user_names), str(target_spec)))
+
+
+def export_key(stage: torch.fx.GraphModule, args: Sequence[Any], *, num_user: int,
+               num_received: int, num_sent: int, clone_outputs: frozenset[int],
+               loss: Any, decomposed: bool) -> str | None:
+    """The key of tracing ``stage`` (stage_programs._Traced over it) at
+    ``args``, or None when it cannot be kept (see the module docstring).
+    ``loss``: the last stage's loss callable (its ``memo_key`` attribute,
+    from :func:`loss_key`), None elsewhere; ``decomposed``: traced with
+    Inductor's decomposition table."""
+    if not enabled():
+        return None
+    loss_part = None
+    if loss is not None:
+        loss_part = getattr(loss, "memo_key", None)
+        if loss_part is None:
+            _stats["not_keyed"] += 1
+            return None
+    try:
+        parts = [_graph(stage), _inputs(args)]
+    except (_NotKeyed, RuntimeError):  # RuntimeError: a tensor with no storage to read
+        _stats["not_keyed"] += 1
+        return None
+    state = (torch.is_grad_enabled(), torch.is_autocast_enabled("cpu"),
+             torch.is_autocast_enabled("cuda"), str(torch.get_default_dtype()),
+             torch.are_deterministic_algorithms_enabled())
+    text = repr((parts, num_user, num_received, num_sent, sorted(clone_outputs), loss_part,
+                 decomposed, state))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _copy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A new GraphModule over a copy of ``gm``'s graph (node metadata copied
+    one level deep: the fake values are shared), ``gm``'s attributes."""
+    with warnings.catch_warnings():  # copying a graph's output TreeSpec (torch 2.13)
+        warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)",
+                                category=FutureWarning)
+        graph = copy.deepcopy(gm.graph)
+    return torch.fx.GraphModule(gm, graph, class_name=type(gm).__name__)
+
+
+def lookup(key: str | None) -> tuple[torch.fx.GraphModule, Any] | None:
+    """A copy of the joint graph kept under ``key`` and its AOTAutograd
+    metadata (shared: read only), or None."""
+    if key is None:
+        return None
+    kept = _kept.get(key)
+    if kept is None:
+        _stats["misses"] += 1
+        return None
+    _kept.move_to_end(key)
+    _stats["hits"] += 1
+    return _copy(kept[0]), kept[1]
+
+
+def store(key: str | None, joint: torch.fx.GraphModule, meta: Any) -> None:
+    """Keep a copy of ``joint`` (taken before the caller rewrites it)."""
+    if key is None:
+        return
+    _kept[key] = (_copy(joint), meta)
+    _kept.move_to_end(key)
+    while len(_kept) > _MAX_ENTRIES:
+        _kept.popitem(last=False)
+
+
+def exported(stage: torch.fx.GraphModule, args: Sequence[Any], *, num_user: int,
+             num_received: int, num_sent: int, clone_outputs: frozenset[int], loss: Any,
+             decomposed: bool, export: Callable[[], tuple[torch.fx.GraphModule, Any]]
+             ) -> tuple[torch.fx.GraphModule, Any]:
+    """The joint graph and metadata of tracing ``stage`` at ``args`` (see
+    :func:`export_key`): kept from an earlier trace, or ``export()``'s, kept
+    for later ones."""
+    key = export_key(stage, args, num_user=num_user, num_received=num_received,
+                     num_sent=num_sent, clone_outputs=clone_outputs, loss=loss,
+                     decomposed=decomposed)
+    kept = lookup(key)
+    if kept is not None:
+        return kept
+    joint, meta = export()
+    store(key, joint, meta)
+    return joint, meta
+
