@@ -354,3 +354,35 @@ def test_what_a_kept_joint_graph_does_not_describe_is_traced_again():
     mse = nn.MSELoss()
     check(lambda: (lambda out, t: mse(out, t)))
     assert export_memo.stats()["not_keyed"] == before["not_keyed"] + 1
+    # A global the loss reads, changed since: traced again, and the loss
+    # follows it (NOTE [Loss state] is part of the key).
+    global LOSS_SCALE
+    check(lambda: scaled_by_global)
+    LOSS_SCALE = 5.0
+    try:
+        check(lambda: scaled_by_global, expect_hits=lambda r: r.num_stages - 1)
+    finally:
+        LOSS_SCALE = 2.0
+    # Back to the first value: the kept trace is right again.
+    check(lambda: scaled_by_global, expect_hits=lambda r: r.num_stages)
+    # A loss that changes what it reads when called is never kept: its
+    # runner runs it under autograd at every microbatch, as eager does.
+    stored = len(export_memo._kept)
+    changed = copy.deepcopy(model)
+    loss, runner, _ = train_step(changed, x, y, counting_loss, **kw)
+    assert runner.fallback_reason is not None and "changes Python state" in \
+        runner.fallback_reason, runner.fallback_reason
+    assert len(export_memo._kept) == stored, "a stateful loss's trace was kept"
+
+
+LOSS_SCALE = 2.0
+CALLS = []
+
+
+def scaled_by_global(out, t):
+    return F.mse_loss(out, t) * LOSS_SCALE
+
+
+def counting_loss(out, t):
+    CALLS.append(1)
+    return F.mse_loss(out, t) * len(CALLS)

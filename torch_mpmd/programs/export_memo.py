@@ -14,13 +14,17 @@ reads:
   op, target and metadata (an activation checkpoint's tags live there),
   fake values aside (the inputs' descriptions below fix them);
 - the stage's parameters and buffers by name: shape, dtype, strides,
-  device, whether each requires grad;
+  storage size, device, whether each requires grad, which are one tensor;
 - the inputs' descriptions, and which inputs share storage;
 - how the stage is wrapped (inputs received and sent, outputs cloned), the
-  loss on the last stage (the user's loss function named as the capture
-  store names functions: by module, code, defaults and closure; and the
-  model's output structure), the decomposition table, and the torch state
-  a trace reads (grad mode, autocast, default dtype).
+  decomposition table, and the torch state a trace reads (grad mode,
+  autocast, default dtype);
+- on the last stage, the loss: the user's loss function named as the
+  capture store names functions (module, code, defaults, closure), the
+  Python state it reads (NOTE [Loss state]: a global flag, a module's
+  attribute; objects by identity, watched by weak reference so that a dead
+  object's id never matches a new one), and the model's output structure.
+  A trace that changed what the loss reads (a stateful loss) is not kept.
 
 Anything the key cannot describe is not kept: a tensor subclass (a
 DTensor), a constant tensor the graph reads (its values are in the trace),
@@ -33,9 +37,11 @@ from __future__ import annotations
 
 import collections
 import copy
+import dataclasses
 import hashlib
 import os
 import warnings
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -53,7 +59,7 @@ _MAX_ENTRIES = 64
 _UNKEYED_META = frozenset({"val", "example_value", "tensor_meta", "grapharg", "mpmd_source",
                            "stack_trace", "source_fn_stack", "fwd_source_fn_stack"})
 
-_kept: collections.OrderedDict[str, tuple[torch.fx.GraphModule, Any]] = \
+_kept: collections.OrderedDict[str, tuple[torch.fx.GraphModule, Any, tuple]] = \
     collections.OrderedDict()
 _stats = {"hits": 0, "misses": 0, "not_keyed": 0}
 
@@ -81,8 +87,10 @@ def _tensor(t: Any, *, parameter: bool = False) -> tuple:
         raise _NotKeyed(f"a {type(t).__name__}")
     if any(isinstance(s, torch.SymInt) for s in t.shape):
         raise _NotKeyed("symbolic sizes")
+    # The storage's size too: a parked or resharded parameter has its layout
+    # and an empty storage (NOTE [Resharding frees the storage]).
     return (tuple(t.shape), str(t.dtype), tuple(t.stride()), t.storage_offset(), str(t.device),
-            t.requires_grad, t.is_leaf)
+            t.requires_grad, t.is_leaf, t.untyped_storage().nbytes())
 
 
 def _graph(stage: torch.fx.GraphModule) -> list:
@@ -90,8 +98,11 @@ def _graph(stage: torch.fx.GraphModule) -> list:
     params = dict(stage.named_parameters(remove_duplicate=False))
     buffers = dict(stage.named_buffers(remove_duplicate=False))
     modules = dict(stage.named_modules(remove_duplicate=False))
-    parts: list = [("param", name, _tensor(t, parameter=True)) for name, t in params.items()]
-    parts += [("buffer", name, _tensor(t)) for name, t in buffers.items()]
+    first: dict[int, str] = {}  # a tensor under two names (tied weights): its first name
+    parts: list = [("param", name, _tensor(t, parameter=True), first.setdefault(id(t), name))
+                   for name, t in params.items()]
+    parts += [("buffer", name, _tensor(t), first.setdefault(id(t), name))
+              for name, t in buffers.items()]
     for prefix, module in modules.items():
         if type(module) is torch.nn.Module:  # a container GraphModule made for dotted names
             continue
@@ -128,14 +139,36 @@ def _inputs(args: Sequence[Any]) -> list:
     return parts
 
 
+@dataclasses.dataclass(frozen=True)
+class LossKey:
+    """What a last stage's trace reads of the loss (stage_programs.loss_tail):
+    ``text``, the key's part; ``identities``, the objects it names by id
+    (NOTE [Loss state]), watched by weak reference: an entry whose object
+    died is dropped, as another object may now have its id; ``loss_fn`` and
+    ``state``, to tell a loss that changed what it reads while traced (a
+    stateful loss, which the runner runs under autograd): not kept."""
+
+    text: str
+    identities: tuple
+    loss_fn: Any
+    state: tuple
+
+    def unchanged(self) -> bool:
+        from torch_mpmd.programs.loss_state import loss_state
+
+        return loss_state(self.loss_fn) == self.state
+
+
 def loss_key(loss_fn: Any, rebuild_output: Any, user_names: Sequence[str],
-             target_spec: Any) -> str | None:
+             target_spec: Any) -> LossKey | None:
     """The key of the loss a last stage traces (stage_programs.loss_tail):
-    the loss function by name (graph.names: code, defaults, closure) and the
-    model's output structure (``rebuild_output`` of a capture); None when
-    either has no such description."""
+    the loss function by name (graph.names: code, defaults, closure), the
+    Python state it reads (programs.loss_state: globals, attributes) and
+    the model's output structure (``rebuild_output`` of a capture); None
+    when one of them has no such description."""
     from torch_mpmd.graph.capture import CapturedGraph
     from torch_mpmd.graph.names import Unnamed, name_of
+    from torch_mpmd.programs.loss_state import loss_state
 
     captured = getattr(rebuild_output, "__self__", None)
     if not isinstance(captured, CapturedGraph) or captured.output_spec is None:
@@ -150,7 +183,15 @@ def loss_key(loss_fn: Any, rebuild_output: Any, user_names: Sequence[str],
         fn = name_of(loss_fn) if loss_fn is not None else None
     except (Unnamed, RecursionError):
         return None
-    return repr((fn, str(captured.output_spec), leaves, tuple(user_names), str(target_spec)))
+    identities: list = []
+    state = loss_state(loss_fn, identities)
+    try:
+        watched = tuple(weakref.ref(o) for o in identities)
+    except TypeError:  # an object with no weak reference (a builtin): not kept
+        return None
+    text = repr((fn, state, str(captured.output_spec), leaves, tuple(user_names),
+                 str(target_spec)))
+    return LossKey(text, watched, loss_fn, state)
 
 
 def export_key(stage: torch.fx.GraphModule, args: Sequence[Any], *, num_user: int,
@@ -165,10 +206,11 @@ def export_key(stage: torch.fx.GraphModule, args: Sequence[Any], *, num_user: in
         return None
     loss_part = None
     if loss is not None:
-        loss_part = getattr(loss, "memo_key", None)
-        if loss_part is None:
+        memo = getattr(loss, "memo_key", None)
+        if memo is None:
             _stats["not_keyed"] += 1
             return None
+        loss_part = memo.text
     try:
         parts = [_graph(stage), _inputs(args)]
     except (_NotKeyed, RuntimeError):  # RuntimeError: a tensor with no storage to read
@@ -194,10 +236,14 @@ def _copy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
 
 def lookup(key: str | None) -> tuple[torch.fx.GraphModule, Any] | None:
     """A copy of the joint graph kept under ``key`` and its AOTAutograd
-    metadata (shared: read only), or None."""
+    metadata (shared: read only), or None. An entry one of whose loss's
+    objects died is dropped (see :class:`LossKey`)."""
     if key is None:
         return None
     kept = _kept.get(key)
+    if kept is not None and any(ref() is None for ref in kept[2]):
+        del _kept[key]
+        kept = None
     if kept is None:
         _stats["misses"] += 1
         return None
@@ -206,11 +252,13 @@ def lookup(key: str | None) -> tuple[torch.fx.GraphModule, Any] | None:
     return _copy(kept[0]), kept[1]
 
 
-def store(key: str | None, joint: torch.fx.GraphModule, meta: Any) -> None:
-    """Keep a copy of ``joint`` (taken before the caller rewrites it)."""
+def store(key: str | None, joint: torch.fx.GraphModule, meta: Any,
+          watched: tuple = ()) -> None:
+    """Keep a copy of ``joint`` (taken before the caller rewrites it), valid
+    while every weak reference in ``watched`` lives."""
     if key is None:
         return
-    _kept[key] = (_copy(joint), meta)
+    _kept[key] = (_copy(joint), meta, watched)
     _kept.move_to_end(key)
     while len(_kept) > _MAX_ENTRIES:
         _kept.popitem(last=False)
@@ -222,7 +270,7 @@ def exported(stage: torch.fx.GraphModule, args: Sequence[Any], *, num_user: int,
              ) -> tuple[torch.fx.GraphModule, Any]:
     """The joint graph and metadata of tracing ``stage`` at ``args`` (see
     :func:`export_key`): kept from an earlier trace, or ``export()``'s, kept
-    for later ones."""
+    for later ones (not when tracing the loss changed what the loss reads)."""
     key = export_key(stage, args, num_user=num_user, num_received=num_received,
                      num_sent=num_sent, clone_outputs=clone_outputs, loss=loss,
                      decomposed=decomposed)
@@ -230,6 +278,7 @@ def exported(stage: torch.fx.GraphModule, args: Sequence[Any], *, num_user: int,
     if kept is not None:
         return kept
     joint, meta = export()
-    store(key, joint, meta)
+    memo = getattr(loss, "memo_key", None) if loss is not None else None
+    if memo is None or memo.unchanged():
+        store(key, joint, meta, memo.identities if memo is not None else ())
     return joint, meta
-

@@ -34,14 +34,31 @@ _MAX_DEPTH = 4       # levels of objects followed from the loss function
 _MAX_ITEMS = 256     # items of one container or __dict__ looked at
 
 
-def loss_state(loss_fn: Any) -> tuple:
+def loss_state(loss_fn: Any, identities: list | None = None) -> tuple:
     """A snapshot of the Python state ``loss_fn`` can read: a tuple of
-    ``(path, summary)`` pairs, equal for equal state (NOTE [Loss state])."""
+    ``(path, summary)`` pairs, equal for equal state (NOTE [Loss state]).
+    ``identities``, when given, receives every object the snapshot names by
+    its ``id``: while they live, an equal snapshot means the same objects."""
     if loss_fn is None:
         return ()
     out: list[tuple[str, Any]] = []
-    _walk(loss_fn, "loss_fn", out, 0, set())
+    _walk(loss_fn, "loss_fn", _Out(out, identities), 0, set())
     return tuple(out)
+
+
+class _Out:
+    """Where a walk writes: the snapshot's pairs, and the objects it names by id."""
+
+    def __init__(self, pairs: list, identities: list | None) -> None:
+        self.pairs, self.identities = pairs, identities
+
+    def append(self, pair: tuple) -> None:
+        self.pairs.append(pair)
+
+    def by_id(self, path: str, summary: tuple, value: Any) -> None:
+        self.pairs.append((path, summary))
+        if self.identities is not None:
+            self.identities.append(value)
 
 
 def describe_change(before: tuple, after: tuple) -> str:
@@ -87,17 +104,17 @@ def _plain(value: Any) -> bool:
                                                torch.dtype, torch.device))
 
 
-def _walk(value: Any, path: str, out: list, depth: int, seen: set[int]) -> None:
+def _walk(value: Any, path: str, out: _Out, depth: int, seen: set[int]) -> None:
     if _plain(value):
         out.append((path, value))
         return
     if isinstance(value, torch.Tensor):
-        out.append((path, ("tensor", f"a tensor of shape {tuple(value.shape)}", id(value),
-                           tuple(value.shape), value.dtype)))
+        out.by_id(path, ("tensor", f"a tensor of shape {tuple(value.shape)}", id(value),
+                         tuple(value.shape), value.dtype), value)
         return
     if id(value) in seen or depth > _MAX_DEPTH or (
             type(value).__module__ or "").startswith("torch_mpmd."):  # (a Pipeline: its own state)
-        out.append((path, ("object", _name(value), id(value))))
+        out.by_id(path, ("object", _name(value), id(value)), value)
         return
     seen.add(id(value))
     if isinstance(value, (list, tuple)):
@@ -115,10 +132,10 @@ def _walk(value: Any, path: str, out: list, depth: int, seen: set[int]) -> None:
     if isinstance(value, (types.ModuleType, type)) or _is_torch(value) and not isinstance(
             value, torch.nn.Module) or callable(value) and not hasattr(value, "__dict__") \
             and not isinstance(value, functools.partial):
-        out.append((path, ("object", _name(value), id(value))))
+        out.by_id(path, ("object", _name(value), id(value)), value)
         return
     if isinstance(value, functools.partial):
-        out.append((path, ("object", "functools.partial", id(value))))
+        out.by_id(path, ("object", "functools.partial", id(value)), value)
         _walk(value.func, f"{path}.func", out, depth + 1, seen)
         _walk(value.args, f"{path}.args", out, depth + 1, seen)
         _walk(value.keywords, f"{path}.keywords", out, depth + 1, seen)
@@ -128,11 +145,11 @@ def _walk(value: Any, path: str, out: list, depth: int, seen: set[int]) -> None:
         _function(value.__func__, path, out, depth, seen)
         return
     if isinstance(value, types.FunctionType):
-        out.append((path, ("object", _name(value), id(value))))
+        out.by_id(path, ("object", _name(value), id(value)), value)
         _function(value, path, out, depth, seen)
         return
     # Any other object: its class, its attributes, and its class's call code.
-    out.append((path, ("object", _name(value), id(value))))
+    out.by_id(path, ("object", _name(value), id(value)), value)
     attrs = getattr(value, "__dict__", None)
     if isinstance(attrs, dict):
         for i, (k, item) in enumerate(attrs.items()):
@@ -152,7 +169,7 @@ def _walk(value: Any, path: str, out: list, depth: int, seen: set[int]) -> None:
         _function(call, f"{path}.{call.__name__}", out, depth, seen)
 
 
-def _function(fn: types.FunctionType, path: str, out: list, depth: int, seen: set[int]) -> None:
+def _function(fn: types.FunctionType, path: str, out: _Out, depth: int, seen: set[int]) -> None:
     """What a Python function reads besides its arguments."""
     if _is_torch(fn):
         return
