@@ -24,7 +24,7 @@ fi
 need_pip=0
 "$PYTHON" - <<'PY' || need_pip=1
 import importlib.metadata as md, sys
-want = {"torch": "2.13.0", "pytest": None, "matplotlib": None, "cmake": None, "numpy": None,
+want = {"torch": "2.13.0", "pytest": None, "pytest-xdist": "3.8.0", "matplotlib": None, "cmake": None, "numpy": None,
         "transformers": "5.24.0", "torchft": "0.2.0"}
 for name, version in want.items():
     try:
@@ -37,10 +37,13 @@ import cmake  # noqa: F401  (PyPI cmake >= 3.27 reads Torch's CMake config)
 PY
 if ((need_pip)); then
   echo "[setup] installing Python packages"
+  # pytest-xdist: the suite runs in one pytest process per core (up to 2),
+  # a test file at a time each (scripts/test.sh).
   # transformers: the capture tests split Hugging Face models built from
   # small configs (no download). torchft: replicas that survive each other
   # (torch_mpmd/parallel/quorum.py); its wheel holds the Lighthouse.
-  "$PYTHON" -m pip install -q "torch==2.13.0" "cmake>=3.27,<4" pytest matplotlib numpy "transformers==5.24.0" \
+  "$PYTHON" -m pip install -q "torch==2.13.0" "cmake>=3.27,<4" pytest "pytest-xdist==3.8.0" \
+    matplotlib numpy "transformers==5.24.0" \
     "torchft==0.2.0"
 fi
 

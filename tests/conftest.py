@@ -38,6 +38,24 @@ def fresh_dynamo():
     torch._dynamo.reset()
 
 
+# The test files that take longest, longest first (seconds of one run, alone,
+# on two cores: BENCHMARKS.md, "The test command in two processes"). With
+# the suite in two pytest processes (scripts/test.sh: pytest-xdist, whole
+# files, in collection order), starting them first keeps the last minutes
+# from running one file on one process while the other has nothing left.
+# Any file may be missing here: the rest follow in their own order.
+_LONGEST_FIRST = ("test_compile_door", "test_plan_auto", "test_tensor_parallel", "test_quorum",
+                  "test_example", "test_3d_checkpoint", "test_pipeline", "test_plan_hf",
+                  "test_sharded_dp", "test_pipeline_failures", "test_bounded_collectives",
+                  "test_warm_restart", "test_plan_trials", "test_lockstep_bounds",
+                  "test_microbatches")
+
+
+def pytest_collection_modifyitems(session, config, items):
+    rank = {name: i for i, name in enumerate(_LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.stem, len(rank)))  # stable: order kept within
+
+
 def pytest_sessionfinish(session, exitstatus):
     """The worker groups of tests/dist_harness.py end with the session."""
     import dist_harness

@@ -31,7 +31,7 @@ CASES = ([dict(id=s, kind="train", schedule=s) for s in SCHEDULES]
          + [dict(id="limits", kind="limits"), dict(id="refined", kind="refined"),
             dict(id="hf_llama", kind="hf_llama"), dict(id="compiled", kind="compiled")]
          + DOOR)
-_GRID = GridRun(2, "plan_worker:grid", CASES, task="plans", timeout=300)
+_GRID = GridRun(2, "plan_worker:grid", CASES, task="plans", timeout=600)
 
 
 _GRID4 = GridRun(4, "plan_worker:grid", [dict(id=s, kind="train", schedule=s) for s in SCHEDULES4],

@@ -39,7 +39,7 @@ CASES = [
 ]
 for _case in CASES:
     _case["kind"] = "arch"
-_GRID = GridRun(2, "plan_hf_worker:grid", CASES, task="hf", timeout=300)
+_GRID = GridRun(2, "plan_hf_worker:grid", CASES, task="hf", timeout=600)
 
 
 def _blocks(prefix: str, n: int = 2) -> list[str]:
