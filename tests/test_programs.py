@@ -367,12 +367,12 @@ def test_what_a_kept_joint_graph_does_not_describe_is_traced_again():
     check(lambda: scaled_by_global, expect_hits=lambda r: r.num_stages)
     # A loss that changes what it reads when called is never kept: its
     # runner runs it under autograd at every microbatch, as eager does.
-    stored = len(export_memo._kept)
+    stored = export_memo.stats()["kept"]
     changed = copy.deepcopy(model)
     loss, runner, _ = train_step(changed, x, y, counting_loss, **kw)
     assert runner.fallback_reason is not None and "changes Python state" in \
         runner.fallback_reason, runner.fallback_reason
-    assert len(export_memo._kept) == stored, "a stateful loss's trace was kept"
+    assert export_memo.stats()["kept"] == stored, "a stateful loss's trace was kept"
 
 
 LOSS_SCALE = 2.0

@@ -48,7 +48,8 @@ from typing import Any
 import torch
 import torch.fx
 
-__all__ = ["clear", "export_key", "exported", "lookup", "loss_key", "stats", "store"]
+__all__ = ["LossKey", "clear", "export_key", "exported", "lookup", "loss_key", "stats",
+           "store"]
 
 # Kept traces (least recently used go first beyond it): joint graphs over
 # fake values, small beside the programs built from them.
@@ -69,8 +70,9 @@ def enabled() -> bool:
 
 
 def stats() -> dict[str, int]:
-    """Hits, misses and traces the key could not describe, since start."""
-    return dict(_stats)
+    """Hits, misses and traces the key could not describe, since start, and
+    the traces kept now."""
+    return {**_stats, "kept": len(_kept)}
 
 
 def clear() -> None:
@@ -171,7 +173,7 @@ def loss_key(loss_fn: Any, rebuild_output: Any, user_names: Sequence[str],
     from torch_mpmd.programs.loss_state import loss_state
 
     captured = getattr(rebuild_output, "__self__", None)
-    if not isinstance(captured, CapturedGraph) or captured.output_spec is None:
+    if not enabled() or not isinstance(captured, CapturedGraph) or captured.output_spec is None:
         return None
     leaves = []
     for leaf in captured.output_leaves:
