@@ -133,6 +133,29 @@ def _rank_env(world_size: int, port: int, pg_timeout: float, init_process_group:
     return base_env
 
 
+def launcher(env: dict[str, str] | None = None) -> tuple[list[str], list[str], dict[str, str]]:
+    """How a test starts a launcher of its own (torchrun), whose processes
+    are forked from the zygote where it runs (NOTE [Forked interpreters] in
+    tests/forked_python.py). Returns ``(python, script_prefix, env)``:
+
+        cmd = [*python, "-m", "torch.distributed.run", ..., *script_prefix, script, *args]
+
+    ``python`` starts torchrun itself, ``script_prefix`` goes before the
+    workers' script, and ``env`` (``os.environ`` with ``env`` over it, tests/
+    and the repository on ``PYTHONPATH``, one OpenMP thread, gloo on loopback)
+    is the launch's environment. Without a zygote (``MPMD_TEST_POOL=0``)
+    these are plain ``python`` and an empty prefix."""
+    full = _rank_env(1, 0, 0.0, True, None)
+    for k in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "HARNESS_PG_TIMEOUT", "HARNESS_INIT_PG"):
+        del full[k]  # torchrun's to set
+    zygote = _workers().zygote_for(full)
+    full.update(env or {})
+    if zygote is None:
+        return [sys.executable], [], full
+    client = str(TESTS_DIR / "forked_python.py")
+    return [sys.executable, client], [client], full | {"MPMD_TEST_FORK_SOCKET": zygote.socket}
+
+
 def _spawn(world_size: int, base_env: dict[str, str], workdir: Path, *,
            serve: bool = False) -> tuple[list[subprocess.Popen], list[Any]]:
     """Start the ranks, each in its own session (so a kill takes its children too),

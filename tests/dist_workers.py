@@ -54,6 +54,17 @@ def _import_env(env: dict[str, str]) -> tuple[tuple[str, str], ...]:
                         if k.startswith(_IMPORT_TIME_PREFIXES) and k != "PYTHONUNBUFFERED"))
 
 
+# What torchrun sets for its workers, and torchft's settings: read when they
+# run, not at import.
+_LAUNCHER_PREFIXES = ("TORCHELASTIC_", "TORCH_NCCL_", "TORCHFT_")
+
+
+def _interpreter_env(env: dict[str, str]) -> tuple[tuple[str, str], ...]:
+    """What an interpreter forked for a launcher must share with the zygote
+    (NOTE [Forked interpreters])."""
+    return tuple((k, v) for k, v in _import_env(env) if not k.startswith(_LAUNCHER_PREFIXES))
+
+
 class _Forked:
     """A rank forked by the zygote, with the subprocess.Popen methods this
     module uses (``stdin``: a worker group rank's, else None)."""
@@ -114,9 +125,10 @@ class _Zygote:
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=str(H.TESTS_DIR),
             start_new_session=True)
         self.lock = threading.Lock()
-        ready = self.proc.stdout.readline()
-        if ready.strip() != b"ready":
+        ready = self.proc.stdout.readline().split()
+        if ready[:1] != [b"ready"] or len(ready) != 2:
             raise RuntimeError(f"the zygote did not start: {ready!r}")
+        self.socket = ready[1].decode()  # NOTE [Forked interpreters]
 
     def fork(self, env: dict[str, str], workdir: Path, rank: int, *,
              serve: bool = False) -> _Forked:
@@ -149,6 +161,7 @@ class _Zygote:
     def close(self) -> None:
         H._kill(self.proc)
         self.proc.wait()
+        shutil.rmtree(Path(self.socket).parent, ignore_errors=True)
 
 
 def zygote_for(env: dict[str, str]) -> _Zygote | None:
@@ -502,6 +515,8 @@ def zygote_main() -> None:
     answer its pid, and write its exit status once it ends (NOTE [Forked ranks])."""
     import selectors
 
+    # Before the imports, which may set variables of their own.
+    own = _interpreter_env(os.environ)
     import torch  # noqa: F401
     import torch._dynamo  # noqa: F401
     import torch._inductor.compile_fx  # noqa: F401
@@ -514,9 +529,22 @@ def zygote_main() -> None:
         import transformers.modeling_utils  # noqa: F401
     except ImportError:
         pass
-    children: dict[int, str] = {}
+    try:  # the replica tests' interpreters (NOTE [Forked interpreters])
+        import torchft.manager  # noqa: F401
+    except ImportError:
+        pass
+    import forked_python as FP
+
+    # Where torchrun and its workers ask for an interpreter (NOTE [Forked
+    # interpreters]); the folder is removed when the zygote ends (or by the
+    # parent, which kills it).
+    folder = tempfile.mkdtemp(prefix="mpmd_zygote_")
+    server = FP.listen(os.path.join(folder, "fork.sock"))
+    # A rank's exit status goes to a file (a str here), an interpreter's to
+    # its client's connection.
+    children: dict[int, Any] = {}
     out = sys.stdout.buffer
-    out.write(b"ready\n")
+    out.write(f"ready {server.getsockname()}\n".encode())
     out.flush()
     # A child's exit wakes the loop (SIGCHLD through a pipe), not a timer:
     # polling every few milliseconds cost about a minute of CPU per suite.
@@ -528,15 +556,29 @@ def zygote_main() -> None:
     selector = selectors.DefaultSelector()
     selector.register(sys.stdin, selectors.EVENT_READ)
     selector.register(wake_r, selectors.EVENT_READ)
+    selector.register(server, selectors.EVENT_READ)
+
+    def in_child() -> None:  # the rank's own children are its own
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        os.close(wake_r)
+        os.close(wake_w)
+        for held in children.values():
+            if not isinstance(held, str):
+                held.close()
+
     while True:
         for pid, path in list(children.items()):
             done, status = os.waitpid(pid, os.WNOHANG)
             if done:
                 code = os.waitstatus_to_exitcode(status)
-                tmp = path + ".tmp"
-                with open(tmp, "w") as f:
-                    f.write(f"{code}\n")
-                os.replace(tmp, path)
+                if isinstance(path, str):
+                    tmp = path + ".tmp"
+                    with open(tmp, "w") as f:
+                        f.write(f"{code}\n")
+                    os.replace(tmp, path)
+                else:
+                    FP.report(path, code)
                 del children[pid]
         ready = [key.fileobj for key, _ in selector.select(timeout=1.0)]
         if wake_r in ready:
@@ -546,6 +588,10 @@ def zygote_main() -> None:
                         break
                 except BlockingIOError:
                     break
+        if server in ready:
+            forked = FP.accept(server, lambda env: _interpreter_env(env) == own, in_child)
+            if forked is not None:
+                children[forked[0]] = forked[1]
         if sys.stdin not in ready:
             continue
         line = sys.stdin.readline()
@@ -554,12 +600,11 @@ def zygote_main() -> None:
         request = json.loads(line)
         pid = os.fork()
         if pid == 0:
-            signal.set_wakeup_fd(-1)  # the rank's own children are its own
-            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-            os.close(wake_r)
-            os.close(wake_w)
+            server.close()
+            in_child()
             _forked_rank(request)
         children[pid] = request["status"]
         out.write(f"{pid}\n".encode())
         out.flush()
+    shutil.rmtree(folder, ignore_errors=True)
     os._exit(0)

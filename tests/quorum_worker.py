@@ -11,7 +11,10 @@ same, hanging instead of dying), ``QUORUM_TOKENS``
 pp2 x dp2 with ``data_parallel="shard"``, 4 ranks), ``QUORUM_CLIP`` (the
 quorum's ``max_norm``), ``QUORUM_TIMEOUT`` (seconds, default 10: the
 pipeline's and the quorum's), ``QUORUM_SPLIT`` (the split point, default
-"blocks.2").
+"blocks.2"), ``QUORUM_REJOIN_AFTER`` (seconds a relaunched rank waits before
+it starts: the tests' interpreters are forked, NOTE [Forked interpreters],
+and start at once, where a real one spends seconds importing torch, in which
+the surviving replica trains alone: the case the tests check).
 
 The batch of replica r's dp rank k at data position d is a function of (r, k,
 d); the data
@@ -28,7 +31,6 @@ import datetime
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -42,7 +44,6 @@ import torch_mpmd as mpmd
 from models import MLP
 
 D = 16
-ROOT = Path(__file__).resolve().parent.parent
 
 
 class Cursor:
@@ -108,6 +109,8 @@ def _trigger(name: str, step: int, rank: int) -> bool:
 
 
 def main() -> None:
+    if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        time.sleep(float(os.environ.get("QUORUM_REJOIN_AFTER", "0")))
     started = time.time()  # after the imports
     out = os.environ["QUORUM_OUT"]
     replica = int(os.environ["REPLICA"])
@@ -175,6 +178,11 @@ def main() -> None:
     quorum.shutdown()
 
 
+# A relaunched replica starts this long after torchrun restarts it, as a
+# fresh interpreter importing torch on a loaded machine would (or later).
+REJOIN_AFTER_S = 5.0
+
+
 def launch_quorum(out: Path, fault: dict[str, str], tokens: bool, end: int,
                   heartbeat_ms: int, restarts: int = 1, timeout_s: float = 300,
                   shard: bool = False, clip: float | None = None
@@ -184,20 +192,25 @@ def launch_quorum(out: Path, fault: dict[str, str], tokens: bool, end: int,
     (``shard``: 4 ranks each, pp2 x dp2 sharded), in a Lighthouse of this
     process. Returns the jobs' exit codes and log tails."""
     from torchft._torchft import LighthouseServer
+
+    import dist_harness as H
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=heartbeat_ms,
                                   quorum_tick_ms=50, heartbeat_timeout_ms=heartbeat_ms)
-    common = {**({"QUORUM_TOKENS": "1"} if tokens else {}),
+    common = {"QUORUM_REJOIN_AFTER": str(REJOIN_AFTER_S),
+              **({"QUORUM_TOKENS": "1"} if tokens else {}),
               **({"QUORUM_SHARD": "1"} if shard else {}),
               **({"QUORUM_CLIP": str(clip)} if clip is not None else {})}
     jobs: list[subprocess.Popen] = []
     try:
         for replica, env in ((0, common), (1, {**common, **fault})):
-            env = dict(os.environ, OMP_NUM_THREADS="1",
-                       PYTHONPATH=f"{ROOT}{os.pathsep}{ROOT / 'tests'}",
-                       TORCHFT_LIGHTHOUSE=lighthouse.address(), QUORUM_OUT=str(out),
-                       REPLICA=str(replica), QUORUM_END=str(end), **env)
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                   "--nproc-per-node", str(nproc(shard)), "--max-restarts", str(restarts), __file__]
+            # torchrun and its workers forked from the tests' zygote (NOTE
+            # [Forked interpreters]): real processes, without the imports.
+            python, prefix, env = H.launcher(dict(
+                TORCHFT_LIGHTHOUSE=lighthouse.address(), QUORUM_OUT=str(out),
+                REPLICA=str(replica), QUORUM_END=str(end), **env))
+            cmd = [*python, "-m", "torch.distributed.run", "--standalone",
+                   "--nproc-per-node", str(nproc(shard)), "--max-restarts", str(restarts),
+                   *prefix, __file__]
             with open(out / f"replica{replica}.log", "w") as log:
                 jobs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT))
         deadline = time.time() + timeout_s
