@@ -164,6 +164,16 @@ class _Zygote:
         shutil.rmtree(Path(self.socket).parent, ignore_errors=True)
 
 
+def _log_zygote(key: tuple[tuple[str, str], ...]) -> None:
+    """A line in $MPMD_TEST_LAUNCH_LOG per zygote started (seconds of imports
+    each: a test whose ranks read another setting at import starts its own)."""
+    path = os.environ.get(H.LAUNCH_LOG_VAR)
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps(dict(test=os.environ.get("PYTEST_CURRENT_TEST", ""),
+                                    zygote=dict(key))) + "\n")
+
+
 def zygote_for(env: dict[str, str]) -> _Zygote | None:
     """The zygote for a launch with ``env``; None: start the ranks the ordinary way."""
     if os.environ.get(H.POOL_VAR, "1") == "0" or "HARNESS_FINALIZE" in env:
@@ -177,6 +187,7 @@ def zygote_for(env: dict[str, str]) -> _Zygote | None:
             for old in _ZYGOTES.values():  # one at a time
                 old.close()
             _ZYGOTES.clear()
+            _log_zygote(key)
             try:
                 zygote = _ZYGOTES[key] = _Zygote({k: v for k, v in env.items()
                                                   if not k.startswith("HARNESS_")})
