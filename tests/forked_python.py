@@ -157,7 +157,9 @@ def _watch(client_pid: int) -> None:
 
     try:
         fd = os.pidfd_open(client_pid)
-    except (AttributeError, OSError):
+    except ProcessLookupError:  # gone before we looked
+        os.kill(os.getpid(), signal.SIGKILL)
+    except (AttributeError, OSError):  # no pidfds here: not watched
         return
 
     def wait() -> None:
