@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import dist_harness as H
+import forked_python as FP
 
 # ---------------------------------------------------------------- forked ranks
 
@@ -485,7 +486,6 @@ def _forked_rank(request: dict[str, Any]) -> None:
     """In a child of the zygote: become the rank a fresh process would be
     (NOTE [Forked ranks]); never returns."""
     import random
-    import traceback
 
     code = 1
     try:
@@ -499,26 +499,10 @@ def _forked_rank(request: dict[str, Any]) -> None:
         os.environ.clear()
         os.environ.update(request["env"])
         random.seed()  # a fresh process's own seed, not the zygote's
-        try:
-            if request["stdin"] is not None:
-                serve()  # a worker group's rank: ends with os._exit(0)
-            else:
-                H._rank_main()
-            code = 0
-        except SystemExit as e:
-            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-            if not isinstance(e.code, (int, type(None))):
-                print(e.code, file=sys.stderr)
-        except BaseException:  # noqa: BLE001  (what the interpreter does with it)
-            traceback.print_exc()
-            code = 1
-        atexit._run_exitfuncs()
+        # A worker group's rank serves (and ends with os._exit(0)).
+        code = FP.run_as_python(serve if request["stdin"] is not None else H._rank_main)
     finally:
-        try:
-            sys.stdout.flush()
-            sys.stderr.flush()
-        finally:
-            os._exit(code)
+        FP.end(code)
 
 
 def zygote_main() -> None:
@@ -544,8 +528,6 @@ def zygote_main() -> None:
         import torchft.manager  # noqa: F401
     except ImportError:
         pass
-    import forked_python as FP
-
     # Where torchrun and its workers ask for an interpreter (NOTE [Forked
     # interpreters]); the folder is removed when the zygote ends (or by the
     # parent, which kills it).

@@ -35,6 +35,7 @@ import signal
 import socket
 import sys
 from collections.abc import Callable
+from typing import NoReturn
 
 SOCKET_VAR = "MPMD_TEST_FORK_SOCKET"
 # Relayed to the interpreter. SIGKILL and SIGSTOP cannot be caught: a client
@@ -196,7 +197,8 @@ def _interpreter(request: dict, fds: list[int]) -> None:
         import random
         random.seed()  # a fresh process's own seed, not the zygote's
         args = request["args"]
-        try:
+
+        def main() -> None:
             if args[0] == "-m":
                 sys.argv = [args[1], *args[2:]]  # runpy puts the module's path first
                 sys.path[0] = os.getcwd()
@@ -205,24 +207,43 @@ def _interpreter(request: dict, fds: list[int]) -> None:
                 sys.argv = list(args)
                 sys.path[0] = os.path.dirname(os.path.abspath(args[0]))
                 runpy.run_path(args[0], run_name="__main__")
-            code = 0
-        except SystemExit as e:
-            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-            if not isinstance(e.code, (int, type(None))):
-                print(e.code, file=sys.stderr)
-        except BaseException:  # noqa: BLE001  (what the interpreter does with it)
-            traceback.print_exc()
-            code = 1
-        import atexit
-        atexit._run_exitfuncs()
+
+        code = run_as_python(main)
     except BaseException:  # noqa: BLE001  (before the script ran: said on its stderr)
         traceback.print_exc()
     finally:
-        try:
-            sys.stdout.flush()
-            sys.stderr.flush()
-        finally:
-            os._exit(code)
+        end(code)
+
+
+def run_as_python(main: Callable[[], None]) -> int:
+    """Run ``main`` as the interpreter runs a script and return its exit code:
+    SystemExit's (its message on stderr), or 1 and the traceback for an
+    uncaught exception; the exit handlers run first."""
+    import atexit
+    import traceback
+
+    try:
+        main()
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        if not isinstance(e.code, (int, type(None))):
+            print(e.code, file=sys.stderr)
+    except BaseException:  # noqa: BLE001  (what the interpreter does with it)
+        traceback.print_exc()
+        code = 1
+    atexit._run_exitfuncs()
+    return code
+
+
+def end(code: int) -> NoReturn:
+    """End a forked process with ``code``, its output flushed, skipping the
+    zygote's own exit handlers."""
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    finally:
+        os._exit(code)
 
 
 if __name__ == "__main__":
