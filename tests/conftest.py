@@ -43,11 +43,17 @@ def fresh_dynamo():
 # the suite in two pytest processes (scripts/test.sh: pytest-xdist, whole
 # files, in collection order), starting them first keeps the last minutes
 # from running one file on one process while the other has nothing left.
-# Any file may be missing here: the rest follow in their own order.
-_LONGEST_FIRST = ("test_compile_door", "test_plan_auto", "test_tensor_parallel", "test_plan_hf",
-                  "test_3d_checkpoint", "test_warm_restart", "test_pipeline", "test_sharded_dp",
-                  "test_microbatches", "test_quorum", "test_example", "test_pipeline_failures",
-                  "test_bounded_collectives", "test_plan_trials", "test_lockstep_bounds")
+# Any file may be missing here: the rest follow in their own order. Not
+# strictly by length: the replica and example files (mostly waiting) go
+# early, beside the heaviest grids; ordered by this session's times, with
+# the planner's Hugging Face grid and the warm restarts beside the heaviest,
+# the run took 18:03 against 16:25 (BENCHMARKS.md, "torchrun's processes
+# forked from the test zygote").
+_LONGEST_FIRST = ("test_compile_door", "test_plan_auto", "test_tensor_parallel", "test_quorum",
+                  "test_example", "test_3d_checkpoint", "test_pipeline", "test_plan_hf",
+                  "test_sharded_dp", "test_pipeline_failures", "test_bounded_collectives",
+                  "test_warm_restart", "test_plan_trials", "test_lockstep_bounds",
+                  "test_microbatches")
 
 
 def pytest_collection_modifyitems(session, config, items):
