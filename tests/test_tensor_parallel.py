@@ -48,6 +48,7 @@ CASES = [dict(id=f"train-{s}", kind="train", schedule=s) for s in SCHEDULES] + [
     dict(id="door-1f1b", kind="door", schedule="1f1b"),
     dict(id="errors", kind="errors"),
     dict(id="local_costs", kind="local_costs"),
+    dict(id="memo", kind="memo"),
 ]
 _GRID = GridRun(4, "tp_worker:grid", CASES, task="tp", timeout=400)
 # ("dp", "pp", "tp") = (2, 2, 2): global rank = 4 dp + 2 pp + tp.
@@ -245,3 +246,20 @@ def test_dp2_pp2_tp2_sharded_training_equals_one_process(schedule):
     summed over pp and dp by its REDUCE_GRAD."""
     case = "train-dp_pp_tp-shard" + ("" if schedule == "1f1b" else f"-{schedule}")
     check_training(_GRID8.results(case), [[0, 2], [1, 3], [4, 6], [5, 7]], sharded=True)
+
+
+def test_a_model_parallelized_again_on_its_mesh_reuses_its_traces_and_not_on_other_groups():
+    """Built and parallelized again on the same mesh: the capture and each
+    of the rank's stage traces come from the memos, and the first step's
+    loss is the first model's bit for bit. On a mesh of the same layout
+    over new process groups, which torch's DeviceMesh calls equal: traced
+    again (a kept trace would communicate over the old groups)."""
+    for r in _GRID.results("memo"):
+        assert r["losses"][0] == r["losses"][1] == r["losses"][2], r
+        again, fresh = r["captures"]
+        assert again["hits"] == 1 and again["misses"] == 0, r
+        assert fresh["hits"] == 0 and fresh["misses"] == 1, r
+        again, fresh = r["exports"]
+        assert again["hits"] >= 1 and again["misses"] == 0 and again["not_keyed"] == 0, r
+        assert fresh["hits"] == 0 and fresh["misses"] >= 1 and fresh["not_keyed"] == 0, r
+        assert r["meshes_equal"] and not r["keys_equal"], r

@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
@@ -124,10 +125,21 @@ def compare_params(pipe: Any, ref: nn.Module | AdamWReplay) -> dict[str, float]:
     return {n: max_diff(full(p.detach()), want[n].detach()) for n, p in pipe.named_parameters()}
 
 
+_MESHES: dict[tuple, Any] = {}
+
+
 def make_mesh(case: dict[str, Any]) -> Any:
+    """The case's mesh, one per layout for the worker's process group: the
+    cases of a grid share it as a training process keeps one (a new mesh
+    makes new process groups, and a capture over other groups is not
+    reused: NOTE [Capture memo])."""
     names = tuple(case.get("dims", ("pp", "tp")))
     sizes = {"dp": case.get("dp", 1), "pp": case.get("pp", 2), "tp": 2}
-    return init_device_mesh("cpu", tuple(sizes[n] for n in names), mesh_dim_names=names)
+    shape = tuple(sizes[n] for n in names)
+    key = (names, shape, id(dist.group.WORLD))
+    if key not in _MESHES:
+        _MESHES[key] = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    return _MESHES[key]
 
 
 def _pipeline(model: nn.Module, mesh: Any, schedule: str, variant: str = "blocks",
@@ -317,6 +329,33 @@ def local_costs(case: dict[str, Any]) -> dict[str, Any]:
     return {"bytes": out}
 
 
+def memo(case: dict[str, Any]) -> dict[str, Any]:
+    """The memos over a tensor parallel model (NOTE [Capture memo], NOTE
+    [Export memo]): the model built and parallelized again on the same mesh
+    (new hook objects over the same layouts) reuses the capture and every
+    stage's joint trace, and steps as the first did; on a mesh of the same
+    layout over new process groups (torch's DeviceMesh compares equal) it
+    is traced again."""
+    from torch_mpmd.graph import capture_memo
+    from torch_mpmd.programs import export_memo
+
+    def first_step(mesh: Any) -> tuple[float, dict[str, int], dict[str, int]]:
+        captures, exports = dict(capture_memo.stats()), dict(export_memo.stats())
+        x, y = batch(1)
+        loss = _pipeline(build(mesh)[0], mesh, "1f1b").step(x, target=y)
+        return (float(loss), {k: v - captures[k] for k, v in capture_memo.stats().items()},
+                {k: v - exports[k] for k, v in export_memo.stats().items()})
+
+    mesh = make_mesh({})
+    first = first_step(mesh)
+    again = first_step(mesh)
+    other = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
+    fresh = first_step(other)
+    return {"losses": [first[0], again[0], fresh[0]], "captures": [again[1], fresh[1]],
+            "exports": [again[2], fresh[2]], "meshes_equal": other == mesh,
+            "keys_equal": capture_memo.mesh_key(other) == capture_memo.mesh_key(mesh)}
+
+
 def door(case: dict[str, Any]) -> dict[str, Any]:
     """The compile door over the TP model: torch.compile(forward + loss,
     backend="mpmd") on the ("pp", "tp") mesh, loss.backward(), AdamW over
@@ -367,7 +406,7 @@ def door(case: dict[str, Any]) -> dict[str, Any]:
 
 CASES: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "train": train, "clip_eval": clip_eval, "errors": errors, "local_costs": local_costs,
-    "door": door}
+    "door": door, "memo": memo}
 
 
 def grid(cases: list[dict[str, Any]]) -> dict[str, Any]:

@@ -13,10 +13,13 @@ process keeps each capture, keyed by:
   attributes by value (plain data, containers and objects such as a
   config, recursively; functions and other objects by identity: an
   attribute set on one instance only, such as a patched ``forward``, or a
-  dict with another key) and forward/backward hooks (the objects, kept
-  alive); every parameter, buffer and plain tensor attribute's type, shape,
-  strides, dtype, device and ``requires_grad`` (and a DTensor's placements
-  and mesh); which of them are one tensor (tied weights); the inputs'
+  dict with another key) and forward/backward hooks by what they run
+  (:func:`callable_key`: code and closure values, so a model parallelized
+  again keys alike; else the objects, kept alive); every parameter, buffer
+  and plain tensor attribute's type, shape, strides, dtype, device and
+  ``requires_grad`` (and a DTensor's placements and mesh, with this rank's
+  process groups: :func:`mesh_key`); which of them are one tensor (tied
+  weights); the inputs'
   tensor metadata, their dynamic marks and aliasing, and their non-tensor
   values; grad mode,
   autocast, the default dtype and device, deterministic algorithms and
@@ -43,16 +46,17 @@ from __future__ import annotations
 
 import collections
 import enum
+import functools
 import hashlib
 import os
 import types
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
-__all__ = ["CAPTURE_STATE", "MAX_KEYS", "clear", "kept", "lookup", "stats", "store",
-           "structure_key"]
+__all__ = ["CAPTURE_STATE", "MAX_KEYS", "callable_key", "clear", "kept", "lookup", "mesh_key",
+           "stats", "store", "structure_key"]
 
 MAX_KEYS = 16  # least recently used keys are dropped beyond this
 _MAX_PER_KEY = 4  # captures of one key kept at once (different guarded values)
@@ -113,7 +117,7 @@ def _tensor_key(t: torch.Tensor) -> tuple:
 
         if not isinstance(t, DTensor):
             raise _NotKeyable(f"a tensor of type {kind.__name__}")
-        extra = (tuple(map(str, t.placements)), _hashable(t.device_mesh))
+        extra = (tuple(map(str, t.placements)), mesh_key(t.device_mesh))
     return (kind, tuple(t.shape), t.stride(), t.dtype, str(t.device), t.requires_grad,
             t.layout, *extra)
 
@@ -126,10 +130,111 @@ def _hashable(value: Any) -> Any:
     return value
 
 
-def _callables(hooks: Mapping[Any, Any]) -> tuple:
-    """Hooks by the objects themselves, not by id: the key keeps them alive,
-    so a dead hook's id reused by another cannot make two keys equal."""
-    return tuple(_hashable(h) for h in hooks.values())
+class _InProcess:
+    """Stands in a key for what only this process can tell apart (a mesh's
+    process groups): name_of() refuses it, so the capture store does not
+    write a key that holds one (names.py), while keys in the process stay
+    equal."""
+
+    def __repr__(self) -> str:
+        return "<in this process>"
+
+
+_IN_PROCESS = _InProcess()
+
+
+def mesh_key(mesh: Any) -> tuple:
+    """A DeviceMesh as a key holds it: its device type, the ranks in their
+    layout, the dim names and the names of the process groups of this
+    rank's dims. DeviceMesh's own equality compares the layout and names
+    only, so two meshes over other groups would be equal; a capture holds
+    its mesh (a DTensor op's argument), and reusing it on a mesh of other
+    groups would communicate over the old ones. In this process only."""
+    ranks = mesh.mesh
+    groups = tuple(mesh.get_group(i).group_name for i in range(mesh.ndim))
+    return ("DeviceMesh", mesh.device_type, tuple(ranks.shape), tuple(ranks.flatten().tolist()),
+            mesh.mesh_dim_names, groups, _IN_PROCESS)
+
+
+def _is_mesh(value: Any) -> bool:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    return isinstance(value, DeviceMesh)
+
+
+_CALLABLE_DEPTH = 4  # a hook wrapping a partial of a bound method: 3 levels
+
+
+def _holds_tensor(value: Any, depth: int = 0) -> bool:
+    """Whether ``value`` (a hook's closure value, a partial's argument, a
+    method's object) reaches a tensor through containers and attributes, or
+    is too deep to tell: such a hook is keyed as itself."""
+    if depth > _MAX_DEPTH:
+        return True
+    if value is None or isinstance(value, _PLAIN_TYPES) or _is_mesh(value):
+        return False
+    if isinstance(value, torch.Tensor):
+        return True
+    if isinstance(value, (tuple, list, set, frozenset)):
+        return any(_holds_tensor(v, depth + 1) for v in value)
+    if isinstance(value, dict):
+        return any(_holds_tensor(k, depth + 1) or _holds_tensor(v, depth + 1)
+                   for k, v in value.items())
+    if isinstance(value, (torch.nn.Module, type, types.ModuleType)):
+        return False  # keyed by identity
+    if hasattr(value, "__dict__") and not callable(value):
+        return any(_holds_tensor(v, depth + 1) for v in vars(value).values())
+    return False
+
+
+def callable_key(fn: Any, value_key: Callable[[Any], Any], depth: int = 0) -> tuple | None:
+    """A hook as what it runs, so that the same hook installed again (a
+    model built and parallelized again: torch's distribute_module installs
+    a new lambda over the same layouts and mesh) keys alike: a function by
+    its code object, defaults and closure values; a functools.partial by
+    its function and arguments; a bound method by its function and object.
+    Callables among those values are keyed the same way, other values by
+    ``value_key``. None: the hook is keyed as itself (a callable object, a
+    value reaching a tensor, which a trace may read by value, or nesting
+    too deep)."""
+    if depth > _CALLABLE_DEPTH:
+        return None
+
+    def value(v: Any) -> Any:
+        if (callable(v) and not isinstance(v, (type, torch.nn.Module))
+                and not _is_mesh(v)):
+            inner = callable_key(v, value_key, depth + 1)
+            return ("object", _hashable(v)) if inner is None else inner
+        if isinstance(v, (tuple, list)):
+            return (type(v), tuple(value(x) for x in v))
+        if isinstance(v, dict):
+            return (dict, tuple((value_key(k), value(x)) for k, x in v.items()))
+        return value_key(v)
+
+    if isinstance(fn, types.FunctionType):
+        cells = []
+        for cell in fn.__closure__ or ():
+            try:
+                cells.append(cell.cell_contents)
+            except ValueError:  # an empty cell
+                cells.append(_EMPTY_CELL)
+        values = (fn.__defaults__, fn.__kwdefaults__ or {}, tuple(cells))
+        if _holds_tensor(values):
+            return None
+        return ("function", fn.__code__, value(values))
+    if isinstance(fn, functools.partial):
+        values = (fn.func, fn.args, fn.keywords)
+        if _holds_tensor(values[1:]):
+            return None
+        return ("partial", value(values))
+    if isinstance(fn, types.MethodType):
+        if _holds_tensor(fn.__self__):
+            return None
+        return ("method", value(fn.__func__), value_key(fn.__self__))
+    return None
+
+
+_EMPTY_CELL = ("empty cell",)
 
 
 def _dims_marked(t: torch.Tensor) -> tuple:
@@ -223,6 +328,9 @@ def _structure_key(module: torch.nn.Module, inputs: Mapping[str, Any], dynamic: 
         key = id(value)
         if key in summaries:
             return summaries[key]
+        if _is_mesh(value):
+            summaries[key] = mesh_key(value)
+            return summaries[key]
         if depth >= _MAX_DEPTH or key in within or isinstance(
                 value, (torch.nn.Module, type, types.FunctionType, types.MethodType,
                         types.ModuleType, types.BuiltinFunctionType)):
@@ -245,6 +353,13 @@ def _structure_key(module: torch.nn.Module, inputs: Mapping[str, Any], dynamic: 
         summaries[key] = out
         return out
 
+    def hooks(registered: Mapping[Any, Any]) -> tuple:
+        # Hooks by what they run (callable_key), else by the objects
+        # themselves (kept alive: a dead hook's id reused by another cannot
+        # make two keys equal), not by id.
+        return tuple(callable_key(h, fingerprint) or ("object", _hashable(h))
+                     for h in registered.values())
+
     modules = []
     trees = [("", module)]
     own_state = getattr(type(module), CAPTURE_STATE, None)
@@ -255,20 +370,20 @@ def _structure_key(module: torch.nn.Module, inputs: Mapping[str, Any], dynamic: 
     for prefix, tree in trees:
         for name, m in tree.named_modules(remove_duplicate=False):
             attrs = vars(m)
-            hooks = tuple(_callables(attrs[d]) if d in attrs else None for d in _HOOK_DICTS)
+            hooked = tuple(hooks(attrs[d]) if d in attrs else None for d in _HOOK_DICTS)
             params = tuple((k, None if p is None else tensor(p)) for k, p in m._parameters.items())
             buffers = tuple((k, None if b is None else tensor(b),
                              k in m._non_persistent_buffers_set) for k, b in m._buffers.items())
             state = (None if m is module and own_state is not None else
                      tuple((k, fingerprint(v)) for k, v in attrs.items()
                            if k not in _STRUCTURE_ATTRS))
-            modules.append((prefix + name, type(m), m.training, hooks, params, buffers, state))
+            modules.append((prefix + name, type(m), m.training, hooked, params, buffers, state))
     named = tuple((name, fingerprint(value), _dims_marked(value))
                   if isinstance(value, torch.Tensor) else (name, fingerprint(value))
                   for name, value in inputs.items())
     from torch.nn.modules import module as module_globals
 
-    global_hooks = tuple(_callables(getattr(module_globals, g, {})) for g in _GLOBAL_HOOKS)
+    global_hooks = tuple(hooks(getattr(module_globals, g, {})) for g in _GLOBAL_HOOKS)
     return (tuple(modules), named, dynamic, global_hooks, _global_state())
 
 

@@ -26,8 +26,11 @@ reads:
   object's id never matches a new one), and the model's output structure.
   A trace that changed what the loss reads (a stateful loss) is not kept.
 
-Anything the key cannot describe is not kept: a tensor subclass (a
-DTensor), a constant tensor the graph reads (its values are in the trace),
+A tensor parallel stage's DTensors are keyed by their global layout,
+placements, mesh (with this rank's process groups: a trace's collectives
+name them) and local shard; a DeviceMesh a node takes, by the same.
+Anything the key cannot describe is not kept: another tensor subclass, a
+constant tensor the graph reads (its values are in the trace),
 a module that is not a graph, symbolic sizes, a loss function with no name
 across calls (a lambda closing over an instance). A hit hands out a copy of
 the kept graph (the caller rewrites it). ``MPMD_EXPORT_MEMO=0`` turns it off.
@@ -47,6 +50,8 @@ from typing import Any
 
 import torch
 import torch.fx
+
+from torch_mpmd.graph.capture_memo import mesh_key
 
 __all__ = ["LossKey", "clear", "export_key", "exported", "lookup", "loss_key", "stats",
            "store"]
@@ -86,7 +91,15 @@ class _NotKeyed(Exception):
 def _tensor(t: Any, *, parameter: bool = False) -> tuple:
     allowed = (torch.nn.Parameter, torch.Tensor) if parameter else (torch.Tensor,)
     if type(t) not in allowed:
-        raise _NotKeyed(f"a {type(t).__name__}")
+        from torch.distributed.tensor import DTensor
+
+        if type(t) is not DTensor:
+            raise _NotKeyed(f"a {type(t).__name__}")
+        # Tensor parallel: the global layout, how it is laid out over which
+        # mesh (its process groups: capture_memo.mesh_key), and the shard.
+        return ("DTensor", tuple(t.shape), tuple(t.stride()), str(t.dtype), t.requires_grad,
+                t.is_leaf, tuple(map(str, t.placements)), mesh_key(t.device_mesh),
+                _tensor(t._local_tensor))
     if any(isinstance(s, torch.SymInt) for s in t.shape):
         raise _NotKeyed("symbolic sizes")
     # The storage's size too: a parked or resharded parameter has its layout
@@ -115,12 +128,41 @@ def _graph(stage: torch.fx.GraphModule) -> list:
             if node.op == "get_attr":
                 target = f"{prefix}.{node.target}" if prefix else str(node.target)
                 if target not in params and target not in buffers and target not in modules:
-                    raise _NotKeyed(f"a constant {target}")
+                    parts.append(("constant", target, _opaque(stage, target)))
             if node.op == "call_module":
                 raise _NotKeyed("a call_module node")
             meta = sorted((k, repr(v)) for k, v in node.meta.items() if k not in _UNKEYED_META)
-            parts.append((node.name, node.op, str(node.target), meta))
+            parts.append((node.name, node.op, str(node.target), meta, _meshes(node)))
     return parts
+
+
+def _opaque(stage: torch.fx.GraphModule, target: str) -> tuple:
+    """A constant the graph reads that is not a tensor: a tensor parallel
+    model's DeviceMesh or ProcessGroup (NOTE [Opaque inputs] in
+    graph/capture.py), by its process groups; anything else is not keyed."""
+    from torch.distributed import ProcessGroup
+    from torch.distributed.device_mesh import DeviceMesh
+
+    value: Any = stage
+    for atom in target.split("."):
+        value = getattr(value, atom, None)
+    if isinstance(value, DeviceMesh):
+        return mesh_key(value)
+    if isinstance(value, ProcessGroup):
+        return ("ProcessGroup", value.group_name)
+    raise _NotKeyed(f"a constant {target}")
+
+
+def _meshes(node: torch.fx.Node) -> list:
+    """The DeviceMeshes a node takes as arguments (a DTensor made from a
+    local tensor), by their process groups: the generated code names them,
+    it does not describe them."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    found: list = []
+    torch.fx.node.map_aggregate((node.args, node.kwargs), lambda a: found.append(
+        mesh_key(a)) if isinstance(a, DeviceMesh) else None)
+    return found
 
 
 def _inputs(args: Sequence[Any]) -> list:
