@@ -304,3 +304,54 @@ def test_a_closure_is_guarded_by_its_code_and_the_cells_it_reads():
     model.act = lambda x: x * 2.0
     assert captured.state.changed().endswith("(other code)"), captured.state.changed()
 
+
+
+def _scaling_hook(scale):
+    """A forward hook over a closure value, made again per model (as torch's
+    parallelize_module installs a new lambda per module)."""
+    return lambda module, inputs, output: output * scale
+
+
+class _Gain:
+    def __call__(self, module, inputs, output):
+        return output * 2.0
+
+
+def test_hooks_are_keyed_by_what_they_run():
+    """The same hook installed again on a copy of the model (a new function
+    object over equal closure values) hits; other closure values, or a
+    closure holding a tensor (whose values a trace may read), do not."""
+    x = torch.randn(3, 4)
+
+    def hooked(hook) -> Scaled:
+        model = Scaled()
+        model.lin.register_forward_hook(hook)
+        return model
+
+    capture(hooked(_scaling_hook(2.0)), (x,), {})
+    capture(hooked(_scaling_hook(2.0)), (x,), {})
+    assert capture_memo.stats()["hits"] == 1
+    other = hooked(_scaling_hook(3.0))
+    captured = capture(other, (x,), {})
+    assert capture_memo.stats()["hits"] == 1
+    with torch.no_grad():
+        assert torch.equal(_run(captured, other, x), other(x))
+    for _ in range(2):  # a callable object: keyed as itself
+        capture(hooked(_Gain()), (x,), {})
+    assert capture_memo.stats()["hits"] == 1
+
+
+def test_a_dynamic_capture_leaves_the_inputs_unmarked_and_is_kept():
+    """pipeline(dynamic=True) and the compile door mark every input dim
+    dynamic for their trace: the user's tensors come back as they were (a
+    weak mark left behind made the key after the trace differ, so the
+    capture was never kept), and a copy of the model hits."""
+    x = torch.randn(3, 4)
+    torch._dynamo.maybe_mark_dynamic(x, 1)
+    capture(Scaled(), (x,), {}, dynamic=True)
+    assert x._dynamo_weak_dynamic_indices == {1}
+    y = torch.randn(3, 4)
+    capture(Scaled(), (y,), {}, dynamic=True)
+    assert not hasattr(y, "_dynamo_weak_dynamic_indices")
+    capture(Scaled(), (y,), {}, dynamic=True)
+    assert capture_memo.stats()["hits"] == 1

@@ -396,6 +396,30 @@ def _mark_dynamic(inputs: Mapping[str, Any], all_dims: bool) -> bool:
     return any_marked or all_dims
 
 
+_WEAK = "_dynamo_weak_dynamic_indices"
+_UNMARKED = object()
+
+
+def _weak_marks(inputs: Mapping[str, Any]) -> list[tuple[torch.Tensor, Any]]:
+    """Each tensor input's weak dynamic marks (maybe_mark_dynamic's), as
+    :func:`_mark_dynamic` found them: the capture puts them back after its
+    trace. Marks left on the user's tensors would make their own
+    torch.compile treat those dims as dynamic, and would change the
+    capture's key after the trace, so that the capture was never kept
+    (NOTE [Capture memo]): every rank and every call traced again."""
+    return [(v, set(getattr(v, _WEAK)) if hasattr(v, _WEAK) else _UNMARKED)
+            for v in inputs.values() if isinstance(v, torch.Tensor)]
+
+
+def _restore_weak_marks(marks: list[tuple[torch.Tensor, Any]]) -> None:
+    for tensor, before in marks:
+        if before is _UNMARKED:
+            if hasattr(tensor, _WEAK):
+                delattr(tensor, _WEAK)
+        else:
+            setattr(tensor, _WEAK, before)
+
+
 def _source_name(source: Any) -> str:
     name = source.name  # a property in recent torch, a method before
     return name() if callable(name) else name
@@ -520,6 +544,7 @@ def _trace(module: torch.nn.Module, signature: inspect.Signature | None,
         reach["state"].append(from_dynamo_guards(reach["guards"], reach["scope"]))
         return replay
 
+    marks = _weak_marks(inputs)
     symbolic = _mark_dynamic(inputs, dynamic)
     compiled = torch.compile(entry, backend=backend, fullgraph=True,
                              dynamic=None if symbolic else False)
@@ -544,6 +569,7 @@ def _trace(module: torch.nn.Module, signature: inspect.Signature | None,
     finally:
         torch._dynamo.eval_frame.reset_code(entry.__code__)
         reach.clear()
+        _restore_weak_marks(marks)
     if hide_grads and _reads_grads(dynamo_guards):
         return _trace(module, signature, inputs, args, kwargs, dynamic, hide_grads=False)
     if len(records) != 2:
