@@ -355,3 +355,71 @@ def test_a_dynamic_capture_leaves_the_inputs_unmarked_and_is_kept():
     assert not hasattr(y, "_dynamo_weak_dynamic_indices")
     capture(Scaled(), (y,), {}, dynamic=True)
     assert capture_memo.stats()["hits"] == 1
+
+
+_HOOK_SOURCE = '''
+SCALE = {scale}
+
+def hook(module, inputs, output):
+    return output * SCALE
+'''
+
+
+def test_hooks_of_the_same_code_in_other_modules_are_other_hooks():
+    """Code objects compare equal across files: a hook of the same source
+    in another module (another copy of a model file) reads that module's
+    globals, so it is another capture."""
+    import types as pytypes
+
+    x = torch.randn(3, 4)
+    outputs = []
+    for name, scale in (("mpmd_hook_a", 2.0), ("mpmd_hook_b", 3.0)):
+        module = pytypes.ModuleType(name)
+        exec(compile(_HOOK_SOURCE.format(scale=scale), f"/{name}.py", "exec"), module.__dict__)
+        sys.modules[name] = module
+        try:
+            model = Scaled()
+            model.lin.register_forward_hook(module.hook)
+            captured = capture(model, (x,), {})
+            with torch.no_grad():
+                outputs.append((_run(captured, model, x), model(x)))
+        finally:
+            del sys.modules[name]
+    assert capture_memo.stats()["hits"] == 0
+    for got, want in outputs:
+        assert torch.equal(got, want)
+
+
+_PLACEMENT_SCRIPT = '''
+import torch, torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import PrepareModuleOutput, parallelize_module
+from torch_mpmd.graph import capture_memo
+from torch_mpmd.graph.capture import capture
+
+dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+x = torch.randn(4, 6, 8)
+for dim in (0, 1):
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU())
+    parallelize_module(model[0], mesh, PrepareModuleOutput(
+        output_layouts=(Replicate(),), desired_output_layouts=(Shard(dim),),
+        use_local_output=False))
+    captured = capture(model, (x,), {})
+    print(dim, capture_memo.stats()["hits"], "placements: (S(%d),)" % dim in str(captured.gm.graph))
+'''
+
+
+def test_hooks_that_differ_in_a_placement_are_other_captures():
+    """A DTensor placement is a C++ value with an empty ``__dict__``:
+    Shard(0) and Shard(1) are told apart by their own equality, so a hook
+    that redistributes to another dim is another capture (a fake process
+    group of 2 ranks, in a process of its own)."""
+    import subprocess
+
+    out = subprocess.run([sys.executable, "-c", _PLACEMENT_SCRIPT], capture_output=True,
+                         text=True, timeout=240)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split("\n")[:2] == ["0 0 True", "1 0 True"], out.stdout + out.stderr[-2000:]

@@ -145,13 +145,21 @@ _IN_PROCESS = _InProcess()
 
 def mesh_key(mesh: Any) -> tuple:
     """A DeviceMesh as a key holds it: its device type, the ranks in their
-    layout, the dim names and the names of the process groups of this
-    rank's dims. DeviceMesh's own equality compares the layout and names
-    only, so two meshes over other groups would be equal; a capture holds
-    its mesh (a DTensor op's argument), and reusing it on a mesh of other
-    groups would communicate over the old ones. In this process only."""
+    layout, the dim names and the process groups of this rank's dims (the
+    objects, kept alive, and their names). DeviceMesh's own equality
+    compares the layout and names only, so two meshes over other groups
+    would be equal; a capture holds its mesh (a DTensor op's argument), and
+    reusing it on a mesh of other groups would communicate over the old
+    ones. Group names alone are not enough: a new world after
+    destroy_process_group() names its groups again from the start. A mesh
+    whose groups cannot be read (this rank is not in it) is keyed as
+    itself. In this process only."""
     ranks = mesh.mesh
-    groups = tuple(mesh.get_group(i).group_name for i in range(mesh.ndim))
+    try:
+        groups: Any = tuple((g.group_name, g) for g in
+                            (mesh.get_group(i) for i in range(mesh.ndim)))
+    except Exception:  # noqa: BLE001  (a mesh without this rank has no groups here)
+        groups = ("itself", mesh, id(mesh))
     return ("DeviceMesh", mesh.device_type, tuple(ranks.shape), tuple(ranks.flatten().tolist()),
             mesh.mesh_dim_names, groups, _IN_PROCESS)
 
@@ -160,6 +168,15 @@ def _is_mesh(value: Any) -> bool:
     from torch.distributed.device_mesh import DeviceMesh
 
     return isinstance(value, DeviceMesh)
+
+
+def _by_own_equality(value: Any) -> bool:
+    """A value whose state is not in its ``__dict__`` and whose type says
+    what equal means (a C++ value type: a DTensor placement, Shard(0) and
+    Shard(1) with the same empty ``__dict__``): keyed by that equality."""
+    kind = type(value)
+    return (not vars(value) if hasattr(value, "__dict__") else True) and \
+        kind.__eq__ is not object.__eq__ and kind.__hash__ is not None
 
 
 _CALLABLE_DEPTH = 4  # a hook wrapping a partial of a bound method: 3 levels
@@ -221,7 +238,10 @@ def callable_key(fn: Any, value_key: Callable[[Any], Any], depth: int = 0) -> tu
         values = (fn.__defaults__, fn.__kwdefaults__ or {}, tuple(cells))
         if _holds_tensor(values):
             return None
-        return ("function", fn.__code__, value(values))
+        # Code objects compare equal across files and globals: the module
+        # and file say which globals the code reads (the state guards check
+        # the values it read, in the globals of the kept trace's function).
+        return ("function", fn.__module__, fn.__code__.co_filename, fn.__code__, value(values))
     if isinstance(fn, functools.partial):
         values = (fn.func, fn.args, fn.keywords)
         if _holds_tensor(values[1:]):
@@ -345,6 +365,8 @@ def _structure_key(module: torch.nn.Module, inputs: Mapping[str, Any], dynamic: 
                 out = (type(value), tuple((fingerprint(k, depth + 1, inner),
                                            fingerprint(v, depth + 1, inner))
                                           for k, v in value.items()))
+            elif _by_own_equality(value):
+                out = ("value", type(value), _hashable(value))
             elif hasattr(value, "__dict__") and not callable(value):
                 own = {k: v for k, v in vars(value).items() if k not in _PROCESS_LOCAL_ATTRS}
                 out = (type(value), fingerprint(own, depth + 1, inner))

@@ -148,8 +148,8 @@ def _opaque(stage: torch.fx.GraphModule, target: str) -> tuple:
         value = getattr(value, atom, None)
     if isinstance(value, DeviceMesh):
         return mesh_key(value)
-    if isinstance(value, ProcessGroup):
-        return ("ProcessGroup", value.group_name)
+    if isinstance(value, ProcessGroup):  # its name, and the object (repr: its address)
+        return ("ProcessGroup", value.group_name, repr(value))
     raise _NotKeyed(f"a constant {target}")
 
 
@@ -173,7 +173,7 @@ def _inputs(args: Sequence[Any]) -> list:
     for i, a in enumerate(args):
         if isinstance(a, torch.Tensor):
             described = _tensor(a)  # (a fake tensor of a dynamic capture is not keyed)
-            ptr = a.untyped_storage().data_ptr()
+            ptr = getattr(a, "_local_tensor", a).untyped_storage().data_ptr()  # a DTensor's shard
             first = storages.setdefault(ptr, i) if ptr else i
             parts.append(("tensor", described, first))
         elif type(a) is int:
