@@ -168,6 +168,9 @@ def data_parallel(schedules: list[str]) -> dict[str, Any]:
                              for n, p in pipe.named_parameters()),
             "params": sorted(n for n, _ in pipe.named_parameters()),
             "dp_size": pipe.dp_size, "pp_size": pipe.pp_size,
+            # Process groups of this rank (NOTE [Groups kept]): the tied
+            # weights' and the exchanges' groups are made by the first pipeline.
+            "groups": len(dist.distributed_c10d._world.pg_map),
         }
     return out
 

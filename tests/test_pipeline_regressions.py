@@ -71,6 +71,15 @@ def test_dp2_pp2_loss_and_grads_equal_one_process_on_the_global_batch(dp_results
     assert dp_results[1][schedule]["params"] == dp_results[3][schedule]["params"]
 
 
+def test_pipelines_over_the_same_ranks_share_their_groups(dp_results):
+    # Each schedule builds a new pipeline of a model whose tied weight spans
+    # the pipeline ranks of both replicas: its group is made once and shared
+    # (NOTE [Groups kept]; a gloo group per pipeline held a polling thread).
+    for r in dp_results:
+        counts = [r[s]["groups"] for s in DP_SCHEDULES]
+        assert counts == counts[:1] * len(counts), (r["rank"], counts)
+
+
 @pytest.fixture(scope="module")
 def checkpoint_runs(tmp_path_factory):
     directory = str(tmp_path_factory.mktemp("ckpt"))

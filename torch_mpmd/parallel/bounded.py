@@ -19,6 +19,7 @@ unusable anyway.
 from __future__ import annotations
 
 import datetime
+import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -27,7 +28,7 @@ import torch.distributed as dist
 
 from torch_mpmd.parallel.failures import UNUSABLE, PipelineError, first_line
 
-__all__ = ["as_timedelta", "all_gather", "all_reduce", "broadcast", "wait", "abandon",
+__all__ = ["as_timedelta", "all_gather", "all_reduce", "broadcast", "wait", "abandon", "abandoned",
            "WAIT_GRACE_S"]
 
 
@@ -94,6 +95,18 @@ def wait(work: Any, what: str, timeout_s: float, *, rank: int,
                         rank=rank) from cause
 
 
+_ABANDONED: "weakref.WeakSet[Any]" = weakref.WeakSet()
+
+
+def abandoned(group: Any) -> bool:
+    """Whether :func:`abandon` was given ``group`` (a group kept for reuse
+    is then made again: NOTE [Groups kept] in data_parallel.py)."""
+    try:
+        return group in _ABANDONED
+    except TypeError:  # not weakly referenceable: never given to abandon()
+        return False
+
+
 def abandon(groups: Iterable[Any]) -> None:
     """NOTE [Abandoned groups]: abort each group where the backend can, and keep
     gloo groups alive until exit so that destroying them cannot wait out work
@@ -105,6 +118,10 @@ def abandon(groups: Iterable[Any]) -> None:
         if g is None or id(g) in seen:
             continue
         seen.add(id(g))
+        try:
+            _ABANDONED.add(g)
+        except TypeError:  # not weakly referenceable (no group of torch's)
+            pass
         try:
             backend = dist.get_backend(g)
         except Exception:  # noqa: BLE001  (destroyed already)

@@ -21,6 +21,17 @@ rendezvous waits as long as the default group's timeout (30 min by
 default) for a rank that never comes: every rank of the world first arrives
 within the pipeline's timeout (:func:`_world_arrived`), so a rank that died
 or stalled before is a PipelineError on the others, not a hang.
+
+NOTE [Groups kept]: the groups made here are kept for the world that made
+them, by their rank lists: every pipeline over the same ranks (a model built
+again, the planner's profile, calibration and trials) shares them. A gloo
+group holds sockets and a thread that wakes every 10 ms; made per pipeline
+built, they were never freed (72 such threads on two ranks after
+tests/test_plan_auto.py, 6% of its CPU spent in them). Every rank asks for
+the same lists in the same order (it must: ``new_group`` is collective), so
+every rank finds or makes them alike; a new default group (a new world)
+makes them again, and so does a failure that abandoned one of them (NOTE
+[Abandoned groups]: every rank of the failed pipeline abandons its groups).
 """
 
 from __future__ import annotations
@@ -33,13 +44,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from torch_mpmd.parallel import lockstep
+from torch_mpmd.parallel import bounded, lockstep
 from torch_mpmd.parallel.failures import PipelineError
 from torch_mpmd.parallel.job_store import await_arrivals
 from torch_mpmd.parallel.sharding import local_grad, set_local_grad
 
 __all__ = ["DataParallel", "MESH_DIMS", "MeshGroups", "flat_increments", "local_part",
-           "mesh_groups", "new_replica_group", "new_tied_group"]
+           "mesh_groups", "replica_group", "tied_group"]
 
 
 MESH_DIMS = ("dp", "pp", "tp")
@@ -109,45 +120,60 @@ def mesh_groups(mesh: Any, timeout_s: float | None = None) -> MeshGroups:
 
     pp = mesh.get_group("pp") if "pp" in names else None
     if pp is None:  # a one-rank pipeline per rank (see the NOTE)
-        _world_arrived(timeout_s, "the one-rank pipeline groups of a mesh without 'pp'")
+        groups = _groups_over("pipeline", replicas, timeout_s,
+                              "the one-rank pipeline groups of a mesh without 'pp'")
         me = dist.get_rank()
-        for replica in replicas:
-            g = dist.new_group(replica)
-            if replica[0] == me:
-                pp = g
+        pp = next(g for replica, g in zip(replicas, groups) if replica[0] == me)
     return MeshGroups(pp=pp, dp=group("dp"), tp=group("tp"), replicas=replicas, sizes=sizes)
 
 
-def new_replica_group(pp_ranks: Sequence[int], replicas: Sequence[Sequence[int]],
-                      my_replica: int, timeout_s: float | None = None) -> Any:
-    """The group of pipeline ranks ``pp_ranks`` in this rank's replica (NOTE
-    [Groups over replicas]; ``timeout_s``: the bound of the arrival)."""
-    _world_arrived(timeout_s, f"the groups of pipeline ranks {list(pp_ranks)} of every replica")
-    mine = None
-    for i, replica in enumerate(replicas):
-        g = dist.new_group([replica[r] for r in pp_ranks])
-        if i == my_replica:
-            mine = g
-    return mine
+_KEPT: dict[tuple[str, tuple[tuple[int, ...], ...]], list[Any]] = {}
+_KEPT_WORLD: list[Any] = [None]  # the default group the kept groups belong to
 
 
-def new_tied_group(pp_ranks: Sequence[int], replicas: Sequence[Sequence[int]],
-                   my_replica: int, dp_size: int,
-                   timeout_s: float | None = None) -> tuple[Any, list[int]]:
+def _groups_over(role: str, rank_lists: Sequence[Sequence[int]], timeout_s: float | None,
+                 what: str) -> list[Any]:
+    """One group per list of global ranks, in order (NOTE [Groups kept]): made
+    once per world and ``role`` (groups of other roles over the same ranks are
+    other groups: NCCL's two direction groups must be), every rank of the
+    world arriving first (NOTE [Groups over replicas]); a rank's entry for a
+    list it is not in is torch's non-member value."""
+    if _KEPT_WORLD[0] is not dist.group.WORLD:
+        _KEPT.clear()
+        _KEPT_WORLD[0] = dist.group.WORLD
+    key = (role, tuple(tuple(int(r) for r in ranks) for ranks in rank_lists))
+    groups = _KEPT.get(key)
+    if groups is None or any(bounded.abandoned(g) for g in groups):
+        _world_arrived(timeout_s, what)
+        groups = _KEPT[key] = [dist.new_group(list(ranks)) for ranks in key[1]]
+    return groups
+
+
+def replica_group(role: str, pp_ranks: Sequence[int], replicas: Sequence[Sequence[int]],
+                  my_replica: int, timeout_s: float | None = None) -> Any:
+    """The group of pipeline ranks ``pp_ranks`` in this rank's replica, kept
+    for ``role`` (NOTE [Groups kept], NOTE [Groups over replicas];
+    ``timeout_s``: the bound of the arrival)."""
+    lists = [[replica[r] for r in pp_ranks] for replica in replicas]
+    groups = _groups_over(role, lists, timeout_s,
+                          f"the groups of pipeline ranks {list(pp_ranks)} of every replica")
+    return groups[my_replica]
+
+
+def tied_group(pp_ranks: Sequence[int], replicas: Sequence[Sequence[int]], my_replica: int,
+               dp_size: int, timeout_s: float | None = None) -> tuple[Any, list[int]]:
     """The group that sums tied gradients (tied.py): pipeline ranks
     ``pp_ranks`` of every dp replica at this rank's tp coordinate, and its
-    global ranks. One is created per tp coordinate (NOTE [Groups over
-    replicas]); replicas are in row-major (dp, tp) order (MeshGroups)."""
-    _world_arrived(timeout_s, f"the tied-weight groups of pipeline ranks {list(pp_ranks)}")
+    global ranks. One is kept per tp coordinate (NOTE [Groups kept], NOTE
+    [Groups over replicas]); replicas are in row-major (dp, tp) order
+    (MeshGroups)."""
     tp = len(replicas) // dp_size
-    mine: Any = None
-    members: list[int] = []
-    for t in range(tp):
-        ranks = sorted(replicas[d * tp + t][r] for d in range(dp_size) for r in pp_ranks)
-        g = dist.new_group(ranks)
-        if my_replica % tp == t:
-            mine, members = g, ranks
-    return mine, members
+    lists = [sorted(replicas[d * tp + t][r] for d in range(dp_size) for r in pp_ranks)
+             for t in range(tp)]
+    groups = _groups_over("tied sums", lists, timeout_s,
+                          f"the tied-weight groups of pipeline ranks {list(pp_ranks)}")
+    mine = my_replica % tp
+    return groups[mine], lists[mine]
 
 
 def local_part(p: torch.Tensor) -> torch.Tensor:

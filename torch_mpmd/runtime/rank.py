@@ -34,7 +34,7 @@ import torch.fx
 
 from torch_mpmd import _runtime
 from torch_mpmd.parallel import lockstep
-from torch_mpmd.parallel.data_parallel import DataParallel, new_replica_group, new_tied_group
+from torch_mpmd.parallel.data_parallel import DataParallel, replica_group, tied_group
 from torch_mpmd.parallel.sharding import ParamShards, ShardedStages
 from torch_mpmd.runtime.program_runner import ProgramRunner
 from torch_mpmd.parallel.lockstep import PipelineError
@@ -246,8 +246,9 @@ class RankRuntime:
         up = down = self.group
         if backend == "nccl":  # NOTE [Direction groups] in csrc/runtime/c10d_transport.h
             every = list(range(self.pp_size))
-            up = new_replica_group(every, self.replicas, self.replica, self.startup_timeout_s)
-            down = new_replica_group(every, self.replicas, self.replica, self.startup_timeout_s)
+            up = replica_group("up", every, self.replicas, self.replica, self.startup_timeout_s)
+            down = replica_group("down", every, self.replicas, self.replica,
+                                 self.startup_timeout_s)
         self._transport_groups = (up, down)
         return _runtime.C10dTransport(up.group_name, down.group_name, self.layout.specs(),
                                       str(self.device))
@@ -302,7 +303,8 @@ class RankRuntime:
             if len(ranks) == self.pp_size:
                 pg = self.group
             else:
-                pg = new_replica_group(ranks, self.replicas, self.replica, self.startup_timeout_s)
+                pg = replica_group("tied init", ranks, self.replicas, self.replica,
+                                   self.startup_timeout_s)
             if self.rank in ranks:
                 params = [self.user_param(self.model.tensors[f]) for f in sorted(by_ranks[ranks])]
                 groups.append((pg, params))
@@ -338,8 +340,8 @@ class RankRuntime:
                     posts[ranks] = max(mine, key=order.index)
         groups = []
         for ranks in sorted(by_ranks):
-            pg, members = new_tied_group(ranks, self.replicas, self.replica, dp_size,
-                                         self.startup_timeout_s)
+            pg, members = tied_group(ranks, self.replicas, self.replica, dp_size,
+                                     self.startup_timeout_s)
             if ranks in posts:
                 params = [self.model.tensors[f] for f in sorted(by_ranks[ranks])]
                 groups.append(TiedGroup(pg, members, params, posts[ranks], ranks))
