@@ -7,6 +7,8 @@ import tempfile
 import pytest
 import torch
 
+import dist_harness
+
 # Inductor's on-disk caches do not key their artifacts by ATen's CPU
 # capability: kernels compiled under one ATEN_CPU_CAPABILITY (MKL's and
 # oneDNN's ISA caps alike) and loaded under another crashed a rank (a
@@ -28,6 +30,9 @@ os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 # user's default folder: each run starts empty, as on a fresh machine.
 _CAPTURES = tempfile.TemporaryDirectory(prefix="mpmd_captures_")
 os.environ.setdefault("MPMD_CAPTURE_CACHE", _CAPTURES.name)
+
+
+dist_harness.collect_less_often()  # NOTE [Collections in tests]
 
 
 @pytest.fixture(autouse=True)
@@ -63,6 +68,4 @@ def pytest_collection_modifyitems(session, config, items):
 
 def pytest_sessionfinish(session, exitstatus):
     """The worker groups of tests/dist_harness.py end with the session."""
-    import dist_harness
-
     dist_harness.close_worker_groups()
