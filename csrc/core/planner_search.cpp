@@ -123,9 +123,10 @@ class Search {
 
   // One (schedule, v, m, split, mode): memory and recompute, the over-limit
   // record, pruning, then the simulation; a candidate that fits and beats
-  // the k-th best joins the top.
+  // the k-th best joins the top. One that does not fit is tried again on its
+  // lighter split (`lighter`: this is that split).
   void evaluateCandidate(const std::string& name, int v, int m, const DataParallel& dp, const Built& b,
-                         const std::vector<int>& starts, bool comm_aware) {
+                         const std::vector<int>& starts, bool comm_aware, bool lighter = false) {
     ++result_.candidates;
     const int64_t mb = sheet_.global_batch / m;
     const double scale = static_cast<double>(mb) / static_cast<double>(sheet_.reference_microbatch);
@@ -138,8 +139,14 @@ class Search {
                                    dpText(dp), mem.worst_rank);
     }
     const bool forced = std::find(mem.recompute.begin(), mem.recompute.end(), true) != mem.recompute.end();
-    if (!mem.fits || forced) recordOverLimit(name, v, m, dp, b, st);
-    if (!mem.fits) return;
+    if ((!mem.fits || forced) && !lighter) recordOverLimit(name, v, m, dp, b, st);
+    if (!mem.fits) {
+      if (!lighter) {  // NOTE [Lighter split]
+        const std::vector<int> at = lighterSplit(sheet_, options_, starts, scale, b, dp);
+        if (at != starts) evaluateCandidate(name, v, m, dp, b, at, comm_aware, true);
+      }
+      return;
+    }
     if (lowerBound(sheet_, st, b, placement, mem.recompute, m) >= kth()) return;
     double step = 0.0;
     if (!simulated(name, v, m, dp, b, st, mem.recompute, "", step)) return;

@@ -189,6 +189,52 @@ Plan refineSplit(const CostSheet& sheet, const SearchOptions& options, const Pla
   return best;
 }
 
+// NOTE [Lighter split]: a candidate's split balances time (computeSplit),
+// so its predicted peak follows the measured timings: a limit close to the
+// peaks could be met in one launch and not in the next, whose calibration
+// moved a boundary. Where that split does not fit, the search also tries the
+// split this descent finds: from it, every move of one boundary by one unit
+// is priced, the move that lowers the greatest rank peak most is taken, until
+// the split fits, no move lowers the peak, or as many rounds as units ran.
+// The peak it descends is the least the recompute choice reaches (every
+// stage that helps recomputed), whatever the limit: so the path is the same
+// under every limit, and a limit equal to the smallest peak the search names
+// is met on it. Deterministic: moves in a fixed order, ties keep the earlier.
+// No simulation: memory alone is priced here; the lighter split is then a
+// candidate like any other.
+std::vector<int> lighterSplit(const CostSheet& sheet, const SearchOptions& options, const std::vector<int>& starts,
+                              double scale, const Built& b, const DataParallel& dp) {
+  const auto& placement = b.lowered.stage_to_rank;
+  const int S = static_cast<int>(starts.size()), n = static_cast<int>(sheet.units.size());
+  CostSheet least = sheet;
+  least.memory_limit = 1.0;  // over it, every stage whose recompute helps recomputes
+  auto memory = [&](const CostSheet& under, const std::vector<int>& at) {
+    return chooseRecompute(under, stage(sheet, at, scale, placement), b, placement, dp, {}, options.allow_recompute);
+  };
+  std::vector<int> best = starts;
+  double peak = memory(least, best).max_peak;
+  for (int round = 0; round < n && !memory(sheet, best).fits; ++round) {
+    std::vector<int> next;
+    double next_peak = peak;
+    for (int k = 1; k < S; ++k) {
+      for (int d : {-1, 1}) {
+        std::vector<int> at = best;
+        at[k] += d;
+        if (at[k] <= at[k - 1] || (k + 1 < S && at[k] >= at[k + 1]) || at[k] >= n) continue;
+        const double p = memory(least, at).max_peak;
+        if (p < next_peak * (1.0 - 1e-12)) {
+          next = std::move(at);
+          next_peak = p;
+        }
+      }
+    }
+    if (next.empty()) break;
+    best = std::move(next);
+    peak = next_peak;
+  }
+  return best;
+}
+
 }  // namespace planner
 
 std::vector<int> minMaxSplit(const std::vector<double>& weights, int parts) {

@@ -128,6 +128,14 @@ std::string recomputeText(const std::vector<bool>& rec);
 std::vector<int> computeSplit(const CostSheet& sheet, int parts);
 std::vector<int> commAwareSplit(const CostSheet& sheet, int parts);
 
+// NOTE [Lighter split]: from `starts` (a candidate's split, at `scale` =
+// microbatch samples / reference_microbatch, under the lowered schedule `b`
+// and `dp`), boundaries moved one unit at a time while the greatest rank
+// peak falls, until it fits the sheet's memory limit; `starts` itself when it
+// fits or no move lowers its peak.
+std::vector<int> lighterSplit(const CostSheet& sheet, const SearchOptions& options, const std::vector<int>& starts,
+                              double scale, const Built& b, const DataParallel& dp);
+
 // The predicted step of a lowered schedule under a cost model. The search
 // takes it as a parameter so that a test can make it fail; whatever it throws
 // rejects the candidate with the exception's message.

@@ -359,8 +359,8 @@ TEST(Planner, ALimitBelowTheWinnersPeakForcesRecomputeOrAnotherPlan) {
   for (const Plan& p : tight.top) EXPECT_LE(maxOf(p.peak_bytes), sheet.memory_limit);
   const bool recomputes = std::find(b.recompute.begin(), b.recompute.end(), true) != b.recompute.end();
   const bool other = b.schedule != free.best.schedule || b.num_microbatches != free.best.num_microbatches ||
-                     b.stages_per_rank != free.best.stages_per_rank;
-  EXPECT_TRUE(recomputes || other);
+                     b.stages_per_rank != free.best.stages_per_rank || b.stage_starts != free.best.stage_starts;
+  EXPECT_TRUE(recomputes || other);  // other: another plan, or the same on a lighter split
   EXPECT_GE(b.step_seconds, free.best.step_seconds);
   // The unconstrained winner is among the rejected, over the limit, with its time.
   bool named = false;
@@ -369,6 +369,40 @@ TEST(Planner, ALimitBelowTheWinnersPeakForcesRecomputeOrAnotherPlan) {
              r.reason.find("over memory_limit") != std::string::npos;
   }
   EXPECT_TRUE(named);
+}
+
+TEST(Planner, ASplitBalancedOnTimeThatDoesNotFitGivesWayToALighterOne) {
+  // Four units of equal time; the first two hold every parameter. The
+  // time-balanced split puts both on rank 0; a limit under that peak is met
+  // by the lighter split [0 | 1 2 3] (NOTE [Lighter split]).
+  CostSheet sheet;
+  sheet.units = {{"a", 1.0, 1.0, 1.0, 1e3, 100e6, 1e3},
+                 {"b", 1.0, 1.0, 1.0, 1e3, 100e6, 1e3},
+                 {"c", 1.0, 1.0, 1.0, 1e3, 0.0, 1e3},
+                 {"d", 1.0, 1.0, 1.0, 1e3, 0.0, 0.0}};
+  sheet.global_batch = 4;
+  sheet.pp_size = 2;
+  SearchOptions options;
+  options.schedules = {"1f1b"};
+  options.stages_per_rank = {1};
+  options.microbatch_counts = {2};
+  options.refine_split = false;
+  const PlanResult free = planPipeline(sheet, options);
+  EXPECT_EQ(free.best.stage_starts, (std::vector<int>{0, 2}));
+  sheet.memory_limit = maxOf(free.best.peak_bytes) * 0.75;
+  const PlanResult tight = planPipeline(sheet, options);
+  EXPECT_EQ(tight.best.stage_starts, (std::vector<int>{0, 1}));
+  EXPECT_LE(maxOf(tight.best.peak_bytes), sheet.memory_limit);
+  // A limit no split meets names the smallest peak, the lighter split's (far
+  // under the time-balanced split's), and a limit of that peak is met.
+  sheet.memory_limit = maxOf(tight.best.peak_bytes) * 0.9;
+  const std::string what = whatOf([&] { planPipeline(sheet, options); });
+  EXPECT_NE(what.find("no plan fits memory_limit="), std::string::npos) << what;
+  const size_t at = what.find("(", what.find("smallest predicted peak is"));
+  const double named = std::stod(what.substr(at + 1));
+  EXPECT_LT(named, maxOf(free.best.peak_bytes) * 0.75) << what;
+  sheet.memory_limit = named;
+  EXPECT_EQ(planPipeline(sheet, options).best.stage_starts, (std::vector<int>{0, 1}));
 }
 
 TEST(Planner, ConstraintsRestrictTheSearch) {
