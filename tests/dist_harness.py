@@ -449,8 +449,8 @@ def collect_less_often() -> None:
     joint traces and compiles allocate millions of objects, and by default a
     collection ran every 700 of them: perf over tests/test_plan_auto.py put
     11% of all CPU in the collector. With the first threshold at 20,000 the
-    file took 147 s of user CPU against 158 s (BENCHMARKS.md, "Where the
-    suite's CPU goes"); garbage in cycles lives a little longer, nothing
+    file took 147 s of user CPU against 158 s (BENCHMARKS.md, "The collector
+    and leaked gloo groups"); garbage in cycles lives a little longer, nothing
     else changes."""
     import gc
 

@@ -50,7 +50,7 @@ from torch_mpmd.parallel.job_store import await_arrivals
 from torch_mpmd.parallel.sharding import local_grad, set_local_grad
 
 __all__ = ["DataParallel", "MESH_DIMS", "MeshGroups", "flat_increments", "local_part",
-           "mesh_groups", "replica_group", "tied_group"]
+           "mesh_groups", "release_kept_groups", "replica_group", "tied_group"]
 
 
 MESH_DIMS = ("dp", "pp", "tp")
@@ -147,6 +147,14 @@ def _groups_over(role: str, rank_lists: Sequence[Sequence[int]], timeout_s: floa
         _world_arrived(timeout_s, what)
         groups = _KEPT[key] = [dist.new_group(list(ranks)) for ranks in key[1]]
     return groups
+
+
+def release_kept_groups() -> None:
+    """Forget the kept groups, so that they go while the interpreter still
+    runs (NOTE [Release at exit] in runtime/rank.py); later calls make them
+    again."""
+    _KEPT.clear()
+    _KEPT_WORLD[0] = None
 
 
 def replica_group(role: str, pp_ranks: Sequence[int], replicas: Sequence[Sequence[int]],

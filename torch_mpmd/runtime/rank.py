@@ -34,7 +34,8 @@ import torch.fx
 
 from torch_mpmd import _runtime
 from torch_mpmd.parallel import lockstep
-from torch_mpmd.parallel.data_parallel import DataParallel, replica_group, tied_group
+from torch_mpmd.parallel.data_parallel import (DataParallel, release_kept_groups, replica_group,
+                                               tied_group)
 from torch_mpmd.parallel.sharding import ParamShards, ShardedStages
 from torch_mpmd.runtime.program_runner import ProgramRunner
 from torch_mpmd.parallel.lockstep import PipelineError
@@ -117,8 +118,9 @@ class CountExecutors:
 # group during finalization, after the script's destroy_process_group(); seen
 # to abort the process ("terminate called without an active exception"). So
 # at exit, while everything is alive, the runtimes drop their C++ objects and
-# group references, Dynamo's caches are cleared and cycles collected, so that
-# groups go while the interpreter still runs.
+# group references, so do the groups kept for reuse (NOTE [Groups kept]),
+# Dynamo's caches are cleared and cycles collected, so that groups go while
+# the interpreter still runs.
 _LIVE: "weakref.WeakSet[RankRuntime]" = weakref.WeakSet()
 
 
@@ -126,6 +128,7 @@ _LIVE: "weakref.WeakSet[RankRuntime]" = weakref.WeakSet()
 def _release_all() -> None:
     for rt in list(_LIVE):
         rt.release(groups=True)
+    release_kept_groups()
     dynamo = sys.modules.get("torch._dynamo")
     if dynamo is not None:
         try:
