@@ -10,6 +10,7 @@
 #include "core/errors.h"
 #include "core/planner.h"
 #include "core/planner_steps.h"
+#include "test_util.h"
 
 namespace mpmd {
 namespace {
@@ -33,13 +34,9 @@ CostSheet sheetOf(int blocks, int pp, int64_t batch) {
 
 double maxOf(const std::vector<double>& v) { return *std::max_element(v.begin(), v.end()); }
 
-std::string whatOf(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const std::invalid_argument& e) {
-    return e.what();
-  }
-  return "";
+// The message of the planner's refusal (an std::invalid_argument) by fn.
+std::string refusalOf(const std::function<void()>& fn) {
+  return testing::whatOf<std::invalid_argument>(fn);
 }
 
 TEST(Planner, MinMaxSplitFindsTheKnownOptimum) {
@@ -48,7 +45,7 @@ TEST(Planner, MinMaxSplitFindsTheKnownOptimum) {
   // A heavy unit gets a stage of its own; ties go to the least sum of squares.
   EXPECT_EQ(minMaxSplit({1, 1, 1, 1, 10, 1, 1, 1, 1}, 3), (std::vector<int>{0, 4, 5}));
   EXPECT_EQ(minMaxSplit({2, 2, 2, 2}, 4), (std::vector<int>{0, 1, 2, 3}));
-  EXPECT_NE(whatOf([] { minMaxSplit({1, 2}, 3); }).find("cannot split 2 units into 3"), std::string::npos);
+  EXPECT_NE(refusalOf([] { minMaxSplit({1, 2}, 3); }).find("cannot split 2 units into 3"), std::string::npos);
 }
 
 TEST(Planner, BestPlanIsTheFirstOfTheTopAndMatchesItsOwnEvaluation) {
@@ -153,7 +150,7 @@ TEST(Planner, TheStepOverheadAddsToEveryStepAndKeepsTheWinner) {
   EXPECT_EQ(after.best.stage_starts, before.best.stage_starts);
   EXPECT_NEAR(after.best.step_seconds, before.best.step_seconds + 0.25, 1e-12);
   sheet.step_overhead = -1;
-  EXPECT_NE(whatOf([&] { planPipeline(sheet); }).find("step_overhead=-1"), std::string::npos);
+  EXPECT_NE(refusalOf([&] { planPipeline(sheet); }).find("step_overhead=-1"), std::string::npos);
 }
 
 TEST(Planner, FixedTimesDoNotScaleWithTheMicrobatch) {
@@ -168,7 +165,7 @@ TEST(Planner, FixedTimesDoNotScaleWithTheMicrobatch) {
   }
   EXPECT_NEAR(evaluatePlan(sheet, "1f1b", 1, 4, {0, 2}).stage_seconds[0], linear.stage_seconds[0], 1e-12);
   sheet.units[1].forward_fixed = 2.0;  // above its forward, 1.0
-  EXPECT_NE(whatOf([&] { planPipeline(sheet); }).find("units[1] ('blocks.0').forward_fixed=2 must be at most"),
+  EXPECT_NE(refusalOf([&] { planPipeline(sheet); }).find("units[1] ('blocks.0').forward_fixed=2 must be at most"),
             std::string::npos);
 }
 
@@ -209,7 +206,7 @@ TEST(Planner, InputsAUnitKeepsAreNewBytesOnlyInsideAStage) {
   EXPECT_DOUBLE_EQ(joined.peak_bytes[0], evaluatePlan(none, "1f1b", 1, 1, {0, 1}).peak_bytes[0]);
   EXPECT_DOUBLE_EQ(other.peak_bytes[0] - evaluatePlan(none, "1f1b", 1, 1, {0, 2}).peak_bytes[0], 40);
   sheet.units[2].saved_input_bytes = -1;
-  EXPECT_NE(whatOf([&] { checkSheet(sheet); }).find("units[2] ('c').saved_input_bytes=-1"),
+  EXPECT_NE(refusalOf([&] { checkSheet(sheet); }).find("units[2] ('c').saved_input_bytes=-1"),
             std::string::npos);
 }
 
@@ -269,7 +266,7 @@ TEST(Planner, ShardPricesGathersReduceScattersAndTheGatheredBytes) {
   EXPECT_DOUBLE_EQ(shard.peak_bytes[0], 207 + 400);
   // Rank 1: 200/2 * 4 + 7; at its gather 300 + 200 = 500 (after it: 200 + 50 + 200 = 450).
   EXPECT_DOUBLE_EQ(shard.peak_bytes[1], 407 + 500);
-  EXPECT_NE(whatOf([] { evaluatePlan(dpSheet(), "1f1b", 1, 2, {0, 1}, {}, "zero3"); })
+  EXPECT_NE(refusalOf([] { evaluatePlan(dpSheet(), "1f1b", 1, 2, {0, 1}, {}, "zero3"); })
                 .find("data_parallel='zero3' is not a mode"),
             std::string::npos);
 }
@@ -298,7 +295,7 @@ TEST(Planner, TheMemoryLimitFlipsTheDataParallelMode) {
   EXPECT_TRUE(named) << "the faster replicate plan is among the rejected";
   // Restricted to replicate, nothing fits: the error names the mode.
   options.data_parallel = {"replicate"};
-  EXPECT_NE(whatOf([&] { planPipeline(sheet, options); }).find("data_parallel=replicate"), std::string::npos);
+  EXPECT_NE(refusalOf([&] { planPipeline(sheet, options); }).find("data_parallel=replicate"), std::string::npos);
   options.data_parallel = {"shard"};
   EXPECT_EQ(planPipeline(sheet, options).best.data_parallel, "shard");
 }
@@ -327,16 +324,16 @@ TEST(Planner, DpSizeOneSearchesAsBefore) {
   EXPECT_EQ(c.best.step_seconds, a.best.step_seconds);
   EXPECT_EQ(c.best.peak_bytes, a.best.peak_bytes);
   options.data_parallel = {"zero3"};
-  EXPECT_NE(whatOf([&] { planPipeline(sheet, options); }).find("data_parallel='zero3' is not a mode"),
+  EXPECT_NE(refusalOf([&] { planPipeline(sheet, options); }).find("data_parallel='zero3' is not a mode"),
             std::string::npos);
   sheet.dp_size = 0;
-  EXPECT_NE(whatOf([&] { planPipeline(sheet); }).find("dp_size=0 must be >= 1"), std::string::npos);
+  EXPECT_NE(refusalOf([&] { planPipeline(sheet); }).find("dp_size=0 must be >= 1"), std::string::npos);
 }
 
 TEST(Planner, AnInfeasibleLimitNamesTheSmallestPeakTheLimitAndThePlan) {
   CostSheet sheet = sheetOf(6, 2, 8);
   sheet.memory_limit = 1000;
-  const std::string what = whatOf([&] { planPipeline(sheet); });
+  const std::string what = refusalOf([&] { planPipeline(sheet); });
   EXPECT_NE(what.find("no plan fits memory_limit="), std::string::npos) << what;
   EXPECT_NE(what.find("(1000 bytes)"), std::string::npos) << what;
   EXPECT_NE(what.find("smallest predicted peak is"), std::string::npos) << what;
@@ -396,7 +393,7 @@ TEST(Planner, ASplitBalancedOnTimeThatDoesNotFitGivesWayToALighterOne) {
   // A limit no split meets names the smallest peak, the lighter split's (far
   // under the time-balanced split's), and a limit of that peak is met.
   sheet.memory_limit = maxOf(tight.best.peak_bytes) * 0.9;
-  const std::string what = whatOf([&] { planPipeline(sheet, options); });
+  const std::string what = refusalOf([&] { planPipeline(sheet, options); });
   EXPECT_NE(what.find("no plan fits memory_limit="), std::string::npos) << what;
   const size_t at = what.find("(", what.find("smallest predicted peak is"));
   const double named = std::stod(what.substr(at + 1));
@@ -415,12 +412,12 @@ TEST(Planner, ConstraintsRestrictTheSearch) {
   EXPECT_EQ(r.best.num_microbatches, 8);
   EXPECT_EQ(r.best.stages_per_rank, 1);
   options.microbatch_counts = {3};
-  EXPECT_NE(whatOf([&] { planPipeline(sheet, options); }).find("num_microbatches=3 must divide global_batch=16"),
+  EXPECT_NE(refusalOf([&] { planPipeline(sheet, options); }).find("num_microbatches=3 must divide global_batch=16"),
             std::string::npos);
   options = {};
   options.schedules = {"zbv"};
   options.microbatch_counts = {2};  // zbv needs m >= p
-  EXPECT_NE(whatOf([&] { planPipeline(sheet, options); }).find("num_microbatches=2 must be >= num_ranks=4 for zbv"),
+  EXPECT_NE(refusalOf([&] { planPipeline(sheet, options); }).find("num_microbatches=2 must be >= num_ranks=4 for zbv"),
             std::string::npos);
 }
 
@@ -447,7 +444,7 @@ TEST(Planner, ACandidateWhoseSimulationFailsIsRejectedWithItsReason) {
   EXPECT_TRUE(named);
   // Nothing fits the simulation at all: the error says so, with the reasons.
   options.schedules = {"zbv"};
-  const std::string what = whatOf([&] { planner::searchPlans(sheet, options, failingFor("zbv")); });
+  const std::string what = refusalOf([&] { planner::searchPlans(sheet, options, failingFor("zbv")); });
   EXPECT_NE(what.find("no plan that fits could be simulated"), std::string::npos) << what;
   EXPECT_NE(what.find("test: zbv never finishes"), std::string::npos) << what;
 }
@@ -482,12 +479,12 @@ TEST(Planner, TheSearchSkipsWhatTheScheduleTableCallsAnotherScheduleAtOneStage) 
 TEST(Planner, BadSheetsNameTheValue) {
   CostSheet sheet = sheetOf(2, 2, 4);
   sheet.units[1].forward = -1;
-  EXPECT_NE(whatOf([&] { planPipeline(sheet); }).find("units[1] ('blocks.0').forward=-1"), std::string::npos);
+  EXPECT_NE(refusalOf([&] { planPipeline(sheet); }).find("units[1] ('blocks.0').forward=-1"), std::string::npos);
   sheet = sheetOf(2, 5, 4);
-  EXPECT_NE(whatOf([&] { planPipeline(sheet); }).find("pp_size=5 is more than the sheet's 4 units"),
+  EXPECT_NE(refusalOf([&] { planPipeline(sheet); }).find("pp_size=5 is more than the sheet's 4 units"),
             std::string::npos);
   sheet = sheetOf(2, 2, 0);
-  EXPECT_NE(whatOf([&] { planPipeline(sheet); }).find("global_batch=0"), std::string::npos);
+  EXPECT_NE(refusalOf([&] { planPipeline(sheet); }).find("global_batch=0"), std::string::npos);
 }
 
 TEST(Planner, TheSearchIsDeterministic) {

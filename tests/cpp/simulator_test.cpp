@@ -16,15 +16,7 @@ namespace mpmd {
 namespace {
 
 using testing::scheduleFromRows;
-
-std::string whatOf(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const std::exception& e) {
-    return e.what();
-  }
-  return "";
-}
+using testing::whatOf;
 
 TEST(Simulator, TwoStageSingleMicrobatchIsTheCriticalPath) {
   // F0 F1 B1 B0 in sequence: 1 + 1 + 2 + 2.

@@ -4,6 +4,7 @@
 
 #include <gtest/gtest.h>
 
+#include <functional>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -13,6 +14,18 @@
 #include "core/schedule.h"
 
 namespace mpmd::testing {
+
+// The message of the E that fn throws; "" when it throws nothing (another
+// exception type propagates and fails the test).
+template <typename E = std::exception>
+std::string whatOf(const std::function<void()>& fn) {
+  try {
+    fn();
+  } catch (const E& e) {
+    return e.what();
+  }
+  return "";
+}
 
 // rows[r] is rank r's program as space-separated actions, e.g. "0F0 0F1 0B0".
 inline Schedule scheduleFromRows(std::vector<int> placement, int num_microbatches,
