@@ -319,6 +319,49 @@ def test_a_stage_traced_again_comes_from_the_export_memo_and_trains_the_same(nam
     _compare(again, ref, loss, ref_loss)
 
 
+class _EqualBlocks(nn.Module):
+    """Equal residual blocks between two unequal ends; each block's own
+    weights, and BatchNorm buffers that every training forward writes."""
+
+    def __init__(self, n: int = 4, d: int = 16) -> None:
+        super().__init__()
+        self.inp = nn.Linear(d, d)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(d, d), nn.BatchNorm1d(d), nn.Tanh())
+                                    for _ in range(n))
+        self.out = nn.Linear(d, d)
+
+    def forward(self, x):
+        x = self.inp(x)
+        for block in self.blocks:
+            x = x + block(x)
+        return self.out(x)
+
+
+def test_stages_alike_but_for_their_names_share_one_trace_and_train_exactly():
+    # NOTE [Stages alike]: one stage per block; the blocks' stages differ
+    # only in their parameters' and buffers' names, so the first is traced
+    # and the other three come from the memo, renamed: each still reads and
+    # updates its own weights and running statistics.
+    from torch_mpmd.programs import export_memo
+
+    export_memo.clear()
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    model = _EqualBlocks()
+    x, y = torch.randn(8, 16, generator=g), torch.randn(8, 16, generator=g)
+    ref = copy.deepcopy(model)
+    before = export_memo.stats()
+    loss, runner, _ = train_step(model, x, y, F.mse_loss, split=True,
+                                 split_points=[f"blocks.{i}" for i in range(4)] + ["out"])
+    assert runner.fallback_reason is None, runner.fallback_reason
+    assert runner.num_stages == 6
+    after = export_memo.stats()
+    assert (after["misses"] - before["misses"], after["hits"] - before["hits"]) == (3, 3), after
+    ref_loss, _, _ = train_step(ref, x, y, F.mse_loss, split=True, functional=False,
+                                split_points=[f"blocks.{i}" for i in range(4)] + ["out"])
+    _compare(model, ref, loss, ref_loss)
+
+
 def test_what_a_kept_joint_graph_does_not_describe_is_traced_again():
     # A loss closing over another constant: the last stage is traced again
     # (the others come from the memo), and the loss follows the change.

@@ -10,10 +10,10 @@ calibration, test grids), and so does a copy of the model (its capture
 comes from the capture memo). A trace is kept under a key of everything it
 reads:
 
-- the stage's code: each GraphModule's generated Python and every node's
-  op, target and metadata (an activation checkpoint's tags live there),
+- the stage's code: every node of each GraphModule, its op, target,
+  arguments and metadata (an activation checkpoint's tags live there),
   fake values aside (the inputs' descriptions below fix them);
-- the stage's parameters and buffers by name: shape, dtype, strides,
+- the stage's parameters and buffers in order: shape, dtype, strides,
   storage size, device, whether each requires grad, which are one tensor;
 - the inputs' descriptions, and which inputs share storage;
 - how the stage is wrapped (inputs received and sent, outputs cloned), the
@@ -25,6 +25,16 @@ reads:
   attribute; objects by identity, watched by weak reference so that a dead
   object's id never matches a new one), and the model's output structure.
   A trace that changed what the loss reads (a stateful loss) is not kept.
+
+NOTE [Stages alike]: the key holds no name the model gave. Parameters,
+buffers and submodules go by position, nodes by their place in the graph,
+the inputs by position; the module stack and provenance are left out, the
+capture's write ids renumbered by appearance. So stages that differ only in
+names share one trace: a model's equal blocks (each a unit the profile
+times, at two sizes), the middle stages of a V schedule on one rank. A hit
+renames the kept trace's descriptors, which name the parameters and buffers
+the program reads, to the stage's own (by position: the key holds their
+order, descriptions and ties).
 
 A tensor parallel stage's DTensors are keyed by their global layout,
 placements, mesh (with this rank's process groups: a trace's collectives
@@ -60,12 +70,17 @@ __all__ = ["LossKey", "clear", "export_key", "exported", "lookup", "loss_key", "
 # fake values, small beside the programs built from them.
 _MAX_ENTRIES = 64
 # Node metadata the key leaves out: fake values (the inputs' descriptions
-# fix them), the capture's sources, and where in the user's code a node
-# came from (no bearing on what it computes).
+# fix them), the capture's sources, and where in the user's code and model a
+# node came from (no bearing on what it computes; the module stack names a
+# block's index: NOTE [Stages alike]).
 _UNKEYED_META = frozenset({"val", "example_value", "tensor_meta", "grapharg", "mpmd_source",
-                           "stack_trace", "source_fn_stack", "fwd_source_fn_stack"})
+                           "stack_trace", "source_fn_stack", "fwd_source_fn_stack",
+                           "nn_module_stack", "torch_fn", "from_node"})
+# Node metadata holding the capture's write ids (graph/fx_to_ir.py): keyed
+# by order of appearance, not by their numbers, which count across the model.
+_WRITE_IDS = frozenset({"mpmd_alias_of", "mpmd_write_id"})
 
-_kept: collections.OrderedDict[str, tuple[torch.fx.GraphModule, Any, tuple]] = \
+_kept: collections.OrderedDict[str, tuple[torch.fx.GraphModule, Any, tuple, tuple]] = \
     collections.OrderedDict()
 _stats = {"hits": 0, "misses": 0, "not_keyed": 0}
 
@@ -109,31 +124,89 @@ def _tensor(t: Any, *, parameter: bool = False) -> tuple:
 
 
 def _graph(stage: torch.fx.GraphModule) -> list:
-    """The stage's code, its tensors' descriptions and its nodes' metadata."""
-    params = dict(stage.named_parameters(remove_duplicate=False))
-    buffers = dict(stage.named_buffers(remove_duplicate=False))
-    modules = dict(stage.named_modules(remove_duplicate=False))
-    first: dict[int, str] = {}  # a tensor under two names (tied weights): its first name
-    parts: list = [("param", name, _tensor(t, parameter=True), first.setdefault(id(t), name))
-                   for name, t in params.items()]
-    parts += [("buffer", name, _tensor(t), first.setdefault(id(t), name))
-              for name, t in buffers.items()]
-    for prefix, module in modules.items():
+    """The stage's code, its tensors' descriptions and its nodes' metadata,
+    with every name the model gave replaced by a position (NOTE [Stages
+    alike])."""
+    params = list(stage.named_parameters(remove_duplicate=False))
+    buffers = list(stage.named_buffers(remove_duplicate=False))
+    canon: dict[str, tuple] = {}  # a name the code reads: its position
+    first: dict[int, tuple] = {}  # a tensor under two names (tied weights): its first position
+    parts: list = []
+    for kind, named in (("param", params), ("buffer", buffers)):
+        for i, (name, t) in enumerate(named):
+            canon.setdefault(name, (kind, i))
+            described = _tensor(t, parameter=True) if kind == "param" else _tensor(t)
+            parts.append((kind, described, first.setdefault(id(t), (kind, i))))
+    modules = list(stage.named_modules(remove_duplicate=False))
+    for i, (prefix, _) in enumerate(modules):
+        canon.setdefault(prefix, ("module", i))
+    writes: dict[Any, int] = {}  # the capture's write ids, by first appearance
+
+    def renumbered(ids: Any) -> Any:
+        if isinstance(ids, (tuple, list)):
+            return tuple(writes.setdefault(w, len(writes)) for w in ids)
+        return writes.setdefault(ids, len(writes))
+
+    for m, (prefix, module) in enumerate(modules):
         if type(module) is torch.nn.Module:  # a container GraphModule made for dotted names
             continue
         if not isinstance(module, torch.fx.GraphModule):
             raise _NotKeyed(f"a {type(module).__name__} module")
-        parts.append(("code", prefix, module.code))
+        index = {node: k for k, node in enumerate(module.graph.nodes)}
+
+        def positional(a: Any) -> Any:
+            return ("node", index[a]) if isinstance(a, torch.fx.Node) else a
+
         for node in module.graph.nodes:
+            target: Any = str(node.target)
             if node.op == "get_attr":
-                target = f"{prefix}.{node.target}" if prefix else str(node.target)
-                if target not in params and target not in buffers and target not in modules:
-                    parts.append(("constant", target, _opaque(stage, target)))
-            if node.op == "call_module":
+                full = f"{prefix}.{node.target}" if prefix else str(node.target)
+                target = canon.get(full) or ("constant", _opaque(stage, full))
+            elif node.op == "call_module":
                 raise _NotKeyed("a call_module node")
-            meta = sorted((k, repr(v)) for k, v in node.meta.items() if k not in _UNKEYED_META)
-            parts.append((node.name, node.op, str(node.target), meta, _meshes(node)))
+            elif node.op == "placeholder":
+                target = None  # a graph's inputs are positional
+            meta = sorted((k, repr(renumbered(v)) if k in _WRITE_IDS else repr(v))
+                          for k, v in node.meta.items() if k not in _UNKEYED_META)
+            parts.append((m, node.op, target,
+                          repr(torch.fx.node.map_aggregate(node.args, positional)),
+                          repr(torch.fx.node.map_aggregate(node.kwargs, positional)),
+                          meta, _meshes(node)))
     return parts
+
+
+def _names(stage: torch.fx.GraphModule) -> tuple[str, ...]:
+    """The stage's parameter and buffer names, in the order :func:`_graph`
+    gives them positions."""
+    return (*(n for n, _ in stage.named_parameters(remove_duplicate=False)),
+            *(n for n, _ in stage.named_buffers(remove_duplicate=False)))
+
+
+def _renamed(desc: Any, names: dict[str, str]) -> Any:
+    """An AOTAutograd descriptor with the parameter or buffer it names (at any
+    depth: a gradient's, a mutation's, a DTensor shard's) renamed by ``names``."""
+    from torch._functorch._aot_autograd import descriptors as d
+
+    if isinstance(desc, (d.ParamAOTInput, d.BufferAOTInput)):
+        return dataclasses.replace(desc, target=names.get(desc.target, desc.target))
+    if dataclasses.is_dataclass(desc) and not isinstance(desc, type):
+        changes = {f.name: _renamed(getattr(desc, f.name), names)
+                   for f in dataclasses.fields(desc)
+                   if dataclasses.is_dataclass(getattr(desc, f.name))}
+        return dataclasses.replace(desc, **changes) if changes else desc
+    return desc
+
+
+def _rename(joint: torch.fx.GraphModule, names: dict[str, str]) -> None:
+    """Rename, in place, the parameters and buffers ``joint``'s inputs and
+    outputs describe (their descriptors: stage_programs reads the stage's
+    tensors by these names)."""
+    for node in joint.graph.nodes:
+        desc = node.meta.get("desc")
+        if node.op == "placeholder" and desc is not None:
+            node.meta["desc"] = _renamed(desc, names)
+        elif node.op == "output" and desc is not None:
+            node.meta["desc"] = [_renamed(x, names) for x in desc]
 
 
 def _opaque(stage: torch.fx.GraphModule, target: str) -> tuple:
@@ -278,10 +351,13 @@ def _copy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     return torch.fx.GraphModule(gm, graph, class_name=type(gm).__name__)
 
 
-def lookup(key: str | None) -> tuple[torch.fx.GraphModule, Any] | None:
+def lookup(key: str | None, names: Sequence[str] = ()) -> tuple[torch.fx.GraphModule, Any] | None:
     """A copy of the joint graph kept under ``key`` and its AOTAutograd
-    metadata (shared: read only), or None. An entry one of whose loss's
-    objects died is dropped (see :class:`LossKey`)."""
+    metadata (shared: read only), or None. ``names``: the parameters and
+    buffers, in :func:`_names`' order, as the caller's descriptors name them;
+    the copy's descriptors are renamed from the kept stage's to these (NOTE
+    [Stages alike]). An entry one of whose loss's objects died is dropped
+    (see :class:`LossKey`)."""
     if key is None:
         return None
     kept = _kept.get(key)
@@ -293,16 +369,21 @@ def lookup(key: str | None) -> tuple[torch.fx.GraphModule, Any] | None:
         return None
     _kept.move_to_end(key)
     _stats["hits"] += 1
-    return _copy(kept[0]), kept[1]
+    joint = _copy(kept[0])
+    renames = {old: new for old, new in zip(kept[3], names) if old != new}
+    if renames:
+        _rename(joint, renames)
+    return joint, kept[1]
 
 
 def store(key: str | None, joint: torch.fx.GraphModule, meta: Any,
-          watched: tuple = ()) -> None:
+          watched: tuple = (), names: Sequence[str] = ()) -> None:
     """Keep a copy of ``joint`` (taken before the caller rewrites it), valid
-    while every weak reference in ``watched`` lives."""
+    while every weak reference in ``watched`` lives; ``names``: as its
+    descriptors name the stage's parameters and buffers (see :func:`lookup`)."""
     if key is None:
         return
-    _kept[key] = (_copy(joint), meta, watched)
+    _kept[key] = (_copy(joint), meta, watched, tuple(names))
     _kept.move_to_end(key)
     while len(_kept) > _MAX_ENTRIES:
         _kept.popitem(last=False)
@@ -310,19 +391,22 @@ def store(key: str | None, joint: torch.fx.GraphModule, meta: Any,
 
 def exported(stage: torch.fx.GraphModule, args: Sequence[Any], *, num_user: int,
              num_received: int, num_sent: int, clone_outputs: frozenset[int], loss: Any,
-             decomposed: bool, export: Callable[[], tuple[torch.fx.GraphModule, Any]]
-             ) -> tuple[torch.fx.GraphModule, Any]:
+             decomposed: bool, export: Callable[[], tuple[torch.fx.GraphModule, Any]],
+             prefix: str = "") -> tuple[torch.fx.GraphModule, Any]:
     """The joint graph and metadata of tracing ``stage`` at ``args`` (see
     :func:`export_key`): kept from an earlier trace, or ``export()``'s, kept
-    for later ones (not when tracing the loss changed what the loss reads)."""
+    for later ones (not when tracing the loss changed what the loss reads).
+    ``prefix``: what the traced module's descriptors put before the stage's
+    own parameter and buffer names (its attribute holding ``stage``)."""
     key = export_key(stage, args, num_user=num_user, num_received=num_received,
                      num_sent=num_sent, clone_outputs=clone_outputs, loss=loss,
                      decomposed=decomposed)
-    kept = lookup(key)
+    names = [prefix + n for n in _names(stage)] if key is not None else []
+    kept = lookup(key, names)
     if kept is not None:
         return kept
     joint, meta = export()
     memo = getattr(loss, "memo_key", None) if loss is not None else None
     if memo is None or memo.unchanged():
-        store(key, joint, meta, memo.identities if memo is not None else ())
+        store(key, joint, meta, memo.identities if memo is not None else (), names)
     return joint, meta

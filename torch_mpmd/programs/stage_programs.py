@@ -392,7 +392,8 @@ def build_stage_programs(stage: int, module: torch.fx.GraphModule, *, num_user: 
             joint, meta = export_memo.exported(
                 module, args, num_user=num_user, num_received=len(received), num_sent=num_sent,
                 clone_outputs=clone, loss=loss, decomposed=compiler is _inductor,
-                export=lambda: _export(traced, args, _decompositions(compiler)))
+                export=lambda: _export(traced, args, _decompositions(compiler)),
+                prefix="stage.")
             aliased = frozenset(i for i, info in enumerate(meta.output_info)
                                 if info.output_type.name != "non_alias")
             if not aliased:
