@@ -31,6 +31,14 @@ os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 _CAPTURES = tempfile.TemporaryDirectory(prefix="mpmd_captures_")
 os.environ.setdefault("MPMD_CAPTURE_CACHE", _CAPTURES.name)
 
+# plan="auto"'s trials time at least 5 steps of each finalist, more while
+# they fill 4 s (planning/trials.py). The tests check what the trials decide
+# and that training stays exact, never the timings' spread: 1 s of timed
+# steps is enough, and every planning case on two ranks spent 4-8 s of both
+# cores in them (BENCHMARKS.md, "Alike stages traced once, shorter trials in
+# tests").
+os.environ.setdefault("MPMD_TRIAL_SECONDS", "1")
+
 
 dist_harness.collect_less_often()  # NOTE [Collections in tests]
 

@@ -200,3 +200,14 @@ def test_a_cached_profile_is_fitted_to_the_launch_that_loads_it():
         assert r["measured_again"] == 0 and r["units_equal_names"]
         # The cached entry said 9 s per action and per step; this launch measured.
         assert r["second_action"] < 0.1 and r["second_step"] < 0.1, r
+
+
+def test_the_trials_time_comes_from_the_environment_or_is_an_error_naming_it(monkeypatch):
+    monkeypatch.delenv("MPMD_TRIAL_SECONDS", raising=False)
+    assert t.trial_seconds() == t.TRIAL_SECONDS
+    monkeypatch.setenv("MPMD_TRIAL_SECONDS", "0.5")
+    assert t.trial_seconds() == 0.5
+    for bad in ("soon", "-1", "nan"):
+        monkeypatch.setenv("MPMD_TRIAL_SECONDS", bad)
+        with pytest.raises(ValueError, match=f"MPMD_TRIAL_SECONDS='{bad}'"):
+            t.trial_seconds()

@@ -52,7 +52,7 @@ from torch_mpmd.schedules import DEFAULT, facts, schedule_names
 
 __all__ = ["CLOSE", "DEFAULT_TRIALS", "EXTRA_STEPS", "MAX_TRIAL_STEPS", "PREDICTION_ERROR",
            "TRIAL_SECONDS", "TRIAL_STEPS",
-           "choose", "default_contender", "finalists", "run_trials"]
+           "choose", "default_contender", "finalists", "run_trials", "trial_seconds"]
 
 # Finalists from the search (the default a user writes first comes beside them).
 DEFAULT_TRIALS = 3
@@ -72,6 +72,25 @@ CLOSE = 0.03
 # too close for the prediction to rank (BENCHMARKS.md, the planner zoo).
 PREDICTION_ERROR = 0.15
 _BLOCK = re.compile(r"^(.*)\.(\d+)(?:\..*)?$")
+
+
+def trial_seconds() -> float:
+    """The time the timed rounds fill: ``MPMD_TRIAL_SECONDS`` where set (a
+    quick launch, a test suite: at least TRIAL_STEPS steps run all the
+    same), else :data:`TRIAL_SECONDS`. A value that is not a number >= 0 is
+    an error naming it."""
+    import os
+
+    text = os.environ.get("MPMD_TRIAL_SECONDS")
+    if text is None:
+        return TRIAL_SECONDS
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:  # (also nan)
+        raise ValueError(f"MPMD_TRIAL_SECONDS={text!r}: expected a number of seconds >= 0")
+    return value
 
 
 def family(schedule: str) -> str:
@@ -246,7 +265,7 @@ def run_trials(model: Any, args: tuple, kwargs: dict, target: Any,
     """Every contender run on ``group`` (the pipeline group; collective over
     it, ``waits``: its lockstep.Collectives, None for one process): built one
     at a time, one untimed step each, then ``steps`` timed steps each (more
-    for fast steps: see TRIAL_SECONDS), interleaved; then as many again (at
+    for fast steps: see :func:`trial_seconds`), interleaved; then as many again (at
     least ``extra_steps``), interleaved, of those whose median is within
     :data:`CLOSE` of the least (when two or more are).
     Every rank returns rank 0's timings. The model is left as it was (NOTE
@@ -265,6 +284,7 @@ def run_trials(model: Any, args: tuple, kwargs: dict, target: Any,
         if waits is not None:
             waits.all_reduce(torch.zeros(1, device=waits.device), what, arrive=False)
 
+    seconds = trial_seconds()  # (a bad MPMD_TRIAL_SECONDS: raised before any step)
     walls: list[list[float]] = [[] for _ in contenders]
     with model_state_kept(model):
         pipes = []
@@ -291,13 +311,16 @@ def run_trials(model: Any, args: tuple, kwargs: dict, target: Any,
                 return waits.broadcast_json(walls, what)
             return walls
 
-        # One round timed, then as many as fill TRIAL_SECONDS (at least
+        # One round timed, then as many as fill trial_seconds() (at least
         # ``steps``, at most MAX_TRIAL_STEPS): a fast model's medians get the
         # steps its noise needs at little cost.
         rounds(list(range(len(pipes))), 1, 0)
+        # Rank 0's budget too: every rank must count the same rounds.
+        walls.append([seconds])
         walls = shared("the broadcast of rank 0's first trial round")
+        seconds = walls.pop()[0]
         per_round = sum(w[0] for w in walls)
-        total = max(steps, min(MAX_TRIAL_STEPS, int(TRIAL_SECONDS / max(per_round, 1e-9))))
+        total = max(steps, min(MAX_TRIAL_STEPS, int(seconds / max(per_round, 1e-9))))
         rounds(list(range(len(pipes))), total - 1, 1)
         walls = shared("the broadcast of rank 0's trial timings")
         # Where the medians are too close to tell, more steps of those alone
