@@ -224,7 +224,12 @@ for like in (distribute_tensor(torch.zeros(6, 3), mesh, [Shard(0)]), torch.zeros
     else:
         raise AssertionError("a different layout was loaded")
 dist.destroy_process_group()
-print("ok")
+print("ok", flush=True)
+# What this checks is done; the interpreter's teardown of a gloo world is
+# torch's, and under load it once aborted after "ok" ("terminate called
+# without an active exception", a C++ thread joinable at exit): not this
+# test's subject.
+os._exit(0)
 """
 
 

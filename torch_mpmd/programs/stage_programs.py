@@ -388,12 +388,11 @@ def build_stage_programs(stage: int, module: torch.fx.GraphModule, *, num_user: 
         for _attempt in range(2):
             traced = _Traced(module, num_user=num_user, num_received=len(received),
                              num_sent=num_sent, loss=loss, clone_outputs=clone)
-            # NOTE [Export memo]: the same stage traced before in this process.
+            # NOTE [Export memo]: the same stage (or one alike) traced before.
             joint, meta = export_memo.exported(
                 module, args, num_user=num_user, num_received=len(received), num_sent=num_sent,
-                clone_outputs=clone, loss=loss, decomposed=compiler is _inductor,
-                export=lambda: _export(traced, args, _decompositions(compiler)),
-                prefix="stage.")
+                clone_outputs=clone, loss=loss, decomposed=compiler is _inductor, prefix="stage.",
+                export=lambda: _export(traced, args, _decompositions(compiler)))
             aliased = frozenset(i for i, info in enumerate(meta.output_info)
                                 if info.output_type.name != "non_alias")
             if not aliased:
