@@ -155,7 +155,11 @@ def _graph(stage: torch.fx.GraphModule) -> list:
         index = {node: k for k, node in enumerate(module.graph.nodes)}
 
         def positional(a: Any) -> Any:
-            return ("node", index[a]) if isinstance(a, torch.fx.Node) else a
+            if not isinstance(a, torch.fx.Node):
+                return a
+            if a not in index:  # (FX forbids it; a key must not guess)
+                raise _NotKeyed(f"a node of another graph: {a.name}")
+            return ("node", index[a])
 
         for node in module.graph.nodes:
             target: Any = str(node.target)
