@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import os
 import re
 import statistics
 import time
@@ -79,8 +80,6 @@ def trial_seconds() -> float:
     quick launch, a test suite: at least TRIAL_STEPS steps run all the
     same), else :data:`TRIAL_SECONDS`. A value that is not a number >= 0 is
     an error naming it."""
-    import os
-
     text = os.environ.get("MPMD_TRIAL_SECONDS")
     if text is None:
         return TRIAL_SECONDS
