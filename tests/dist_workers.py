@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import atexit
 import gc
+import importlib
 import json
 import os
 import shutil
@@ -520,9 +521,27 @@ def zygote_main() -> None:
     import torch_mpmd  # noqa: F401
     from torch_mpmd.programs.vec_isa import vec_isa_ok
 
+    # The package's modules too: `import torch_mpmd` imports none of them
+    # (its names are lazy), and every rank forked imported them again, 0.2-0.4
+    # s each under load, about 200 ranks a run (a sampling profile of the
+    # suite: BENCHMARKS.md, "Where the suite's CPU goes, sampled").
+    for name in ("api", "compile.door", "compile.backend", "planning.auto", "checkpoint",
+                 "parallel.quorum", "parallel.launch", "packing", "ordering", "trace"):
+        importlib.import_module(f"torch_mpmd.{name}")
+    # What torch imports on first use by a capture or a compile.
+    import torch.distributed.tensor.experimental  # noqa: F401
+    import torch.utils.cpp_extension  # noqa: F401
+
     vec_isa_ok()  # NOTE [A probe per machine]: known here, for every rank forked
     try:  # 2.3 s per rank that builds a Hugging Face model, paid here once
+        import transformers
         import transformers.modeling_utils  # noqa: F401
+
+        # The tests' architectures (transformers imports each on first use).
+        for arch in ("LlamaForCausalLM", "GPT2LMHeadModel", "Qwen2ForCausalLM",
+                     "Qwen3ForCausalLM", "MistralForCausalLM", "Phi3ForCausalLM",
+                     "MixtralForCausalLM", "Qwen2MoeForCausalLM"):
+            getattr(transformers, arch, None)
     except ImportError:
         pass
     try:  # the replica tests' interpreters (NOTE [Forked interpreters])

@@ -315,6 +315,9 @@ def test_a_stage_traced_again_comes_from_the_export_memo_and_trains_the_same(nam
     loss, runner, _ = train_step(again, x, y, loss_fn, split=True, **kw)
     assert runner.fallback_reason is None, runner.fallback_reason
     assert export_memo.stats()["hits"] - traced["hits"] == runner.num_stages
+    # NOTE [Partitions kept]: F and B of each stage too, not cut again.
+    kept = export_memo.stats()["partitions_kept"] - traced["partitions_kept"]
+    assert kept == runner.num_stages, kept
     ref_loss, _, _ = train_step(ref, x, y, loss_fn, split=True, functional=False, **kw)
     _compare(again, ref, loss, ref_loss)
 
@@ -357,6 +360,7 @@ def test_stages_alike_but_for_their_names_share_one_trace_and_train_exactly():
     assert runner.num_stages == 6
     after = export_memo.stats()
     assert (after["misses"] - before["misses"], after["hits"] - before["hits"]) == (3, 3), after
+    assert after["partitions_kept"] - before["partitions_kept"] == 3, after
     ref_loss, _, _ = train_step(ref, x, y, F.mse_loss, split=True, functional=False,
                                 split_points=[f"blocks.{i}" for i in range(4)] + ["out"])
     _compare(model, ref, loss, ref_loss)

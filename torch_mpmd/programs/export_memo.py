@@ -44,6 +44,15 @@ constant tensor the graph reads (its values are in the trace),
 a module that is not a graph, symbolic sizes, a loss function with no name
 across calls (a lambda closing over an instance). A hit hands out a copy of
 the kept graph (the caller rewrites it). ``MPMD_EXPORT_MEMO=0`` turns it off.
+
+NOTE [Partitions kept]: cutting a joint graph into F and B (torch's default
+partitioner, programs/partition.py) took 40 ms a stage, as long as three
+copies of its graphs, and a kept trace is handed out again and again (a
+planner's profile, calibration and trials build one stage many times): F
+and B are kept beside the trace, under its key, and a hit hands out copies.
+They name no parameter (their inputs are the joint's positions; the
+descriptors that name parameters stay on the joint), so a stage alike but
+for its names shares them too. They go when their trace goes.
 """
 
 from __future__ import annotations
@@ -63,8 +72,8 @@ import torch.fx
 
 from torch_mpmd.graph.capture_memo import mesh_key
 
-__all__ = ["LossKey", "clear", "export_key", "exported", "lookup", "loss_key", "stats",
-           "store"]
+__all__ = ["LossKey", "clear", "export_key", "exported", "lookup", "loss_key", "partitioned",
+           "stats", "store"]
 
 # Kept traces (least recently used go first beyond it): joint graphs over
 # fake values, small beside the programs built from them.
@@ -82,7 +91,11 @@ _WRITE_IDS = frozenset({"mpmd_alias_of", "mpmd_write_id"})
 
 _kept: collections.OrderedDict[str, tuple[torch.fx.GraphModule, Any, tuple, tuple]] = \
     collections.OrderedDict()
-_stats = {"hits": 0, "misses": 0, "not_keyed": 0}
+_stats = {"hits": 0, "misses": 0, "not_keyed": 0, "partitions_kept": 0}
+# F and B of a kept trace, under its key (NOTE [Partitions kept]).
+_parts: dict[str, tuple[torch.fx.GraphModule, torch.fx.GraphModule]] = {}
+# Where exported() marks a joint graph with its key, for partitioned().
+_KEY_META = "mpmd_export_key"
 
 
 def enabled() -> bool:
@@ -97,6 +110,12 @@ def stats() -> dict[str, int]:
 
 def clear() -> None:
     _kept.clear()
+    _parts.clear()
+
+
+def _drop(key: str) -> None:
+    _kept.pop(key, None)
+    _parts.pop(key, None)
 
 
 class _NotKeyed(Exception):
@@ -366,7 +385,7 @@ def lookup(key: str | None, names: Sequence[str] = ()) -> tuple[torch.fx.GraphMo
         return None
     kept = _kept.get(key)
     if kept is not None and any(ref() is None for ref in kept[2]):
-        del _kept[key]
+        _drop(key)
         kept = None
     if kept is None:
         _stats["misses"] += 1
@@ -390,7 +409,7 @@ def store(key: str | None, joint: torch.fx.GraphModule, meta: Any,
     _kept[key] = (_copy(joint), meta, watched, tuple(names))
     _kept.move_to_end(key)
     while len(_kept) > _MAX_ENTRIES:
-        _kept.popitem(last=False)
+        _drop(next(iter(_kept)))
 
 
 def exported(stage: torch.fx.GraphModule, args: Sequence[Any], *, num_user: int,
@@ -408,9 +427,30 @@ def exported(stage: torch.fx.GraphModule, args: Sequence[Any], *, num_user: int,
     names = [prefix + n for n in _names(stage)] if key is not None else []
     kept = lookup(key, names)
     if kept is not None:
+        kept[0].meta[_KEY_META] = key
         return kept
     joint, meta = export()
     memo = getattr(loss, "memo_key", None) if loss is not None else None
     if memo is None or memo.unchanged():
         store(key, joint, meta, memo.identities if memo is not None else (), names)
+    joint.meta[_KEY_META] = key
     return joint, meta
+
+
+def partitioned(joint: torch.fx.GraphModule,
+                partition: Callable[[], tuple[torch.fx.GraphModule, torch.fx.GraphModule]]
+                ) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
+    """F and B of ``joint`` (as :func:`exported` handed it out, rewritten
+    since only by what its key determines): copies of those kept for its
+    trace, or ``partition()``'s, kept while the trace is (NOTE [Partitions
+    kept]). A joint graph of no kept trace is partitioned and not kept."""
+    key = joint.meta.get(_KEY_META)
+    if key is None or key not in _kept:
+        return partition()
+    parts = _parts.get(key)
+    if parts is not None:
+        _stats["partitions_kept"] += 1
+        return _copy(parts[0]), _copy(parts[1])
+    fw, bw = partition()
+    _parts[key] = (_copy(fw), _copy(bw))
+    return fw, bw
