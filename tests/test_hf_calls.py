@@ -29,3 +29,27 @@ def test_an_moe_trained_with_its_router_loss_and_default_cache_matches_eager(cas
         assert not bad, f"rank {rank}: gradients off (inf: missing): {bad}"
         held |= set(r["grads"])
     assert any("experts" in n or "gate" in n for n in held), sorted(held)
+
+
+def test_the_backend_imported_before_transformers_still_marks_the_recorders_install():
+    # NOTE [Recorders while tracing]: torch_mpmd's backend imported first (as
+    # `from torch_mpmd import over_microbatches` before `import transformers`
+    # does) still marks transformers' install once its module is imported.
+    # (The MoE door cases above run in ranks forked from a zygote that imports
+    # the backend first; unmarked, Dynamo broke the graph there and the
+    # capture failed.) A fresh interpreter: the order is the point.
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "import torch_mpmd.compile.backend\n"
+            "assert 'transformers.utils.output_capturing' not in sys.modules\n"
+            "import transformers\n"
+            "from transformers import MixtralForCausalLM\n"
+            "from transformers.utils import output_capturing as oc\n"
+            "print(getattr(oc.maybe_install_capturing_hooks, '_dynamo_marked_constant', False))\n"
+            "import inspect; assert inspect.getsource(oc)\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.strip().endswith("True"), run.stdout

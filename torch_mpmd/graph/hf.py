@@ -11,6 +11,8 @@ imports transformers: a model that is not one of its own is left alone.
 
 from __future__ import annotations
 
+import importlib.abc
+import importlib.machinery
 import inspect
 import sys
 from collections.abc import Mapping
@@ -36,11 +38,56 @@ def recorders_install_while_tracing() -> None:
     once, while Dynamo traces (it returns None and is idempotent; the hooks
     it registers are then traced like any others), for every backend. The
     function object is marked in place; eager calls are unchanged. No-op
-    without transformers (or a version without recorders)."""
-    recording = sys.modules.get("transformers.utils.output_capturing")
+    without transformers (or a version without recorders). Called before
+    transformers' recorders module is imported (torch_mpmd's backend imported
+    first), it marks the function once that module is imported."""
+    recording = sys.modules.get(_RECORDING)
+    if recording is not None:
+        _mark(recording)
+    elif not any(isinstance(f, _MarkOnImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _MarkOnImport())
+
+
+_RECORDING = "transformers.utils.output_capturing"
+
+
+def _mark(recording: Any) -> None:
     install = getattr(recording, "maybe_install_capturing_hooks", None)
     if install is not None:
         torch._dynamo.assume_constant_result(install)
+
+
+class _MarkOnImport(importlib.abc.MetaPathFinder):
+    """Finds transformers' recorders module as the path finder does and
+    marks its install function (:func:`recorders_install_while_tracing`)
+    once the module has run; then leaves ``sys.meta_path``."""
+
+    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
+        if name != _RECORDING:
+            return None
+        sys.meta_path[:] = [f for f in sys.meta_path if f is not self]
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is not None and spec.loader is not None:
+            spec.loader = _MarkingLoader(spec.loader)
+        return spec
+
+
+class _MarkingLoader(importlib.abc.Loader):
+    """The path finder's loader (its other methods too: ``get_source``, for
+    tracebacks and Dynamo), marking the module once it has run."""
+
+    def __init__(self, loader: Any) -> None:
+        self.loader = loader
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.loader, name)
+
+    def create_module(self, spec: Any) -> Any:
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module: Any) -> None:
+        self.loader.exec_module(module)
+        _mark(module)
 
 
 def install_output_recorders(module: torch.nn.Module, kwargs: Mapping[str, Any]) -> None:
