@@ -49,7 +49,9 @@ NOTE [Partitions kept]: cutting a joint graph into F and B (torch's default
 partitioner, programs/partition.py) took 40 ms a stage, as long as three
 copies of its graphs, and a kept trace is handed out again and again (a
 planner's profile, calibration and trials build one stage many times): F
-and B are kept beside the trace, under its key, and a hit hands out copies.
+and B are kept beside the trace, under its key, and a hit hands out copies,
+or the kept graphs themselves where nothing will change them (FX programs,
+not compiled: Inductor rewrites a graph it compiles).
 They name no parameter (their inputs are the joint's positions; the
 descriptors that name parameters stay on the joint), so a stage alike but
 for its names shares them too. They go when their trace goes.
@@ -438,19 +440,22 @@ def exported(stage: torch.fx.GraphModule, args: Sequence[Any], *, num_user: int,
 
 
 def partitioned(joint: torch.fx.GraphModule,
-                partition: Callable[[], tuple[torch.fx.GraphModule, torch.fx.GraphModule]]
-                ) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
+                partition: Callable[[], tuple[torch.fx.GraphModule, torch.fx.GraphModule]],
+                *, shared: bool = False) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
     """F and B of ``joint`` (as :func:`exported` handed it out, rewritten
     since only by what its key determines): copies of those kept for its
     trace, or ``partition()``'s, kept while the trace is (NOTE [Partitions
-    kept]). A joint graph of no kept trace is partitioned and not kept."""
+    kept]). A joint graph of no kept trace is partitioned and not kept.
+    ``shared``: the caller never changes the graphs (FX programs run as they
+    are; a compiler rewrites them), so a hit hands out the kept ones
+    themselves, not copies."""
     key = joint.meta.get(_KEY_META)
     if key is None or key not in _kept:
         return partition()
     parts = _parts.get(key)
     if parts is not None:
         _stats["partitions_kept"] += 1
-        return _copy(parts[0]), _copy(parts[1])
+        return parts if shared else (_copy(parts[0]), _copy(parts[1]))
     fw, bw = partition()
     _parts[key] = (_copy(fw), _copy(bw))
     return fw, bw

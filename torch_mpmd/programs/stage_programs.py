@@ -468,7 +468,8 @@ def build_stage_programs(stage: int, module: torch.fx.GraphModule, *, num_user: 
 
     # NOTE [Partitions kept]: a stage traced before was partitioned before.
     fw, bw = export_memo.partitioned(
-        joint, lambda: forward_and_backward(joint, placeholders, num_fwd))
+        joint, lambda: forward_and_backward(joint, placeholders, num_fwd),
+        shared=compiler is None)
     fw_outs = list(fw.graph.output_node().args[0])
     bw_placeholders = [n for n in bw.graph.nodes if n.op == "placeholder"]
     saved_names = [n.name for n in fw_outs[num_fwd:]]
