@@ -41,8 +41,8 @@ import torch.utils._pytree as pytree
 from torch_mpmd import _C
 from torch_mpmd.programs import export_memo
 from torch_mpmd.programs.errors import ProgramsUnsupported
-from torch_mpmd.programs.partition import forward_and_backward
 from torch_mpmd.programs.loss import microbatch_loss
+from torch_mpmd.programs.partition import forward_and_backward
 from torch_mpmd.programs.vec_isa import vec_isa_ok
 
 __all__ = ["ProgramsUnsupported", "StagePrograms", "build_stage_programs", "resolve_compiler",
