@@ -38,6 +38,7 @@ import torch_mpmd.graph.markers  # noqa: F401  (registers the marker op before a
 from torch_mpmd.graph import capture_memo, capture_store
 from torch_mpmd.graph.hf import install_output_recorders
 from torch_mpmd.graph.state_guards import StateGuards, from_dynamo_guards
+from torch_mpmd.graph.unguarded import guards_not_built
 
 _log = logging.getLogger(__name__)
 
@@ -518,6 +519,16 @@ def _reads_grads(guards: Sequence[Any]) -> bool:
 _GRAD_SOURCE = re.compile(r"\.grad\b")
 
 
+def _unbuilt_guards(entry: types.FunctionType, inputs: Mapping[str, Any]) -> Any:
+    """Dynamo builds no guards for the capture's frame (NOTE [Guards never
+    built]), unless the user marked a dim dynamic: the guards' shape part is
+    what tells that the trace specialized it."""
+    if any(isinstance(v, torch.Tensor) and getattr(v, "_dynamo_dynamic_indices", None)
+           for v in inputs.values()):
+        return contextlib.nullcontext()
+    return guards_not_built(entry.__code__)
+
+
 def _trace(module: torch.nn.Module, signature: inspect.Signature | None,
            inputs: dict[str, Any], args: Sequence[Any], kwargs: Mapping[str, Any],
            dynamic: bool, hide_grads: bool = True) -> CapturedGraph:
@@ -562,7 +573,7 @@ def _trace(module: torch.nn.Module, signature: inspect.Signature | None,
                                         automatic_dynamic_shapes=False,
                                         specialize_float=True,
                                         use_lamba_guard_for_object_aliasing=False), \
-                _grads_hidden(module, hide_grads):
+                _grads_hidden(module, hide_grads), _unbuilt_guards(entry, inputs):
             result = compiled(*args, **kwargs)
     except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError) as e:
         raise _graph_break_error(module, e) from None
