@@ -80,3 +80,10 @@ def test_a_dim_marked_dynamic_that_the_model_specializes_is_still_an_error(guard
         capturing.capture(_Specializing(), (x,), {})
     ours = [n for name, n in guards_built if name.startswith("mpmd_capture_")]
     assert ours and all(n > 0 for n in ours), guards_built  # built in full, and checked
+
+
+def test_the_environment_can_ask_for_every_capture_s_guards(guards_built, monkeypatch):
+    monkeypatch.setenv("MPMD_CAPTURE_GUARDS", "1")
+    capturing.capture(_Scaled(), (torch.randn(3, 4),), {})
+    ours = [n for name, n in guards_built if name.startswith("mpmd_capture_")]
+    assert ours and all(n > 0 for n in ours), guards_built

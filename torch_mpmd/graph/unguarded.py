@@ -22,12 +22,15 @@ build runs: the capture only ever loses the saving, never its trace.
 Only static captures take it: where a user marked a dim dynamic
 (``torch._dynamo.mark_dynamic``), it is the guards' shape part that finds a
 dim the trace specialized and raises Dynamo's ConstraintViolationError.
+``MPMD_CAPTURE_GUARDS=1`` builds every capture's guards, as Dynamo does
+(to compare, or to rule this out).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import types
 from typing import Any, Iterator
 
@@ -85,7 +88,7 @@ def _hook() -> bool:
 def guards_not_built(code: types.CodeType) -> Iterator[None]:
     """Within the block, Dynamo builds no guards for frames of ``code`` (a
     code object compiled once and dropped: see the NOTE above)."""
-    if not _hook():
+    if os.environ.get("MPMD_CAPTURE_GUARDS") == "1" or not _hook():
         yield
         return
     _UNGUARDED.add(code)
