@@ -1,6 +1,6 @@
 """What a transfer takes on this machine as the microbatches grow: the limit
 behind the tiny zoo model's prediction error (issue 31; BENCHMARKS.md, "The
-tiny model: what two shared cores add per transfer").
+tiny model and p=4: what two shared cores add").
 
     OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 scripts/bench_tiny_transfers.py [SCHEDULE]
 
