@@ -8,8 +8,9 @@ trace holds it). Yet after every trace Dynamo builds them anyway: each
 guard turned into a guard-manager node (``Guard.create``), the whole
 checked once on the frame's locals, and its latency profiled after a cache
 flush, for a log line. On a 4-layer Hugging Face Llama that is a fifth of a
-static capture (0.96 s against 0.77 s without), and across the test suite
-a fifth of Dynamo's time in our captures.
+static capture (1.04 s against 0.85 s without: scripts/bench_unguarded.py),
+and in the sampled profiles of the test suite's largest grids 18.5% of
+Dynamo's samples (BENCHMARKS.md, "A capture's guards never built").
 
 :func:`guards_not_built` marks a code object for the span of its trace:
 Dynamo's guard builder then sees its output graph with no guards and
@@ -58,8 +59,9 @@ class _WithoutGuards:
 
 
 def _hook() -> bool:
-    """Route Dynamo's guard builder through :func:`_build` (once); False
-    where this torch has no such builder to route."""
+    """Route Dynamo's guard builder (``convert_frame.CheckFunctionManager``)
+    through a wrapper that reduces it for the marked code objects (once);
+    False where this torch has no such builder to route."""
     global _hooked
     if _hooked is None:
         try:
