@@ -334,6 +334,13 @@ def _structure_key(module: torch.nn.Module, inputs: Mapping[str, Any], dynamic: 
         return (first, _tensor_key(t))
 
     summaries: dict[int, Any] = {}  # id(object) -> its fingerprint (a shared config)
+    # Every object summarized, kept alive until the key is made: a summary is
+    # found by id, and a temporary (an object's attribute dict, built below)
+    # freed meanwhile would hand its id, and so its summary, to the next one.
+    # Two Style objects of one list keyed as the first: a model whose second
+    # attribute differed keyed alike, and a capture whose key was made again
+    # after its trace differed and was never kept (test_capture_memo.py).
+    summarized: list[Any] = []
 
     def fingerprint(value: Any, depth: int = 0, within: frozenset = frozenset()) -> Any:
         """A model attribute's value as the key holds it: plain data by value
@@ -350,6 +357,7 @@ def _structure_key(module: torch.nn.Module, inputs: Mapping[str, Any], dynamic: 
             return summaries[key]
         if _is_mesh(value):
             summaries[key] = mesh_key(value)
+            summarized.append(value)
             return summaries[key]
         if depth >= _MAX_DEPTH or key in within or isinstance(
                 value, (torch.nn.Module, type, types.FunctionType, types.MethodType,
@@ -373,6 +381,7 @@ def _structure_key(module: torch.nn.Module, inputs: Mapping[str, Any], dynamic: 
             else:
                 out = ("object", _hashable(value))
         summaries[key] = out
+        summarized.append(value)
         return out
 
     def hooks(registered: Mapping[Any, Any]) -> tuple:
