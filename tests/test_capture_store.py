@@ -8,6 +8,7 @@ store is what answers; one runs two real processes."""
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import itertools
 import json
@@ -240,6 +241,21 @@ def test_functions_are_named_by_code_defaults_and_what_they_close_over():
     assert name_of(lambda x: x + 1) != name_of(lambda x: x + 2)
     assert name_of(torch.nn.functional.relu) == name_of(torch.nn.functional.relu)
     assert name_of((1.0, -0.0)) != name_of((1.0, 0.0))
+
+
+def test_a_partial_is_named_by_its_function_and_arguments():
+    """Gemma2 keeps its activation as a functools.partial: its captures were
+    kept in the process only."""
+    gelu = torch.nn.functional.gelu
+    assert name_of(functools.partial(gelu, approximate="tanh")) == \
+        name_of(functools.partial(gelu, approximate="tanh"))
+    assert name_of(functools.partial(gelu, approximate="tanh")) != \
+        name_of(functools.partial(gelu, approximate="none"))
+    assert name_of(functools.partial(torch.add, 1)) != name_of(functools.partial(torch.add, 2))
+    marked = functools.partial(gelu)
+    marked.note = "its own attribute"
+    with pytest.raises(Unnamed, match="partial"):
+        name_of(marked)
 
 
 def test_a_claim_makes_a_second_capturer_wait_until_the_first_is_done(store):

@@ -20,6 +20,7 @@ records a digest of every source file the trace read).
 from __future__ import annotations
 
 import enum
+import functools
 import hashlib
 import types
 from typing import Any
@@ -121,6 +122,12 @@ def name_of(value: Any, _depth: int = 0) -> Any:
         return ["function", value.__module__, value.__qualname__, code_digest(value.__code__),
                 name_of(value.__defaults__, _depth + 1),
                 name_of(value.__kwdefaults__, _depth + 1), cells]
+    if type(value) is functools.partial and not vars(value):
+        # What it runs: its function and the arguments bound (Gemma2's
+        # activation, an initializer a model keeps). A subclass, or one with
+        # attributes of its own, may do more: unnamed.
+        return ["partial", name_of(value.func, _depth + 1), name_of(value.args, _depth + 1),
+                name_of(value.keywords, _depth + 1)]
     if isinstance(value, types.CodeType):
         return ["code", value.co_filename, value.co_qualname, code_digest(value)]
     if isinstance(value, types.ModuleType):
