@@ -7,9 +7,10 @@ guards hold what an identity guard saw. An identity means nothing in another
 process, so each such object is written as a name that means the same object
 there: a class, function or builtin by its module and qualified name, a
 function's code by a digest of its bytecode and constants, a module by its
-name, a function by those and what it closes over. An object without such a
-name (an instance, a class defined inside a function, a DTensor's mesh)
-raises :class:`Unnamed`, and the capture is then kept in the process only.
+name, a function by those and what it closes over, a functools.partial by
+its function and arguments. An object without such a name (an instance,
+a class defined inside a function, a DTensor's mesh) raises
+:class:`Unnamed`, and the capture is then kept in the process only.
 
 A name is plain data (JSON), so it can be hashed into a file name or
 compared after loading. Two objects with the same name are interchangeable
