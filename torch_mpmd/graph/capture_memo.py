@@ -333,14 +333,12 @@ def _structure_key(module: torch.nn.Module, inputs: Mapping[str, Any], dynamic: 
         first = seen.setdefault(id(t), len(seen))
         return (first, _tensor_key(t))
 
-    summaries: dict[int, Any] = {}  # id(object) -> its fingerprint (a shared config)
-    # Every object summarized, kept alive until the key is made: a summary is
-    # found by id, and a temporary (an object's attribute dict, built below)
-    # freed meanwhile would hand its id, and so its summary, to the next one.
-    # Two Style objects of one list keyed as the first: a model whose second
-    # attribute differed keyed alike, and a capture whose key was made again
-    # after its trace differed and was never kept (test_capture_memo.py).
-    summarized: list[Any] = []
+    # id(object) -> (the object, its fingerprint): a shared config summarized
+    # once. The object is held until the key is made: a temporary (an
+    # object's attribute dict, built below) freed meanwhile would hand its id,
+    # and so its summary, to the next one (two styles of one list keyed as
+    # the first: test_capture_memo.py).
+    summaries: dict[int, tuple[Any, Any]] = {}
 
     def fingerprint(value: Any, depth: int = 0, within: frozenset = frozenset()) -> Any:
         """A model attribute's value as the key holds it: plain data by value
@@ -354,11 +352,10 @@ def _structure_key(module: torch.nn.Module, inputs: Mapping[str, Any], dynamic: 
             return tensor(value)
         key = id(value)
         if key in summaries:
-            return summaries[key]
+            return summaries[key][1]
         if _is_mesh(value):
-            summaries[key] = mesh_key(value)
-            summarized.append(value)
-            return summaries[key]
+            summaries[key] = (value, mesh_key(value))
+            return summaries[key][1]
         if depth >= _MAX_DEPTH or key in within or isinstance(
                 value, (torch.nn.Module, type, types.FunctionType, types.MethodType,
                         types.ModuleType, types.BuiltinFunctionType)):
@@ -380,8 +377,7 @@ def _structure_key(module: torch.nn.Module, inputs: Mapping[str, Any], dynamic: 
                 out = (type(value), fingerprint(own, depth + 1, inner))
             else:
                 out = ("object", _hashable(value))
-        summaries[key] = out
-        summarized.append(value)
+        summaries[key] = (value, out)
         return out
 
     def hooks(registered: Mapping[Any, Any]) -> tuple:
