@@ -49,7 +49,7 @@ from typing import Any
 
 TESTS_DIR = Path(__file__).resolve().parent
 REPO_ROOT = TESTS_DIR.parent
-STDERR_TAIL = 4000  # characters of each rank's stderr kept in failure messages
+STDERR_TAIL = 6000  # characters of each rank's stderr kept in failure messages
 
 
 @dataclasses.dataclass
@@ -104,6 +104,35 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+# A rank prints every thread's stack to its stderr on this signal; the
+# harness sends it to the ranks still running when a launch times out, so a
+# hang's failure message shows where each rank waited (not "<empty>").
+STACKS_SIGNAL = signal.SIGUSR1
+STACKS_GRACE = 3.0  # seconds the ranks get to print them before the kill
+
+
+def stacks_on_request() -> None:
+    """In a rank: print every thread's stack to stderr on ``STACKS_SIGNAL``."""
+    import faulthandler
+
+    faulthandler.register(STACKS_SIGNAL, file=sys.stderr, all_threads=True, chain=False)
+
+
+def request_stacks(procs: list[Any]) -> None:
+    """Ask every rank of ``procs`` still running for its stacks, and give
+    them ``STACKS_GRACE`` seconds to print them (before they are killed)."""
+    asked = False
+    for p in procs:
+        if p.poll() is None:
+            try:
+                os.kill(p.pid, STACKS_SIGNAL)
+                asked = True
+            except ProcessLookupError:
+                pass
+    if asked:
+        time.sleep(STACKS_GRACE)
 
 
 def _kill(proc: subprocess.Popen) -> None:
@@ -327,6 +356,8 @@ def _fresh_launch(world_size: int, target: str, workdir: Path, timeout: float,
         procs, files = _spawn(world_size, base_env, workdir)
         timed_out, exit_times, elapsed = _wait(lambda: [p.poll() for p in procs],
                                                world_size, timeout, failure_grace)
+        if timed_out:
+            request_stacks(procs)
         for p in procs:
             _kill(p)
         for p in procs:
@@ -483,6 +514,7 @@ def _call(target: str, workdir: Path) -> Any:
 
 
 def _rank_main() -> None:
+    stacks_on_request()
     collect_less_often()
     rank = int(os.environ["RANK"])
     workdir = Path(os.environ["HARNESS_DIR"])

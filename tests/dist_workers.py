@@ -313,6 +313,8 @@ class _WorkerGroup:
         healthy = (not timed_out and all(d is not None and d["status"] == 0 and d["clean"]
                                          for d in done))
         if not healthy:  # every rank still running is killed, as a fresh launch's would be
+            if timed_out:
+                H.request_stacks(self.procs)
             for p in self.procs:
                 H._kill(p)
             for p in self.procs:
@@ -465,6 +467,7 @@ def serve() -> None:
     import traceback
 
     rank = int(os.environ["RANK"])
+    H.stacks_on_request()
     H._init_group()
     state = _ProcessState()
     for line in sys.stdin:
@@ -497,6 +500,7 @@ def _forked_rank(request: dict[str, Any]) -> None:
         sys.stdin = open(0, closefd=False)  # noqa: SIM115  (the process's stdin)
         for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
             os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), fd)
+        H.stacks_on_request()  # after the dup2: the dump goes to this rank's stderr
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])

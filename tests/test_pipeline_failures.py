@@ -122,13 +122,20 @@ def test_bad_arguments_on_two_ranks_are_value_errors_on_every_rank_before_commun
 
 # ------------------------------------------------------------------ the harness
 
-def test_harness_kills_hung_ranks_at_its_timeout_and_reports_their_stderr():
+@pytest.mark.parametrize("pooled", [False, True])
+def test_harness_kills_hung_ranks_at_its_timeout_and_reports_their_stderr(pooled):
+    """A launch that times out: the hung rank is killed, its partial result
+    and stderr survive, and its stderr ends with where it hung (every
+    thread's stack, asked for before the kill), in a fresh launch and in a
+    worker group's call."""
     run = run_ranks(2, "pipeline_worker:hang_on_rank", 1, timeout=8, failure_grace=None,
-                    check=False)
+                    check=False, pooled=pooled)
     assert run.timed_out
     assert run.returncodes[1] != 0 and not run.complete[1]
     assert run.results[1] == {"before_hang": 1}  # its partial result survives
-    with pytest.raises(AssertionError, match=r"(?s)rank 1 .*about to hang"):
+    with pytest.raises(AssertionError,
+                       match=r"(?s)rank 1 .*about to hang.*File .*pipeline_worker.py\", "
+                             r"line \d+ in hang_on_rank"):
         run.check()
 
 
