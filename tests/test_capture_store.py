@@ -23,7 +23,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from torch_mpmd.graph import capture_memo, capture_store, host_claims
+from torch_mpmd.graph import capture_memo, capture_store
 from torch_mpmd.graph.capture import capture
 from torch_mpmd.graph.names import Unnamed, name_of
 
@@ -320,8 +320,8 @@ with capture_store.claim(sys.argv[1]):
 
 def test_a_claim_held_by_a_stopped_process_does_not_hold_the_others(store, monkeypatch):
     """A holder that stops beating (SIGSTOP: alive, holding the lock) is
-    passed after HEARTBEAT_STALE seconds, not after the claim's cap."""
-    monkeypatch.setattr(host_claims, "HEARTBEAT_STALE", 1.0)
+    passed after _HEARTBEAT_STALE seconds, not after the claim's cap."""
+    monkeypatch.setattr(capture_store, "_HEARTBEAT_STALE", 1.0)
     stem = "1" * 64
     holder = subprocess.Popen([sys.executable, "-c", HOLD_AND_STOP, stem],
                               stdout=subprocess.PIPE, text=True)
@@ -330,7 +330,7 @@ def test_a_claim_held_by_a_stopped_process_does_not_hold_the_others(store, monke
         t = time.monotonic()
         with capture_store.claim(stem):
             waited = time.monotonic() - t
-        assert waited < host_claims.CLAIM_WAIT / 10, waited
+        assert waited < capture_store._CLAIM_WAIT / 10, waited
     finally:
         holder.kill()
         holder.wait(30)

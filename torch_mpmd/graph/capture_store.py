@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fcntl
 import getpass
 import hashlib
 import inspect
@@ -47,6 +48,7 @@ import os
 import pickle
 import sys
 import tempfile
+import threading
 import time
 import types
 import warnings
@@ -56,7 +58,6 @@ from typing import Any
 
 import torch
 
-from torch_mpmd.graph import host_claims
 from torch_mpmd.graph.names import Unnamed, name_of
 from torch_mpmd.graph.state_guards import StateGuards, from_persisted
 
@@ -70,6 +71,9 @@ _MAX_BYTES = 1 << 30
 _SUFFIX = ".capture"
 _LOCK = ".lock"
 _UNSAVED = ".unsaved"
+_CLAIM_WAIT = 300.0  # seconds a rank waits for another's trace of the same capture
+_HEARTBEAT = 0.5  # seconds between a claim holder's touches of its lock file
+_HEARTBEAT_STALE = 5.0  # seconds without a touch after which waiters stop waiting
 _stats = {"loaded": 0, "saved": 0, "not_saved": 0, "stale": 0}
 _file_digests: dict[str, tuple[tuple, str]] = {}  # path -> (its stat stamp, sha256)
 _IMPORTED_AT = time.time()
@@ -233,16 +237,38 @@ def _traced_files(files: Iterable[str]) -> dict[str, str] | None:
 def claim(stem: str | None) -> Iterator[None]:
     """Held while this process looks up, and perhaps traces and saves, the
     capture under ``stem``: the ranks of a job that capture one model at once
-    take turns (NOTE [Host claims] in host_claims.py), so one traces and the
-    others load its entry. A capture that could not be saved leaves a mark,
-    and later claims of it do not wait (claims of processes started before
-    the mark: a later launch may save it)."""
+    take turns, so one traces and the others load its entry (on a host with
+    fewer cores than ranks the traces would otherwise share the cores).
+
+    Never a hang: a holder that dies releases the claim (an OS file lock);
+    one that stops (a stalled or stopped process) stops its heartbeat, and a
+    waiter that sees no beat for ``_HEARTBEAT_STALE`` seconds goes on
+    unclaimed and traces itself, as it does after ``_CLAIM_WAIT`` seconds
+    in any case; so a peer stalled while capturing costs the others seconds,
+    and the pipeline's own bounds name it later. A capture that could not be
+    saved leaves a mark, and later claims of it do not wait (claims of
+    processes started before the mark: a later launch may save it)."""
     folder = directory()
     if stem is None or folder is None or _marked_unsaved(folder / f"{stem}{_UNSAVED}"):
         yield
         return
-    with host_claims.claim(folder / f"{stem}{_LOCK}"):
+    path = folder / f"{stem}{_LOCK}"
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError:
         yield
+        return
+    beating = threading.Event()
+    try:
+        if _acquire(fd, path):
+            os.utime(path)  # a beat now: the file may be old
+            beater = threading.Thread(target=_heartbeat, args=(path, beating), daemon=True,
+                                      name="mpmd-capture-claim")
+            beater.start()
+        yield
+    finally:
+        beating.set()
+        os.close(fd)  # releases the lock
 
 
 def _marked_unsaved(mark: Path) -> bool:
@@ -254,6 +280,38 @@ def _marked_unsaved(mark: Path) -> bool:
         return mark.stat().st_mtime >= _started_at() - _CLOCK_SLACK
     except OSError:
         return False
+
+
+def _acquire(fd: int, path: Path) -> bool:
+    """Take the lock on ``fd``: True once held, False when its holder stopped
+    beating or ``_CLAIM_WAIT`` passed (go on without it)."""
+    deadline = time.monotonic() + _CLAIM_WAIT
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            pass
+        except OSError:
+            return False
+        try:
+            silent = time.time() - path.stat().st_mtime
+        except OSError:
+            silent = 0.0
+        if silent > _HEARTBEAT_STALE or time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+
+
+def _heartbeat(path: Path, done: threading.Event) -> None:
+    """Touch the lock file while the claim is held (see :func:`claim`)."""
+    while True:
+        try:
+            os.utime(path)
+        except OSError:
+            pass
+        if done.wait(_HEARTBEAT):
+            return
 
 
 # ------------------------------------------------------------------ writing

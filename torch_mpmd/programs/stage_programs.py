@@ -40,7 +40,6 @@ import torch.utils._pytree as pytree
 
 from torch_mpmd import _C
 from torch_mpmd.programs import export_memo
-from torch_mpmd.programs.compile_claims import compile_claim
 from torch_mpmd.programs.errors import ProgramsUnsupported
 from torch_mpmd.programs.loss import microbatch_loss
 from torch_mpmd.programs.partition import forward_and_backward
@@ -97,16 +96,12 @@ def _inductor(gm: torch.fx.GraphModule, example_inputs: list) -> Callable[..., A
         fake_mode = FakeTensorMode(shape_env=ShapeEnv())
         inputs = [fake_mode.from_tensor(t, static_shapes=True) if isinstance(t, torch.Tensor)
                   else t for t in example_inputs]
-    tag = _cache_key_tag()
-    isa_ok = vec_isa_ok()
     with contextlib.ExitStack() as stack:
         # NOTE [A probe per machine]: vec_isa_ok, in every process alike.
         stack.enter_context(config.patch({"fallback_random": True, **(
-            {"cpp.vec_isa_ok": True} if isa_ok else {})}))
-        stack.enter_context(torch.compiler.config.patch(cache_key_tag=tag))
+            {"cpp.vec_isa_ok": True} if vec_isa_ok() else {})}))
+        stack.enter_context(torch.compiler.config.patch(cache_key_tag=_cache_key_tag()))
         stack.enter_context(torch._guards.tracing(torch._guards.TracingContext(fake_mode)))
-        # NOTE [Compile claims]: the ranks beside this one compiling it too wait.
-        stack.enter_context(compile_claim(gm, inputs, f"{tag};vec_isa_ok={isa_ok}"))
         compiled = compile_fx_inner(gm, inputs)
     # Inductor's code assumes the example inputs' strides; an input laid out
     # otherwise (a user's non-contiguous batch) is copied into that layout.
