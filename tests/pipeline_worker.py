@@ -26,6 +26,13 @@ from dist_harness import partial_result
 
 RTOL, ATOL = 1e-5, 1e-6
 COMPILED_TOL = (1e-4, 1e-5)  # Inductor fuses and reorders float arithmetic
+# A model's output against the reference's, relative to the output's largest
+# magnitude, not element by element: a logit near 0 is a sum of terms as large
+# as the others, so its rounding is theirs. Microbatches change the matmuls'
+# row counts, and MKL's AVX2 kernels sum another way for each: the GPT's logits
+# (up to 35) then differ by 1 ulp of the large ones (3.8e-6) where the value is
+# under 0.3, beyond RTOL elementwise; the fp32 reference itself is 8e-6 from fp64.
+OUTPUT_RTOL = 1e-6
 BATCH = 8
 # The schedule table's schedules, each at the stages per rank it is for.
 SCHEDULES = tuple(schedule_names())
@@ -359,10 +366,13 @@ def forward_only(timeout: float = 30.0) -> dict[str, Any]:
 
 
 def _tree_diff(got: Any, want: Any) -> dict[str, Any]:
+    """An output (a tensor, or a tuple or list of them) against the reference's,
+    each tensor within OUTPUT_RTOL of its largest magnitude."""
     if isinstance(want, torch.Tensor):
         if not isinstance(got, torch.Tensor):
             return dict(ok=False, max_abs=None, why=f"got a {type(got).__name__}")
-        return _diff(got, want)
+        scale = float(want.detach().abs().max()) if want.numel() else 0.0
+        return _diff(got, want, rtol=0.0, atol=ATOL + OUTPUT_RTOL * scale)
     if not isinstance(got, (tuple, list)) or len(got) != len(want):
         return dict(ok=False, max_abs=None, why=f"got {type(got).__name__}, want "
                                                  f"{type(want).__name__} of {len(want)}")

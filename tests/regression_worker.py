@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import hashlib
 from typing import Any
 
 import torch
@@ -179,7 +180,9 @@ def checkpoints(directory: str, phase: str) -> dict[str, Any]:
     """phase "train": 2 ranks, 1f1b, AdamW: 3 steps, save, 3 more steps (the
     losses after the save are the reference trajectory). phase "resume": a fresh
     pipeline of this launch's size loads the checkpoint before its first step
-    (not captured yet: the whole module) and takes the 3 steps."""
+    (not captured yet: the whole module) and takes the 3 steps. Both report
+    the digests of the parameters and optimizer state this rank holds right
+    after the save or the load."""
     world = dist.get_world_size() if dist.is_initialized() else 1
 
     def lm(o: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
@@ -206,15 +209,29 @@ def checkpoints(directory: str, phase: str) -> dict[str, Any]:
             opt.step()
             opt.zero_grad()
         mpmd.checkpoint.save(pipe, opt, directory)
-        start = 3
     else:
         mpmd.checkpoint.load(pipe, opt, directory)
-        start = 3
-    for x, y in batches[start:]:
+    state = _state_digests(pipe, opt)  # saved, or just loaded
+    for x, y in batches[3:]:
         losses.append(float(pipe.step(x, target=y)))
         opt.step()
         opt.zero_grad()
-    return {"losses": losses, "world": world}
+    return {"losses": losses, "world": world, "state": state}
+
+
+def _state_digests(pipe: Any, opt: torch.optim.Optimizer) -> dict[str, str]:
+    """{name (and "name exp_avg" ...): sha256 of the bytes} of every parameter
+    this rank holds and its optimizer state: equal digests, equal bits."""
+    out: dict[str, str] = {}
+    for name, p in pipe.named_parameters():
+        out[name] = _digest(p.detach())
+        for key, value in opt.state.get(p, {}).items():
+            out[f"{name} {key}"] = _digest(torch.as_tensor(value))
+    return out
+
+
+def _digest(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.contiguous().cpu().numpy().tobytes()).hexdigest()
 
 
 def _deterministic_init(mod: nn.Module) -> None:

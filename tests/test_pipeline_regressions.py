@@ -92,12 +92,34 @@ def checkpoint_runs(tmp_path_factory):
     return runs
 
 
+def _union_of_states(results: list[dict]) -> dict[str, str]:
+    """{name: digest} over every rank; a tensor two ranks hold (the tied
+    embedding) must be the same bits on both."""
+    union: dict[str, str] = {}
+    for r in results:
+        for name, digest in r["state"].items():
+            assert union.setdefault(name, digest) == digest, (r, name)
+    return union
+
+
 @pytest.mark.parametrize("resume_on", ["pp1", "pp4"])
 def test_checkpoint_from_pp2_resumes_the_loss_trajectory_exactly(checkpoint_runs, resume_on):
+    saved = _union_of_states(checkpoint_runs["pp2"])
+    # Every parameter and optimizer state, bit for bit, on the new layout.
+    assert _union_of_states(checkpoint_runs[resume_on]) == saved
     want = checkpoint_runs["pp2"][0]["losses"]
     assert len(want) == 3
     for r in checkpoint_runs[resume_on]:
-        assert r["losses"] == want  # CPU, deterministic: bit-identical
+        if resume_on == "pp4":
+            assert r["losses"] == want  # CPU, deterministic: bit-identical
+            continue
+        # One stage sums the tied embedding's two gradient terms per microbatch,
+        # (e1 + h1) + (e2 + h2); two ranks or more sum each rank's microbatches
+        # and then all-reduce, (e1 + e2) + (h1 + h2). The first step after the
+        # load runs on the same bits; the later ones differ in the last bits
+        # wherever the order changed a rounding (seen with MKL's AVX2 kernels).
+        assert r["losses"][0] == want[0]
+        assert r["losses"] == pytest.approx(want, rel=1e-6, abs=0)
 
 
 @pytest.mark.parametrize("dp", [1, 2])
