@@ -98,7 +98,7 @@ def _union_of_states(results: list[dict]) -> dict[str, str]:
     union: dict[str, str] = {}
     for r in results:
         for name, digest in r["state"].items():
-            assert union.setdefault(name, digest) == digest, (r, name)
+            assert union.setdefault(name, digest) == digest, (r["world"], name)
     return union
 
 
