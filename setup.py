@@ -52,7 +52,12 @@ class CMakeBuild(build_ext):
         ]
         subprocess.run(configure, cwd=build_dir, check=True)
         jobs = os.environ.get("MPMD_BUILD_JOBS", str(os.cpu_count() or 2))
-        subprocess.run(["cmake", "--build", ".", "-j", jobs], cwd=build_dir, check=True)
+        # MPMD_BUILD_TARGETS (space-separated CMake targets) builds only those:
+        # scripts/test.sh builds the Python modules first and the C++ suite
+        # beside pytest. Unset: every target.
+        targets = os.environ.get("MPMD_BUILD_TARGETS", "").split()
+        subprocess.run(["cmake", "--build", ".", "-j", jobs, *(["--target", *targets] if targets else [])],
+                       cwd=build_dir, check=True)
 
 
 setup(

@@ -47,7 +47,11 @@ if ((need_pip)); then
     "torchft==0.2.0"
 fi
 
-# Incremental: CMake rebuilds only what changed in build/cmake.
+# Incremental: CMake rebuilds only what changed in build/cmake
+# (MPMD_BUILD_TARGETS: only those targets, setup.py). ccache in its depend
+# mode: a miss (every unit on a new machine) skips the extra preprocessor
+# pass that its default mode runs to look the unit up.
+export CCACHE_DEPEND="${CCACHE_DEPEND:-1}"
 echo "[setup] building torch_mpmd"
 MPMD_BUILD_JOBS="${MPMD_BUILD_JOBS:-2}" "$PYTHON" -m pip install -q --no-build-isolation --no-deps -e . 2>&1 \
   | grep -v "Running pip as the 'root' user" || true
