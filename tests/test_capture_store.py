@@ -8,6 +8,7 @@ store is what answers; one runs two real processes."""
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import importlib.util
 import itertools
@@ -290,6 +291,35 @@ def test_a_claim_makes_a_second_capturer_wait_until_the_first_is_done(store):
         waiter = threading.Thread(target=second)
         waiter.start()
         assert not entered.wait(0.3)
+    waiter.join(10)
+    assert entered.is_set()
+
+
+def test_a_claim_just_taken_on_an_old_lock_file_is_waited_for(store):
+    """A holder beats right after it takes the lock; a waiter that looks in
+    between sees the time of the file's last use (an earlier launch) and
+    must not take it for a stopped holder: it waits, as the ranks of a
+    relaunch starting together do (both traced the model before)."""
+    stem = "2" * 64
+    store.mkdir(mode=0o700, parents=True, exist_ok=True)
+    path = store / f"{stem}.lock"
+    path.touch()
+    long_ago = time.time() - 10_000
+    os.utime(path, (long_ago, long_ago))
+    fd = os.open(path, os.O_RDWR)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # taken, not beaten yet
+    entered = threading.Event()
+
+    def second():
+        with capture_store.claim(stem):
+            entered.set()
+
+    waiter = threading.Thread(target=second)
+    waiter.start()
+    try:
+        assert not entered.wait(0.5)
+    finally:
+        os.close(fd)  # released
     waiter.join(10)
     assert entered.is_set()
 

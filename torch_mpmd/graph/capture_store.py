@@ -285,7 +285,8 @@ def _marked_unsaved(mark: Path) -> bool:
 def _acquire(fd: int, path: Path) -> bool:
     """Take the lock on ``fd``: True once held, False when its holder stopped
     beating or ``_CLAIM_WAIT`` passed (go on without it)."""
-    deadline = time.monotonic() + _CLAIM_WAIT
+    start = time.monotonic()
+    deadline = start + _CLAIM_WAIT
     while True:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -294,8 +295,11 @@ def _acquire(fd: int, path: Path) -> bool:
             pass
         except OSError:
             return False
+        # Silence counts from this wait's start too: a holder beats just
+        # after it takes the lock, and until then the file bears the time of
+        # its last use (an earlier launch), which is not a stopped holder.
         try:
-            silent = time.time() - path.stat().st_mtime
+            silent = min(time.time() - path.stat().st_mtime, time.monotonic() - start)
         except OSError:
             silent = 0.0
         if silent > _HEARTBEAT_STALE or time.monotonic() > deadline:
