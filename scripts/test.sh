@@ -12,9 +12,9 @@ PYTHON="${PYTHON:-python3}"
 status=0
 # The C++ suite is built (its unit, the benchmarks) and run beside pytest,
 # at a lower priority: pytest leaves a tenth of the two cores idle (ranks
-# waiting on each other, its last file alone), which the C++ suite's half
-# minute of CPU fills, off the command's critical path (BENCHMARKS.md, "The
-# C++ suite beside pytest").
+# waiting on each other, its last file alone), which the C++ suite's 16 s
+# of CPU fill, off the command's critical path (BENCHMARKS.md, "The C++
+# suite beside pytest").
 cpp_log="$(mktemp "${TMPDIR:-/tmp}/mpmd_ctest.XXXXXX")"
 echo "[test] C++ suite (ctest), built and run beside pytest; its output follows pytest's"
 ( nice -n 10 cmake --build build/cmake -j 1 &&
